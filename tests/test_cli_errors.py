@@ -1,0 +1,107 @@
+"""Bad input: one `error:` line on stderr, exit code 2, never a traceback."""
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFWriter
+
+from tests.real_models import SMOLLM2, require
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-c", "from hybridrt.cli import main; main()", *args],
+                          capture_output=True, text=True)
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in result.stderr
+    for frag in fragments:
+        assert frag in lines[0], lines[0]
+
+
+def write_gguf(path, arch="llama", qtype=GGMLQuantizationType.F32):
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    data = np.zeros((4, 32), dtype=np.float32)
+    if qtype == GGMLQuantizationType.F32:
+        w.add_tensor("token_embd.weight", data)
+    else:
+        from gguf.quants import quantize
+        w.add_tensor("token_embd.weight", quantize(data, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_missing_path(tmp_path):
+    assert_one_line_error(run_cli("info", str(tmp_path / "nope.gguf")), "no such file")
+
+
+def test_directory(tmp_path):
+    assert_one_line_error(run_cli("info", str(tmp_path)), "is a directory")
+
+
+def test_bad_magic(tmp_path):
+    p = tmp_path / "x.gguf"
+    p.write_bytes(b"NOPE" + bytes(100))
+    assert_one_line_error(run_cli("info", str(p)), "bad magic")
+
+
+def test_truncated_file(tmp_path):
+    good = write_gguf(tmp_path / "good.gguf")
+    data = good.read_bytes()
+    for cut in (30, len(data) // 2, len(data) - 8):
+        p = tmp_path / f"cut{cut}.gguf"
+        p.write_bytes(data[:cut])
+        assert_one_line_error(run_cli("info", str(p)), "truncated")
+
+
+def test_unsupported_version(tmp_path):
+    data = bytearray(write_gguf(tmp_path / "good.gguf").read_bytes())
+    data[4:8] = struct.pack("<I", 7)
+    p = tmp_path / "v7.gguf"
+    p.write_bytes(bytes(data))
+    assert_one_line_error(run_cli("info", str(p)), "unsupported GGUF version 7")
+
+
+def test_unknown_tensor_type(tmp_path):
+    good = write_gguf(tmp_path / "good.gguf")
+    data = bytearray(good.read_bytes())
+    # the tensor record ends with: type (u32), offset (u64); the type of the only tensor is F32 = 0
+    name = b"token_embd.weight"
+    at = data.index(name) + len(name) + 4 + 2 * 8
+    assert struct.unpack_from("<I", data, at)[0] == 0
+    struct.pack_into("<I", data, at, 77)
+    p = tmp_path / "type77.gguf"
+    p.write_bytes(bytes(data))
+    assert_one_line_error(run_cli("info", str(p)), "token_embd.weight", "unknown tensor type 77")
+
+
+def test_unknown_architecture(tmp_path):
+    p = write_gguf(tmp_path / "arch.gguf", arch="mamba9")
+    assert_one_line_error(run_cli("info", str(p)), "unsupported architecture 'mamba9'", "llama")
+
+
+def test_unknown_model_name():
+    assert_one_line_error(run_cli("info", "-m", "gpt-17"), "unknown model 'gpt-17'")
+
+
+def test_info_json_on_real_model():
+    require(SMOLLM2)
+    r = run_cli("info", str(SMOLLM2), "--json")
+    assert r.returncode == 0, r.stderr
+    import json
+    info = json.loads(r.stdout)
+    assert info["architecture"] == "llama" and info["layers"] == 30
+    assert info["vocab_size"] == 49152 and info["tokenizer"] == "gpt2"
+    assert info["bytes_per_type"]["Q4_1"] > 0
