@@ -85,6 +85,12 @@ def pull(name: str = typer.Argument(..., help="gemma3-270m or smollm2-135m")):
     print(pull_model(name))
 
 
+from . import cli_bench, cli_run  # noqa: E402  (commands in their own modules)
+
+app.command("run")(cli_run.run)
+app.command("bench")(cli_bench.bench)
+
+
 def _open(path):
     from .gguf_file import GGUFFile
 

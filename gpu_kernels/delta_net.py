@@ -1,0 +1,43 @@
+"""Gated DeltaNet (linear attention) pieces: the causal depthwise conv and the delta-rule recurrence.
+
+Both run token by token with the same ops per token whatever the batch size, so a token's output
+is bitwise the same in a k-token verify batch as in a lone decode step; the recurrence can write
+its state after every token into a snapshot ring for rollback.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [k, C] new inputs, conv_state [K-1, C] previous inputs, weight [C, K] depthwise kernel.
+    out[t, c] = sum_j xs[t + j, c] * weight[c, j] over xs = [conv_state; x], then SiLU.
+    Returns (out [k, C], full input history [K-1+k, C]) — the caller slices conv states from it."""
+    n, width = x.shape[0], weight.shape[1]
+    xs = torch.cat((conv_state, x), dim=0)
+    out = xs[0:n] * weight[:, 0]
+    for j in range(1, width):
+        out = out + xs[j:j + n] * weight[:, j]
+    return F.silu(out), xs
+
+
+def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
+               beta: torch.Tensor, state: torch.Tensor, snapshots: torch.Tensor | None = None) -> torch.Tensor:
+    """Per value head h and token t (state S[h] is d_k x d_v, float32, updated in place):
+        S = exp(g) S;  u = beta (v - S^T k);  S = S + k u^T;  o = S^T q
+    q, k: [n, H, d_k] (already broadcast to value heads, normalised, q scaled); v: [n, H, d_v];
+    log_decay g, beta: [n, H]. `snapshots` [>= n, H, d_k, d_v] receives S after each token.
+    Returns o [n, H, d_v]."""
+    n = q.shape[0]
+    out = torch.empty_like(v)
+    decay = torch.exp(log_decay)
+    for t in range(n):
+        state.mul_(decay[t][:, None, None])
+        kv_mem = torch.bmm(k[t].unsqueeze(1), state).squeeze(1)            # S^T k: [H, d_v]
+        u = beta[t][:, None] * (v[t] - kv_mem)
+        state.add_(k[t].unsqueeze(2) * u.unsqueeze(1))                      # k u^T
+        out[t] = torch.bmm(q[t].unsqueeze(1), state).squeeze(1)             # S^T q
+        if snapshots is not None:
+            snapshots[t].copy_(state)
+    return out

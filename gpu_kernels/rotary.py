@@ -1,0 +1,43 @@
+"""Rotary position embeddings, precomputed once per session for every position of the context.
+
+Two pairings exist in GGUF models: "normal" rotates adjacent pairs (x[2i], x[2i+1]) — llama.cpp's
+LLAMA_ROPE_TYPE_NORM, used by `llama` because its converter permutes q/k — and "neox" rotates
+(x[i], x[i + n_rot/2]) — qwen3, gemma3, qwen35. Only the first n_rot dims of a head rotate.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RotaryTable:
+    cos: torch.Tensor   # [n_ctx, n_rot/2] float32
+    sin: torch.Tensor
+    n_rot: int
+    neox: bool
+
+
+def rotary_table(n_ctx: int, n_rot: int, base: float, neox: bool, scale: float = 1.0,
+                 device: torch.device | str = "cpu") -> RotaryTable:
+    # the angle is formed in float64 and rounded once, so long positions keep their precision
+    inv_freq = base ** (-torch.arange(0, n_rot, 2, dtype=torch.float64) / n_rot)
+    pos = torch.arange(n_ctx, dtype=torch.float64) * scale
+    angles = torch.outer(pos, inv_freq)
+    return RotaryTable(angles.cos().float().to(device), angles.sin().float().to(device), n_rot, neox)
+
+
+def apply_rotary(x: torch.Tensor, table: RotaryTable, positions: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, head_dim]; positions: [tokens] int64. Returns a new tensor."""
+    n_rot, half = table.n_rot, table.n_rot // 2
+    cos = table.cos[positions].unsqueeze(1)   # [tokens, 1, half]
+    sin = table.sin[positions].unsqueeze(1)
+    rot, rest = x[..., :n_rot], x[..., n_rot:]
+    if table.neox:
+        a, b = rot[..., :half], rot[..., half:]
+        out = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+    else:
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
+    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out

@@ -1,0 +1,80 @@
+"""`hybridrt run`: generate text from a prompt, streaming it, with llama.cpp's flag names."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .errors import UserError
+
+MODEL_HELP = "GGUF path or a known name (gemma3-270m, smollm2-135m)"
+
+
+def read_prompt(prompt: Optional[str], file: Optional[Path]) -> str:
+    if file is not None:
+        if not file.is_file():
+            raise UserError(f"{file}: no such prompt file")
+        return file.read_text(encoding="utf-8")
+    if prompt is None:
+        raise UserError("no prompt: pass -p TEXT or -f FILE")
+    return prompt
+
+
+def run(
+    model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_HELP + "; default gemma3-270m"),
+    prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text."),
+    file: Optional[Path] = typer.Option(None, "-f", "--file", help="Read the prompt from a file."),
+    n_predict: int = typer.Option(256, "-n", "--n-predict", help="Tokens to generate (-1: until end of generation or full context)."),
+    ctx_size: int = typer.Option(4096, "-c", "--ctx-size", help="Context size (capped at the model's)."),
+    temp: float = typer.Option(0.8, "--temp", help="Temperature; 0 is greedy."),
+    top_k: int = typer.Option(40, "--top-k", help="Top-k sampling (0: off)."),
+    top_p: float = typer.Option(0.95, "--top-p", help="Top-p sampling (1.0: off)."),
+    min_p: float = typer.Option(0.05, "--min-p", help="Min-p sampling (0.0: off)."),
+    seed: int = typer.Option(-1, "-s", "--seed", help="RNG seed (-1: random)."),
+    chat: bool = typer.Option(False, "--chat", "-cnv", help="Wrap the prompt in the model's chat template."),
+    threads: Optional[int] = typer.Option(None, "-t", "--threads", help="CPU threads (torch and Numba)."),
+    device: str = typer.Option("cpu", "--device", help="Trunk device: cpu or cuda."),
+    cache_type: str = typer.Option("f32", "--cache-type-k", help="KV cache type: f32, f16, bf16."),
+    display_prompt: bool = typer.Option(True, "--display-prompt/--no-display-prompt", help="Echo the prompt before the output."),
+):
+    """Generate text from a prompt (streams tokens; timings on stderr like llama.cpp)."""
+    from .generate import generate
+    from .loader import load_model
+    from .sampling import SamplerConfig
+
+    text = read_prompt(prompt, file)
+    _check_device(device)
+    m = load_model(model, device=device, threads=threads)
+    if chat:
+        text = m.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    ids = m.tokenize(text, add_special=True, parse_special=chat)
+    n_ctx = min(ctx_size, m.n_ctx_train) if ctx_size > 0 else m.n_ctx_train
+    if len(ids) >= n_ctx:
+        raise UserError(f"prompt is {len(ids)} tokens, the context is {n_ctx} (raise -c or shorten the prompt)")
+    session = m.session(n_ctx, cache_type)
+    if display_prompt and not chat:
+        sys.stdout.write(text)
+    stream = m.tokenizer.stream_decoder()
+
+    def emit(token: int) -> None:
+        sys.stdout.write(stream.push(token))
+        sys.stdout.flush()
+
+    sampler = SamplerConfig(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    _, stats = generate(m, session, ids, n_predict, sampler, on_token=emit)
+    sys.stdout.write(stream.flush() + "\n")
+    sys.stdout.flush()
+    print(f"prompt eval: {stats.n_prompt} tokens in {stats.prompt_s * 1e3:.0f} ms ({stats.prompt_tps:.1f} t/s) | "
+          f"decode: {stats.n_decode} tokens in {stats.decode_s * 1e3:.0f} ms ({stats.decode_tps:.1f} t/s)",
+          file=sys.stderr)
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is available (use --device cpu)")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise UserError(f"unknown device '{device}' (use cpu or cuda)")

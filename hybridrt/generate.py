@@ -1,0 +1,75 @@
+"""Plain autoregressive decoding: prefill the prompt, then one token per forward.
+
+This is the baseline every speculative mode must reproduce token for token at temp 0.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .models.base import Model
+from .sampling import SamplerConfig, make_generator, sample_token
+from .session import Session
+
+
+@dataclass
+class GenerationStats:
+    n_prompt: int = 0
+    prompt_s: float = 0.0
+    n_decode: int = 0            # tokens produced after the first one (llama.cpp's "eval" count)
+    decode_s: float = 0.0
+    stopped_by: str = ""         # "eog", "n_predict" or "context"
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.n_prompt / self.prompt_s if self.prompt_s else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.n_decode / self.decode_s if self.decode_s else 0.0
+
+
+def prefill(session: Session, prompt_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Evaluate the prompt; returns the logits row of its last token."""
+    return session.eval(prompt_ids, start_pos=0, logits="last", out=out)[0]
+
+
+def generate(model: Model, session: Session, prompt_ids: list[int], n_predict: int,
+             sampler: SamplerConfig, on_token: Callable[[int], None] | None = None,
+             stop_ids: set[int] | None = None) -> tuple[list[int], GenerationStats]:
+    """Generate up to n_predict tokens (n_predict < 0: until an end-of-generation token or the
+    context is full). Stop tokens are not included in the output."""
+    stop_ids = model.tokenizer.eog_ids if stop_ids is None else stop_ids
+    gen = make_generator(sampler.seed)
+    stats = GenerationStats(n_prompt=len(prompt_ids))
+    logits_buf = torch.empty(1, model.n_vocab)
+
+    t0 = time.perf_counter()
+    logits = prefill(session, prompt_ids, out=logits_buf)
+    stats.prompt_s = time.perf_counter() - t0
+
+    out: list[int] = []
+    t0 = time.perf_counter()
+    while True:
+        token = sample_token(logits, sampler, gen)
+        if token in stop_ids:
+            stats.stopped_by = "eog"
+            break
+        out.append(token)
+        if on_token:
+            on_token(token)
+        if 0 <= n_predict <= len(out):
+            stats.stopped_by = "n_predict"
+            break
+        if session.n_past >= session.n_ctx:
+            stats.stopped_by = "context"
+            break
+        logits = session.eval([token], logits="last", out=logits_buf)[0]
+    stats.decode_s = time.perf_counter() - t0
+    # the first token came from the prompt's logits; decode speed counts the forwards after it
+    stats.n_decode = max(0, len(out) - 1) if stats.stopped_by != "eog" else len(out)
+    return out, stats

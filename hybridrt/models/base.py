@@ -1,0 +1,84 @@
+"""What every architecture provides, and the plumbing they share (loading weights, logits)."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from gpu_kernels.norms import rms_norm
+
+from ..backends import WeightBinder
+from ..gguf_file import GGUFFile
+from ..kv_cache import CACHE_DTYPES, KVCache
+from .common import ModelState
+
+
+class Model:
+    """A loaded architecture. Subclasses build their layers in `__init__` and implement
+    `forward(state, tokens, start_pos) -> hidden` returning the final-normed hidden states."""
+
+    arch = ""
+    n_attention_layers: int      # KV cache layers
+    n_kv: int
+    head_dim: int
+    head_dim_v: int
+
+    def __init__(self, gguf: GGUFFile, binder: WeightBinder):
+        self.gguf, self.binder, self.device = gguf, binder, binder.device
+        self.n_embd = int(gguf.get("embedding_length"))
+        self.n_layer = int(gguf.get("block_count")) - int(gguf.get("nextn_predict_layers", 0) or 0)
+        self.eps = float(gguf.get("attention.layer_norm_rms_epsilon", 1e-6))
+        self.n_ctx_train = int(gguf.get("context_length", 4096))
+        self.tok_embd = binder.embedding("token_embd.weight")
+        self.output_norm = binder.dense("output_norm.weight")
+        head = "output.weight" if binder.has("output.weight") else "token_embd.weight"
+        self.output = binder.linear(head)
+        self.n_vocab = self.output.n_out
+
+    # --- text and sessions -----------------------------------------------------------------
+    @functools.cached_property
+    def tokenizer(self):
+        from ..tokenizer import Tokenizer
+
+        return Tokenizer.from_gguf(self.gguf.metadata)
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, ids) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def session(self, n_ctx: int | None = None, cache_type: str = "f32", k_max: int = 16):
+        from ..session import Session
+
+        return Session(self, n_ctx, cache_type, k_max)
+
+    # --- state -------------------------------------------------------------------------------
+    def new_state(self, n_ctx: int, cache_type: str = "f32", k_max: int = 16) -> ModelState:
+        kv = KVCache(self.n_attention_layers, n_ctx, self.n_kv, self.head_dim, self.head_dim_v,
+                     CACHE_DTYPES[cache_type], self.device)
+        return ModelState(n_ctx=n_ctx, kv=kv)
+
+    def truncate_state(self, state: ModelState, n: int) -> None:
+        """Forget everything after the first n tokens (attention needs nothing: positions >= n
+        are simply overwritten before they are read again)."""
+
+    # --- compute -----------------------------------------------------------------------------
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tok_embd(tokens)
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return rms_norm(h, self.output_norm, self.eps)
+
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.output(hidden, out=out)
+
+    def forward(self, state: ModelState, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    # --- description for the planner / bench ---------------------------------------------------
+    @property
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weights one decode step reads (all matrices once + embedding row)."""
+        return sum(t.nbytes for name, t in self.gguf.tensors.items()
+                   if name != "token_embd.weight" or not self.binder.has("output.weight"))

@@ -1,0 +1,99 @@
+"""Blocks shared by the architectures: the attention layer, hyper-parameters read from GGUF, and the
+per-session state every model keeps (KV cache, rotary tables)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from gpu_kernels.attention import attend
+from gpu_kernels.norms import rms_norm
+from gpu_kernels.rotary import RotaryTable, apply_rotary, rotary_table
+
+from ..backends import WeightBinder
+from ..gguf_file import GGUFFile
+from ..kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    n_rot: int
+    base: float
+    neox: bool
+    scale: float = 1.0          # position multiplier (1 / linear scaling factor)
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    n_head: int
+    n_kv: int
+    head_dim: int
+    head_dim_v: int
+    scale: float
+    eps: float
+    rope: RopeSpec
+    window: int = 0             # sliding window (0: full causal)
+    qk_norm: bool = False       # RMSNorm of q and k per head (qwen3, gemma3, qwen35)
+    gated: bool = False         # qwen35: attn_q holds [q_h | gate_h] per head; out *= sigmoid(gate)
+
+
+def rope_scale(f: GGUFFile) -> float:
+    if f.get("rope.scaling.type") == "linear":
+        factor = float(f.get("rope.scaling.factor", 1.0) or 1.0)
+        return 1.0 / factor
+    return 1.0
+
+
+@dataclass
+class ModelState:
+    """Everything a session mutates while decoding: caches and the rotary tables for its context."""
+    n_ctx: int
+    kv: KVCache
+    rope: dict[RopeSpec, RotaryTable] = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)    # architecture-specific state (recurrent, MTP)
+
+    def rotary(self, spec: RopeSpec, device) -> RotaryTable:
+        table = self.rope.get(spec)
+        if table is None:
+            table = rotary_table(self.n_ctx, spec.n_rot, spec.base, spec.neox, spec.scale, device)
+            self.rope[spec] = table
+        return table
+
+
+class Attention:
+    """One attention layer: projections, optional q/k norm, rotary, KV write, attend, output."""
+
+    def __init__(self, w: WeightBinder, prefix: str, spec: AttentionSpec, cache_index: int):
+        self.spec, self.cache_index = spec, cache_index
+        self.wq = w.linear(f"{prefix}.attn_q.weight")
+        self.wk = w.linear(f"{prefix}.attn_k.weight")
+        self.wv = w.linear(f"{prefix}.attn_v.weight")
+        self.wo = w.linear(f"{prefix}.attn_output.weight")
+        if spec.qk_norm:
+            self.q_norm = w.dense(f"{prefix}.attn_q_norm.weight")
+            self.k_norm = w.dense(f"{prefix}.attn_k_norm.weight")
+
+    def __call__(self, x: torch.Tensor, state: ModelState, positions: torch.Tensor,
+                 pos_list: list[int]) -> torch.Tensor:
+        s, n = self.spec, x.shape[0]
+        q = self.wq(x)
+        gate = None
+        if s.gated:
+            q = q.view(n, s.n_head, 2 * s.head_dim)
+            q, gate = q[..., :s.head_dim], q[..., s.head_dim:].reshape(n, s.n_head * s.head_dim)
+        else:
+            q = q.view(n, s.n_head, s.head_dim)
+        k = self.wk(x).view(n, s.n_kv, s.head_dim)
+        v = self.wv(x).view(n, s.n_kv, s.head_dim_v)
+        if s.qk_norm:
+            q = rms_norm(q, self.q_norm, s.eps)
+            k = rms_norm(k, self.k_norm, s.eps)
+        table = state.rotary(s.rope, x.device)
+        q = apply_rotary(q, table, positions)
+        k = apply_rotary(k, table, positions)
+        state.kv.write(self.cache_index, pos_list[0], k, v)
+        o = attend(q, state.kv.k[self.cache_index], state.kv.v[self.cache_index], pos_list,
+                   s.scale, s.window).reshape(n, s.n_head * s.head_dim_v)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.wo(o)

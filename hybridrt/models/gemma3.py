@@ -1,0 +1,70 @@
+"""`gemma3`: scaled embeddings, q/k norm, post-attention and post-FFN norms, GELU-tanh gated FFN,
+and 5 sliding-window layers for every global one.
+
+The local/global pattern and the local rope base are not in the GGUF metadata: llama.cpp hard-codes
+them for this architecture (every 6th layer global; local layers rope base 10000, no scaling), and
+so do we, so that both read the same file the same way.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gpu_kernels.norms import rms_norm
+
+from ..backends import WeightBinder
+from ..gguf_file import GGUFFile
+from .base import Model
+from .common import Attention, AttentionSpec, RopeSpec, rope_scale
+
+SWA_PATTERN = 6            # layer i is global iff i % 6 == 5
+LOCAL_ROPE_BASE = 10000.0
+
+
+class Gemma3(Model):
+    arch = "gemma3"
+
+    def __init__(self, gguf: GGUFFile, binder: WeightBinder):
+        super().__init__(gguf, binder)
+        n_head = int(gguf.get("attention.head_count"))
+        self.n_kv = int(gguf.get("attention.head_count_kv", n_head))
+        self.head_dim = int(gguf.get("attention.key_length", self.n_embd // n_head))
+        self.head_dim_v = int(gguf.get("attention.value_length", self.head_dim))
+        self.n_attention_layers = self.n_layer
+        window = int(gguf.get("attention.sliding_window", 0) or 0)
+        n_rot = int(gguf.get("rope.dimension_count", self.head_dim))
+        global_rope = RopeSpec(n_rot, float(gguf.get("rope.freq_base", 1e6)), True, rope_scale(gguf))
+        local_rope = RopeSpec(n_rot, LOCAL_ROPE_BASE, True, 1.0)
+        self.embed_scale = math.sqrt(self.n_embd)
+        self.layers = []
+        for i in range(self.n_layer):
+            is_local = window > 0 and i % SWA_PATTERN < SWA_PATTERN - 1
+            spec = AttentionSpec(n_head=n_head, n_kv=self.n_kv, head_dim=self.head_dim,
+                                 head_dim_v=self.head_dim_v, scale=1.0 / math.sqrt(self.head_dim),
+                                 eps=self.eps, rope=local_rope if is_local else global_rope,
+                                 window=window if is_local else 0, qk_norm=True)
+            p = f"blk.{i}"
+            self.layers.append((
+                binder.dense(f"{p}.attn_norm.weight"),
+                Attention(binder, p, spec, cache_index=i),
+                binder.dense(f"{p}.post_attention_norm.weight"),
+                binder.dense(f"{p}.ffn_norm.weight"),
+                binder.glu_ffn(p, act="gelu_tanh"),
+                binder.dense(f"{p}.post_ffw_norm.weight"),
+            ))
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tok_embd(tokens) * self.embed_scale
+
+    def forward(self, state, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
+        pos_list = list(range(start_pos, start_pos + tokens.shape[0]))
+        positions = torch.tensor(pos_list, device=self.device)
+        h = self.embed(tokens)
+        eps = self.eps
+        for attn_norm, attn, post_attn_norm, ffn_norm, ffn, post_ffn_norm in self.layers:
+            a = attn(rms_norm(h, attn_norm, eps), state, positions, pos_list)
+            h = h + rms_norm(a, post_attn_norm, eps)
+            f = ffn(rms_norm(h, ffn_norm, eps))
+            h = h + rms_norm(f, post_ffn_norm, eps)
+        return self.final_norm(h)

@@ -1,0 +1,239 @@
+"""`qwen35` (Qwen3.5/3.6 dense) and `qwen3next`: Gated DeltaNet layers with a gated full-attention
+layer every `full_attention_interval` layers, and an optional MTP (NextN) head after the trunk.
+
+Layer i is full attention iff (i + 1) % interval == 0. The converter stored every RMSNorm weight
+with +1 folded in (except ssm_norm) and `ssm_a` as -exp(A_log), so no offsets appear here.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from gpu_kernels.delta_net import causal_conv, delta_rule
+from gpu_kernels.norms import l2_norm, rms_norm
+
+from ..backends import WeightBinder
+from ..errors import UserError
+from ..gguf_file import GGUFFile
+from ..kv_cache import CACHE_DTYPES, KVCache
+from ..snapshot_ring import SnapshotRing
+from .base import Model
+from .common import Attention, AttentionSpec, ModelState, RopeSpec, rope_scale
+
+
+@dataclass
+class HybridState(ModelState):
+    conv: list[torch.Tensor] = None        # per GDN layer [K-1, C]
+    S: list[torch.Tensor] = None           # per GDN layer [Hv, d_k, d_v]
+    ring: SnapshotRing = None
+    mtp_kv: KVCache | None = None
+
+
+@dataclass(frozen=True)
+class GDNSpec:
+    n_k_heads: int
+    n_v_heads: int
+    head_dim: int
+    conv_kernel: int
+    eps: float
+    tiled_heads: bool          # qwen35: value head j uses key head j % Hk; qwen3next: j // (Hv/Hk)
+
+    @property
+    def key_dim(self) -> int:
+        return self.n_k_heads * self.head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.n_v_heads * self.head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+
+class GatedDeltaNet:
+    def __init__(self, w: WeightBinder, prefix: str, spec: GDNSpec, index: int, split_ba: bool):
+        self.spec, self.index = spec, index
+        self.w_qkv = w.linear(f"{prefix}.attn_qkv.weight")
+        self.w_gate = w.linear(f"{prefix}.attn_gate.weight")
+        if split_ba:
+            self.w_ba = w.linear(f"{prefix}.ssm_ba.weight")
+        else:
+            self.w_beta = w.linear(f"{prefix}.ssm_beta.weight")
+            self.w_alpha = w.linear(f"{prefix}.ssm_alpha.weight")
+        self.split_ba = split_ba
+        self.conv_w = w.dense(f"{prefix}.ssm_conv1d.weight")        # [C, K]
+        self.dt_bias = w.dense(f"{prefix}.ssm_dt.bias")
+        self.ssm_a = w.dense(f"{prefix}.ssm_a")
+        self.norm = w.dense(f"{prefix}.ssm_norm.weight")
+        self.w_out = w.linear(f"{prefix}.ssm_out.weight")
+
+    def _beta_alpha(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.split_ba:
+            return self.w_beta(x), self.w_alpha(x)
+        # qwen3next packs [beta | alpha] per key-head group
+        s, n = self.spec, x.shape[0]
+        ba = self.w_ba(x).view(n, s.n_k_heads, 2 * (s.n_v_heads // s.n_k_heads))
+        r = s.n_v_heads // s.n_k_heads
+        return ba[..., :r].reshape(n, s.n_v_heads), ba[..., r:].reshape(n, s.n_v_heads)
+
+    def __call__(self, x: torch.Tensor, state: HybridState, capture: bool) -> torch.Tensor:
+        s, n = self.spec, x.shape[0]
+        qkv = self.w_qkv(x)
+        z = self.w_gate(x).view(n, s.n_v_heads, s.head_dim)
+        b, a = self._beta_alpha(x)
+        beta = torch.sigmoid(b)
+        log_decay = self.ssm_a * F.softplus(a + self.dt_bias)
+
+        conv_state = state.conv[self.index]
+        mixed, history = causal_conv(qkv, conv_state, self.conv_w)
+        conv_state.copy_(history[-conv_state.shape[0]:])
+        q, k, v = torch.split(mixed, [s.key_dim, s.key_dim, s.value_dim], dim=-1)
+        q = l2_norm(q.reshape(n, s.n_k_heads, s.head_dim), s.eps)
+        k = l2_norm(k.reshape(n, s.n_k_heads, s.head_dim), s.eps)
+        v = v.reshape(n, s.n_v_heads, s.head_dim)
+        r = s.n_v_heads // s.n_k_heads
+        if r > 1:
+            q = q.repeat(1, r, 1) if s.tiled_heads else q.repeat_interleave(r, dim=1)
+            k = k.repeat(1, r, 1) if s.tiled_heads else k.repeat_interleave(r, dim=1)
+        q = q * (1.0 / math.sqrt(s.head_dim))
+
+        snapshots = None
+        if capture:
+            ring = state.ring
+            ring.S[self.index, 0].copy_(state.S[self.index])
+            ring.conv_hist[self.index, :history.shape[0]].copy_(history)
+            snapshots = ring.S[self.index, 1:]
+        o = delta_rule(q, k, v, log_decay, beta, state.S[self.index], snapshots)
+        y = rms_norm(o, self.norm, s.eps) * F.silu(z)
+        return self.w_out(y.reshape(n, s.value_dim))
+
+
+class Qwen35(Model):
+    arch = "qwen35"
+    tiled_heads = True
+
+    def __init__(self, gguf: GGUFFile, binder: WeightBinder):
+        super().__init__(gguf, binder)
+        g = gguf.get
+        self.n_nextn = int(g("nextn_predict_layers", 0) or 0)
+        interval = int(g("full_attention_interval", 4))
+        n_head = int(g("attention.head_count"))
+        self.n_kv = int(g("attention.head_count_kv", n_head))
+        self.head_dim = int(g("attention.key_length", self.n_embd // n_head))
+        self.head_dim_v = int(g("attention.value_length", self.head_dim))
+        rope = RopeSpec(n_rot=int(g("rope.dimension_count", self.head_dim)),
+                        base=float(g("rope.freq_base", 1e7)), neox=True, scale=rope_scale(gguf))
+        self.attn_spec = AttentionSpec(n_head=n_head, n_kv=self.n_kv, head_dim=self.head_dim,
+                                       head_dim_v=self.head_dim_v, scale=1.0 / math.sqrt(self.head_dim),
+                                       eps=self.eps, rope=rope, qk_norm=True, gated=True)
+        d_state = int(g("ssm.state_size"))
+        self.gdn_spec = GDNSpec(n_k_heads=int(g("ssm.group_count")), n_v_heads=int(g("ssm.time_step_rank")),
+                                head_dim=d_state, conv_kernel=int(g("ssm.conv_kernel")), eps=self.eps,
+                                tiled_heads=self.tiled_heads)
+        split_ba = binder.has("blk.0.ssm_ba.weight")
+        self.layers, n_attn, n_gdn = [], 0, 0
+        for i in range(self.n_layer):
+            p = f"blk.{i}"
+            if (i + 1) % interval == 0:
+                mixer, n_attn = Attention(binder, p, self.attn_spec, cache_index=n_attn), n_attn + 1
+            else:
+                mixer, n_gdn = GatedDeltaNet(binder, p, self.gdn_spec, n_gdn, split_ba), n_gdn + 1
+            self.layers.append((binder.dense(f"{p}.attn_norm.weight"), mixer,
+                                binder.dense(f"{p}.post_attention_norm.weight"), binder.glu_ffn(p, act="silu")))
+        self.n_attention_layers, self.n_gdn_layers = n_attn, n_gdn
+        self.mtp = MTPHead(binder, self) if self.n_nextn else None
+
+    # --- state ----------------------------------------------------------------------------------
+    def new_state(self, n_ctx: int, cache_type: str = "f32", k_max: int = 16) -> HybridState:
+        s, dev = self.gdn_spec, self.device
+        kv = KVCache(self.n_attention_layers, n_ctx, self.n_kv, self.head_dim, self.head_dim_v,
+                     CACHE_DTYPES[cache_type], dev)
+        rows = s.conv_kernel - 1
+        state = HybridState(
+            n_ctx=n_ctx, kv=kv,
+            conv=[torch.zeros(rows, s.conv_channels, device=dev) for _ in range(self.n_gdn_layers)],
+            S=[torch.zeros(s.n_v_heads, s.head_dim, s.head_dim, device=dev) for _ in range(self.n_gdn_layers)],
+            ring=SnapshotRing(self.n_gdn_layers, k_max, rows, s.conv_channels,
+                              (s.n_v_heads, s.head_dim, s.head_dim), dev),
+        )
+        if self.mtp is not None:
+            state.mtp_kv = KVCache(1, n_ctx, self.n_kv, self.head_dim, self.head_dim_v, CACHE_DTYPES[cache_type], dev)
+        return state
+
+    def truncate_state(self, state: HybridState, n: int) -> None:
+        if n == 0:
+            for t in state.conv + state.S:
+                t.zero_()
+            state.ring.batch_start = None
+            return
+        if not state.ring.can_restore(n):
+            raise UserError(f"{self.arch}: cannot roll the recurrent state back to {n} tokens: only positions "
+                            f"inside the last verify batch (up to k_max = {state.ring.k_max} tokens) are kept")
+        state.ring.restore(n, state.conv, state.S)
+
+    # --- compute --------------------------------------------------------------------------------
+    def forward(self, state: HybridState, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
+        n = tokens.shape[0]
+        pos_list = list(range(start_pos, start_pos + n))
+        positions = torch.tensor(pos_list, device=self.device)
+        capture = state.ring.begin(start_pos, n)
+        h = self.embed(tokens)
+        for attn_norm, mixer, ffn_norm, ffn in self.layers:
+            x = rms_norm(h, attn_norm, self.eps)
+            if isinstance(mixer, Attention):
+                h = h + mixer(x, state, positions, pos_list)
+            else:
+                h = h + mixer(x, state, capture)
+            h = h + ffn(rms_norm(h, ffn_norm, self.eps))
+        return self.final_norm(h)
+
+
+class Qwen3Next(Qwen35):
+    arch = "qwen3next"
+    tiled_heads = False
+
+
+class MTPHead:
+    """The NextN block at index n_layer: drafts the token after next from (token, trunk hidden).
+
+    e = RMSNorm(embed(t); enorm), hn = RMSNorm(h; hnorm), x = eh_proj [e ; hn]; then a gated
+    full-attention block with its own KV cache and FFN; logits = head(RMSNorm(x; shared_head_norm)).
+    """
+
+    def __init__(self, w: WeightBinder, model: Qwen35):
+        p = f"blk.{model.n_layer}"
+        self.model, self.eps = model, model.eps
+        self.eh_proj = w.linear(f"{p}.nextn.eh_proj.weight")
+        self.enorm = w.dense(f"{p}.nextn.enorm.weight")
+        self.hnorm = w.dense(f"{p}.nextn.hnorm.weight")
+        self.attn_norm = w.dense(f"{p}.attn_norm.weight")
+        self.attn = Attention(w, p, model.attn_spec, cache_index=0)
+        self.ffn_norm = w.dense(f"{p}.post_attention_norm.weight")
+        self.ffn = w.glu_ffn(p, act="silu")
+        self.head_norm = w.dense(f"{p}.nextn.shared_head_norm.weight") \
+            if w.has(f"{p}.nextn.shared_head_norm.weight") else model.output_norm
+        self.head = w.linear(f"{p}.nextn.shared_head_head.weight") \
+            if w.has(f"{p}.nextn.shared_head_head.weight") else model.output
+        self.embed = w.embedding(f"{p}.nextn.embed_tokens.weight") \
+            if w.has(f"{p}.nextn.embed_tokens.weight") else model.tok_embd
+
+    def step(self, state: HybridState, tokens: torch.Tensor, hidden: torch.Tensor, start_pos: int,
+             logits: bool = True, out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """tokens [n] at positions [start_pos, +n) with the trunk's (or the previous MTP step's)
+        final hidden of the position before each. Writes the MTP KV at those positions.
+        Returns (logits [n, V] or None, the MTP output hidden [n, n_embd] for chaining)."""
+        n = tokens.shape[0]
+        pos_list = list(range(start_pos, start_pos + n))
+        positions = torch.tensor(pos_list, device=self.model.device)
+        e = rms_norm(self.embed(tokens), self.enorm, self.eps)
+        hn = rms_norm(hidden, self.hnorm, self.eps)
+        x = self.eh_proj(torch.cat((e, hn), dim=-1))
+        mtp_state = ModelState(n_ctx=state.n_ctx, kv=state.mtp_kv, rope=state.rope)
+        x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), mtp_state, positions, pos_list)
+        x = x + self.ffn(rms_norm(x, self.ffn_norm, self.eps))
+        normed = rms_norm(x, self.head_norm, self.eps)
+        return (self.head(normed, out=out) if logits else None), normed

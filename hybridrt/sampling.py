@@ -1,0 +1,66 @@
+"""Turning logits into tokens: llama.cpp's sampler chain (top-k, top-p, min-p, then temperature).
+
+`filtered_probs` is the single definition of "the distribution we sample from", so plain sampling
+and speculative acceptance (which must transform the target and the draft identically) share it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    temp: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: int = -1
+
+    @property
+    def greedy(self) -> bool:
+        return self.temp <= 0.0
+
+
+def make_generator(seed: int) -> torch.Generator:
+    gen = torch.Generator()
+    gen.manual_seed(seed if seed >= 0 else torch.seed() & 0x7FFFFFFF)
+    return gen
+
+
+def filtered_probs(logits: torch.Tensor, cfg: SamplerConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each row of logits [k, V]: candidate ids [k, m] and their probabilities [k, m] after
+    top-k, top-p and min-p (on the untempered distribution, as llama.cpp orders its chain) and
+    then temperature. Entries cut by top-p/min-p have probability exactly 0."""
+    logits = logits.float()
+    k = cfg.top_k if 0 < cfg.top_k < logits.shape[-1] else logits.shape[-1]
+    top_logits, ids = torch.topk(logits, k, dim=-1, sorted=True)
+    keep = torch.ones_like(top_logits, dtype=torch.bool)
+    if cfg.top_p < 1.0 or cfg.min_p > 0.0:
+        p = torch.softmax(top_logits, dim=-1)
+        if cfg.top_p < 1.0:
+            # keep the smallest prefix whose mass reaches top_p (always at least one token)
+            before = torch.cumsum(p, dim=-1) - p
+            keep &= before < cfg.top_p
+        if cfg.min_p > 0.0:
+            keep &= p >= cfg.min_p * p[..., :1]
+        keep[..., 0] = True
+    scaled = top_logits / cfg.temp
+    scaled = scaled.masked_fill(~keep, float("-inf"))
+    return ids, torch.softmax(scaled, dim=-1)
+
+
+def dense_probs(logits: torch.Tensor, cfg: SamplerConfig) -> torch.Tensor:
+    """filtered_probs scattered back to full-vocabulary rows [k, V]."""
+    ids, probs = filtered_probs(logits, cfg)
+    out = torch.zeros(logits.shape, dtype=torch.float32)
+    return out.scatter_(-1, ids, probs)
+
+
+def sample_token(logits_row: torch.Tensor, cfg: SamplerConfig, gen: torch.Generator) -> int:
+    if cfg.greedy:
+        return int(torch.argmax(logits_row))
+    ids, probs = filtered_probs(logits_row.unsqueeze(0), cfg)
+    choice = torch.multinomial(probs[0], 1, generator=gen)
+    return int(ids[0, choice])

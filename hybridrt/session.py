@@ -1,0 +1,67 @@
+"""A decoding session: one sequence's caches and position, and the single `eval` entry point that
+serves prefill, decode and k-token verify alike."""
+from __future__ import annotations
+
+from typing import Literal, Sequence
+
+import torch
+
+from .errors import UserError
+from .models.base import Model
+
+PROMPT_CHUNK = 512    # prompt tokens per forward (bounds the attention scratch, like llama.cpp's n_batch)
+
+
+class Session:
+    def __init__(self, model: Model, n_ctx: int | None = None, cache_type: str = "f32", k_max: int = 16):
+        n_ctx = n_ctx or min(model.n_ctx_train, 4096)
+        if n_ctx > model.n_ctx_train:
+            raise UserError(f"context {n_ctx} is larger than the model's training context {model.n_ctx_train}")
+        if n_ctx < 1:
+            raise UserError(f"context must be positive, got {n_ctx}")
+        self.model, self.n_ctx = model, n_ctx
+        self.k_max = k_max      # largest verify batch whose per-token state can be rolled back
+        self.state = model.new_state(n_ctx, cache_type, k_max)
+        self.n_past = 0
+        self.hidden: torch.Tensor | None = None     # final-normed hidden states of the last eval
+
+    def eval(self, tokens: Sequence[int] | torch.Tensor, start_pos: int | None = None,
+             logits: Literal["all", "last", "none"] = "all",
+             out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Run `tokens` at positions [start_pos, start_pos + n); start_pos defaults to the end of
+        what the session holds, and a smaller one first truncates. Returns float32 logits
+        [n, n_vocab] ("all"), [1, n_vocab] ("last") or None; `out` is an optional buffer to write
+        them into (decoding loops reuse one sized for k_max)."""
+        tok = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
+        n = tok.shape[0]
+        start = self.n_past if start_pos is None else start_pos
+        if start > self.n_past:
+            raise ValueError(f"start_pos {start} is past the {self.n_past} tokens in the session")
+        if start + n > self.n_ctx:
+            raise UserError(f"{start + n} tokens do not fit the context of {self.n_ctx} "
+                            f"(raise -c or shorten the prompt)")
+        if n == 0:
+            raise ValueError("eval needs at least one token")
+        if start < self.n_past:
+            self.truncate(start)
+        chunks = []
+        for lo in range(0, n, PROMPT_CHUNK):
+            chunk = tok[lo:lo + PROMPT_CHUNK]
+            h = self.model.forward(self.state, chunk, start + lo)
+            self.n_past = start + lo + chunk.shape[0]
+            if logits == "all":
+                chunks.append(h)
+        self.hidden = h if logits != "all" else torch.cat(chunks) if len(chunks) > 1 else chunks[0]
+        if logits == "none":
+            return None
+        rows = self.hidden if logits == "all" else self.hidden[-1:]
+        if out is not None:
+            out = out[:rows.shape[0]]
+        return self.model.logits(rows, out=out)
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n tokens; everything after them is forgotten."""
+        if not 0 <= n <= self.n_past:
+            raise ValueError(f"cannot truncate {self.n_past} tokens to {n}")
+        self.model.truncate_state(self.state, n)
+        self.n_past = n
