@@ -1,0 +1,368 @@
+"""The VRAM planner: reserve GPU memory in a fixed order, then give whole FFN layers what is left.
+
+Order of reservation, each a line of the report:
+  1. fixed overhead: CUDA context, allocator slack, safety margin (`margin_bytes`);
+  2. speculation state: the GDN snapshot ring, the draft's KV cache, the draft's weights;
+  3. the trunk: embedding (row gather on the CPU), attention / GDN projections, norms, output head,
+     main KV cache, live recurrent state, activation and logits scratch for k_max tokens;
+  4. FFN layers, whole, front layers first, while they fit; the rest run on the CPU from the mmap.
+Stages 1-3 must fit or there is no plan (PlanError says the minimum VRAM and what would fit).
+
+Snapshot ring: N slots for N drafts. A verify batch is [last token, d1..dN]; after it the state must
+be the one after position m, m = accepted drafts in 0..N. m = N is the live state the kernel leaves
+behind; m < N needs the state after each of the first N positions: N snapshots, N + 1 copies in all
+counting the live state (llama.cpp's n_max + 1). Plain decoding needs no ring.
+
+Embedding: a step needs only k rows of the token embedding, so an untied embedding stays in the
+mmap'd file and its rows are gathered on the CPU and copied up (k x n_embd floats): nearly free, and
+the 0.7-1.3 GB it would take go to FFN layers instead. A tied embedding is the output head and must
+be on the GPU for the logits; rows are gathered from that copy.
+
+FFN order: front layers first. Every FFN layer left on the CPU costs one GPU->CPU->GPU hand-off per
+step wherever it sits, because attention and GDN always run on the GPU; llama.cpp offloads from the
+back to keep its CPU layers one contiguous prefix with a single hand-off, which does not apply here.
+With position free, front-first keeps the rule simple (a bigger budget only appends layers). When
+the next layer does not fit, later (smaller, e.g. Q4_K-only vs Q6_K ffn_down) layers that still fit
+the remainder are taken too: the bandwidth saved per VRAM byte is the same for every FFN byte.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+from .profile import CACHE_TYPES, F32, ModelProfile
+from .speed import SpeedEstimate, estimate_speed
+
+MiB = 1 << 20
+GiB = 1 << 30
+SPEC_TYPES = ("none", "draft-mtp", "draft-simple", "ngram-simple")
+CTX_STEP = 256          # context suggestions are rounded down to this
+
+
+class PlanError(ValueError):
+    """No plan: bad options, or stages 1-3 do not fit. One line for the user; `min_vram_bytes` is
+    set when the configuration is valid but needs more VRAM than the budget."""
+
+    def __init__(self, message: str, min_vram_bytes: int | None = None):
+        super().__init__(message)
+        self.min_vram_bytes = min_vram_bytes
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    vram_bytes: int = 12 * GiB
+    margin_bytes: int = 512 * MiB
+    n_ctx: int = 4096
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    spec_type: str = "none"
+    spec_draft_n_max: int = 3
+    draft: ModelProfile | None = None   # the draft model's profile (spec_type draft-simple)
+    accept_rate: float = 0.8            # per-draft acceptance probability
+    gpu_bw: float = 500e9               # bytes/s
+    cpu_bw: float = 40e9                # bytes/s
+    k_max: int | None = None            # largest batch evaluated at once; None: N + 1 (a verify batch)
+    decode_depth: int | None = None     # context depth the speed is predicted at; None: n_ctx // 2
+    layer_overhead_s: float = 30e-6     # per layer per step: kernel launches and Python dispatch
+    handoff_overhead_s: float = 20e-6   # per CPU FFN layer per step: two small copies and a sync
+
+    @property
+    def n_draft(self) -> int:
+        return 0 if self.spec_type == "none" else self.spec_draft_n_max
+
+    @property
+    def batch(self) -> int:
+        return self.k_max if self.k_max is not None else self.n_draft + 1
+
+    @property
+    def depth(self) -> int:
+        return self.decode_depth if self.decode_depth is not None else self.n_ctx // 2
+
+
+@dataclass(frozen=True)
+class Line:
+    stage: int          # 1 overhead, 2 speculation state, 3 trunk, 4 FFN layers
+    key: str
+    label: str
+    gpu_bytes: int = 0
+    cpu_bytes: int = 0
+    detail: str = ""
+
+
+@dataclass
+class Plan:
+    model: str
+    arch: str
+    options: PlanOptions
+    lines: list[Line]
+    tensor_device: dict[str, str]       # tensor name -> "gpu" | "cpu" | "unused"
+    ffn_gpu_layers: list[int]
+    ffn_cpu_layers: list[int]
+    not_fitted: list[str]
+    speed: SpeedEstimate
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def gpu_bytes(self) -> int:
+        return sum(line.gpu_bytes for line in self.lines)
+
+    @property
+    def cpu_bytes(self) -> int:
+        return sum(line.cpu_bytes for line in self.lines)
+
+    @property
+    def free_bytes(self) -> int:
+        return self.options.vram_bytes - self.gpu_bytes
+
+    def line(self, key: str) -> Line:
+        return next(line for line in self.lines if line.key == key)
+
+    def to_dict(self) -> dict:
+        opts = asdict(self.options)
+        opts["draft"] = self.options.draft.name if self.options.draft is not None else None
+        opts["n_draft"], opts["k_max"], opts["decode_depth"] = (
+            self.options.n_draft, self.options.batch, self.options.depth)
+        return {
+            "model": self.model,
+            "arch": self.arch,
+            "options": opts,
+            "budget_bytes": self.options.vram_bytes,
+            "gpu_bytes": self.gpu_bytes,
+            "cpu_bytes": self.cpu_bytes,
+            "free_bytes": self.free_bytes,
+            "lines": [asdict(line) for line in self.lines],
+            "ffn_gpu_layers": self.ffn_gpu_layers,
+            "ffn_cpu_layers": self.ffn_cpu_layers,
+            "not_fitted": self.not_fitted,
+            "speed": asdict(self.speed),
+            "tensor_device": self.tensor_device,
+            "notes": self.notes,
+        }
+
+
+def layer_ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    parts, start = [], None
+    for i, n in enumerate(layers):
+        if start is None:
+            start = n
+        if i + 1 == len(layers) or layers[i + 1] != n + 1:
+            parts.append(str(start) if start == n else f"{start}-{n}")
+            start = None
+    return ", ".join(parts)
+
+
+def _mib(n: int) -> str:
+    return f"{n / MiB:,.1f} MiB"
+
+
+def scratch_bytes(profile: ModelProfile, k: int, n_ctx: int) -> int:
+    """Activation and logits buffers for a k-token batch, an upper estimate of the torch path:
+    per token the residual, normed input, mixer and FFN outputs (4 x n_embd), two mixer projection
+    outputs, gate/up/product of the FFN (3 x n_ff); float32 logits for all k rows; and attention's
+    working set for one layer: its K and V over the context widened to float32 plus the scores of
+    k query rows (the row-by-row kernel widens one row's keys at a time)."""
+    per_token = F32 * (4 * profile.n_embd + 2 * profile.mixer_width + 3 * profile.n_ff)
+    logits = F32 * k * profile.n_vocab
+    attention = max((n_ctx * (s.kv_f32_bytes_per_token() + F32 * k * s.n_head) for s in profile.attention_shapes),
+                    default=0)
+    return k * per_token + logits + attention
+
+
+def _check(profile: ModelProfile, opt: PlanOptions) -> None:
+    if opt.vram_bytes <= 0:
+        raise PlanError("the VRAM budget must be positive")
+    if opt.margin_bytes < 0:
+        raise PlanError("the margin cannot be negative")
+    if opt.n_ctx < 1:
+        raise PlanError(f"context size must be at least 1, got {opt.n_ctx}")
+    for which, ct in (("k", opt.cache_type_k), ("v", opt.cache_type_v)):
+        if ct not in CACHE_TYPES:
+            raise PlanError(f"unknown --cache-type-{which} '{ct}' (known: {', '.join(CACHE_TYPES)})")
+    if opt.spec_type not in SPEC_TYPES:
+        raise PlanError(f"unknown --spec-type '{opt.spec_type}' (known: {', '.join(SPEC_TYPES)})")
+    if opt.spec_type != "none" and opt.spec_draft_n_max < 1:
+        raise PlanError(f"--spec-draft-n-max must be at least 1 for --spec-type {opt.spec_type}")
+    if opt.spec_type == "draft-mtp" and not profile.has_mtp:
+        raise PlanError(f"{profile.name}: the model has no MTP head (nextn_predict_layers = 0); "
+                        "use --spec-type draft-simple -md DRAFT, ngram-simple or none")
+    if opt.spec_type == "draft-simple" and opt.draft is None:
+        raise PlanError("--spec-type draft-simple needs a draft model (-md DRAFT)")
+    if not 0.0 <= opt.accept_rate <= 1.0:
+        raise PlanError(f"--accept-rate must be within [0, 1], got {opt.accept_rate}")
+    if opt.k_max is not None and opt.k_max < opt.n_draft + 1:
+        raise PlanError(f"k_max {opt.k_max} is smaller than a verify batch ({opt.n_draft + 1} tokens)")
+    if opt.gpu_bw <= 0 or opt.cpu_bw <= 0:
+        raise PlanError("bandwidths must be positive")
+    try:
+        profile.kv_bytes_per_token(opt.cache_type_k, opt.cache_type_v)
+    except ValueError as exc:
+        raise PlanError(f"{profile.name}: {exc}") from None
+
+
+def _fixed_lines(profile: ModelProfile, opt: PlanOptions) -> tuple[list[Line], dict[str, str]]:
+    """Stages 1-3 and the device of every non-FFN tensor."""
+    device: dict[str, str] = {}
+    use_mtp = opt.spec_type == "draft-mtp"
+    role_gpu: dict[str, int] = {}
+    cpu_embedding = mtp_gpu = mtp_cpu = 0
+    for t in profile.tensors:
+        is_mtp = t.role == "mtp" or (t.layer is not None and t.layer >= profile.n_layer)
+        if t.role == "ffn" and not is_mtp:
+            continue
+        if is_mtp and not use_mtp:
+            device[t.name] = "unused"
+        elif t.role == "embedding":          # untied embeddings (trunk's or MTP's): CPU row gather
+            device[t.name] = "cpu"
+            if is_mtp:
+                mtp_cpu += t.nbytes
+            else:
+                cpu_embedding += t.nbytes
+        elif is_mtp:
+            device[t.name] = "gpu"
+            mtp_gpu += t.nbytes
+        else:
+            device[t.name] = "gpu"
+            role_gpu[t.role] = role_gpu.get(t.role, 0) + t.nbytes
+
+    n, ctx, k = opt.n_draft, opt.n_ctx, opt.batch
+    ctk, ctv = opt.cache_type_k, opt.cache_type_v
+    state = profile.recurrent_state_bytes
+    spec = opt.spec_type != "none"
+    lines = [Line(1, "overhead", "fixed overhead", opt.margin_bytes,
+                  detail="CUDA context, allocator slack and safety margin (--margin)")]
+
+    if not spec:
+        ring_detail = "plain decoding: no rollback"
+    elif state:
+        ring_detail = (f"{n} slots x {_mib(state)} (S + conv of {profile.n_gdn_layers} GDN layers): "
+                       f"the state after each of the first {n} verify positions")
+    else:
+        ring_detail = "no GDN layers: rollback only truncates the KV cache"
+    lines.append(Line(2, "gdn_snapshot_ring", "GDN snapshot ring", n * state if spec else 0, detail=ring_detail))
+
+    draft_kv = draft_weights = draft_state = 0
+    draft_kv_detail = draft_w_detail = draft_state_detail = "no draft model"
+    if use_mtp:
+        per_tok = profile.mtp_kv_bytes_per_token(ctk, ctv)
+        draft_kv = per_tok * ctx
+        draft_kv_detail = f"{len(profile.mtp_layers)} MTP layer(s) x {ctx:,} tokens x {per_tok:,} B ({ctk}/{ctv})"
+        draft_weights = mtp_gpu
+        draft_w_detail = "MTP block(s)" + (f"; its embedding ({_mib(mtp_cpu)}) gathered on the CPU" if mtp_cpu else "")
+        draft_state_detail = "MTP steps reuse the trunk's scratch"
+    elif opt.spec_type == "draft-simple":
+        d = opt.draft
+        per_tok = d.kv_bytes_per_token(ctk, ctv)
+        draft_kv = per_tok * ctx
+        draft_kv_detail = f"draft {d.name}: {d.n_attention_layers} layers x {ctx:,} tokens x {per_tok:,} B"
+        draft_weights = d.total_bytes
+        draft_w_detail = f"draft {d.name}, whole on the GPU"
+        draft_state = (n + 1) * d.recurrent_state_bytes + scratch_bytes(d, 1, ctx)
+        draft_state_detail = "draft scratch for one token" + (
+            f" + live state and {n} snapshots" if d.recurrent_state_bytes else "")
+    elif opt.spec_type == "ngram-simple":
+        draft_kv_detail = draft_w_detail = draft_state_detail = "n-gram lookup in the token history: no weights"
+    lines += [Line(2, "draft_kv", "draft KV cache", draft_kv, detail=draft_kv_detail),
+              Line(2, "draft_weights", "draft weights", draft_weights, mtp_cpu, detail=draft_w_detail),
+              Line(2, "draft_state", "draft state and scratch", draft_state, detail=draft_state_detail)]
+
+    tied = " (tied: also the token embedding)" if profile.output_tied else ""
+    kv_tok = profile.kv_bytes_per_token(ctk, ctv)
+    lines += [
+        Line(3, "embedding", "token embedding", 0, cpu_embedding,
+             detail="rows gathered on the CPU, k rows copied up per step" if cpu_embedding
+             else "tied: read from the output head's GPU copy"),
+        Line(3, "attention_weights", "attention projections", role_gpu.get("attention", 0),
+             detail=f"{profile.n_attention_layers} attention layers"),
+        Line(3, "gdn_weights", "GDN projections", role_gpu.get("gdn", 0),
+             detail=f"{profile.n_gdn_layers} GDN layers"),
+        Line(3, "norms", "norms", role_gpu.get("norm", 0)),
+        Line(3, "output_head", "output head", role_gpu.get("output", 0), detail=f"{profile.n_vocab:,} x {profile.n_embd}{tied}"),
+        Line(3, "other_weights", "other trunk tensors", role_gpu.get("other", 0)),
+        Line(3, "kv_cache", "KV cache", kv_tok * ctx,
+             detail=f"{ctx:,} tokens x {kv_tok:,} B ({ctk}/{ctv}, {profile.n_attention_layers} layers)"),
+        Line(3, "recurrent_state", "recurrent state", state,
+             detail=f"live S + conv of {profile.n_gdn_layers} GDN layers, float32" if state else "no GDN layers"),
+        Line(3, "scratch", "activations and logits", scratch_bytes(profile, k, ctx),
+             detail=f"k_max = {k} tokens, {ctx:,}-token attention window"),
+    ]
+    return lines, device
+
+
+def _fixed_gpu(profile: ModelProfile, opt: PlanOptions) -> int:
+    return sum(line.gpu_bytes for line in _fixed_lines(profile, opt)[0])
+
+
+def _alternatives(profile: ModelProfile, opt: PlanOptions) -> list[tuple[str, int]]:
+    """Cheaper configurations, each with the VRAM its stages 1-3 need."""
+    out = []
+    # every reservation grows linearly with the context: solve for the largest that fits
+    at_1 = _fixed_gpu(profile, replace(opt, n_ctx=CTX_STEP))
+    slope = (_fixed_gpu(profile, replace(opt, n_ctx=2 * CTX_STEP)) - at_1) / CTX_STEP
+    if slope > 0:
+        ctx = int(CTX_STEP + (opt.vram_bytes - at_1) // slope) // CTX_STEP * CTX_STEP
+        if CTX_STEP <= ctx < opt.n_ctx:
+            out.append((f"-c {ctx}", _fixed_gpu(profile, replace(opt, n_ctx=ctx))))
+    if (opt.cache_type_k, opt.cache_type_v) != ("q8_0", "q8_0"):
+        try:
+            out.append(("--cache-type-k q8_0 --cache-type-v q8_0",
+                        _fixed_gpu(profile, replace(opt, cache_type_k="q8_0", cache_type_v="q8_0"))))
+        except ValueError:      # head dims that q8_0 cannot block
+            pass
+    if opt.spec_type != "none":
+        for n in range(opt.spec_draft_n_max - 1, 0, -1):
+            fewer = _fixed_gpu(profile, replace(opt, spec_draft_n_max=n, k_max=None))
+            if fewer <= opt.vram_bytes or n == 1:
+                out.append((f"--spec-draft-n-max {n}", fewer))
+                break
+        out.append(("--spec-type none", _fixed_gpu(profile, replace(opt, spec_type="none", k_max=None))))
+    return out
+
+
+def _does_not_fit(profile: ModelProfile, opt: PlanOptions, need: int) -> PlanError:
+    head = (f"{profile.name} does not fit: even with every FFN layer on the CPU this configuration needs "
+            f"at least {_mib(need)} of VRAM (budget {_mib(opt.vram_bytes)}, margin included)")
+    alternatives = _alternatives(profile, opt)
+    fits = [text for text, needs in alternatives if needs <= opt.vram_bytes]
+    if need - opt.margin_bytes <= opt.vram_bytes - 256 * MiB:
+        fits.append(f"--margin {(opt.vram_bytes - (need - opt.margin_bytes)) // MiB}MiB (less safety)")
+    if fits:
+        return PlanError(f"{head}; it fits with {' | '.join(fits)}", min_vram_bytes=need)
+    still = ", ".join(f"{text} {_mib(needs)}" for text, needs in alternatives)
+    return PlanError(f"{head}; a larger --vram is needed" + (f" (smaller settings still need: {still})" if still else ""),
+                     min_vram_bytes=need)
+
+
+def plan(profile: ModelProfile, options: PlanOptions) -> Plan:
+    _check(profile, options)
+    lines, device = _fixed_lines(profile, options)
+    fixed = sum(line.gpu_bytes for line in lines)
+    if fixed > options.vram_bytes:
+        raise _does_not_fit(profile, options, fixed)
+
+    left = options.vram_bytes - fixed
+    ffn = profile.ffn_layer_bytes()
+    on_gpu: list[int] = []
+    for layer, nbytes in ffn.items():          # front first, then any later layer that still fits
+        if nbytes <= left:
+            on_gpu.append(layer)
+            left -= nbytes
+    on_cpu = [layer for layer in ffn if layer not in set(on_gpu)]
+    gpu_set = set(on_gpu)
+    for t in profile.tensors:
+        if t.role == "ffn" and t.layer < profile.n_layer:
+            device[t.name] = "gpu" if t.layer in gpu_set else "cpu"
+
+    gpu_ffn = sum(ffn[i] for i in on_gpu)
+    cpu_ffn = sum(ffn[i] for i in on_cpu)
+    lines.append(Line(4, "ffn", "FFN layers", gpu_ffn, cpu_ffn,
+                      detail=f"GPU: {layer_ranges(on_gpu) or 'none'} ({len(on_gpu)} layers), "
+                             f"CPU: {layer_ranges(on_cpu) or 'none'} ({len(on_cpu)} layers)"))
+    not_fitted = []
+    if on_cpu:
+        smallest = min(ffn[i] for i in on_cpu)
+        not_fitted.append(
+            f"FFN layers {layer_ranges(on_cpu)} ({len(on_cpu)} layers, {_mib(cpu_ffn)}) run on the CPU: "
+            f"{_mib(left)} of VRAM was left and the smallest of them needs {_mib(smallest)}")
+    speed = estimate_speed(profile, options, device, on_cpu)
+    return Plan(profile.name, profile.arch, options, lines, device, on_gpu, on_cpu, not_fitted, speed,
+                notes=list(profile.notes))
