@@ -21,9 +21,10 @@ be on the GPU for the logits; rows are gathered from that copy.
 FFN order: front layers first. Every FFN layer left on the CPU costs one GPU->CPU->GPU hand-off per
 step wherever it sits, because attention and GDN always run on the GPU; llama.cpp offloads from the
 back to keep its CPU layers one contiguous prefix with a single hand-off, which does not apply here.
-With position free, front-first keeps the rule simple (a bigger budget only appends layers). When
-the next layer does not fit, later (smaller, e.g. Q4_K-only vs Q6_K ffn_down) layers that still fit
-the remainder are taken too: the bandwidth saved per VRAM byte is the same for every FFN byte.
+With position free, front-first keeps the rule simple: the GPU holds a run of layers from 0 that
+only grows with the budget. When the next layer does not fit, later (smaller, e.g. Q4_K-only vs
+Q6_K ffn_down) layers that still fit the remainder are taken too: the bandwidth saved per VRAM byte
+is the same for every FFN byte, so the leftover is worth filling.
 """
 from __future__ import annotations
 
@@ -283,7 +284,7 @@ def _fixed_lines(profile: ModelProfile, opt: PlanOptions) -> tuple[list[Line], d
         Line(3, "recurrent_state", "recurrent state", state,
              detail=f"live S + conv of {profile.n_gdn_layers} GDN layers, float32" if state else "no GDN layers"),
         Line(3, "scratch", "activations and logits", scratch_bytes(profile, k, ctx),
-             detail=f"k_max = {k} tokens, {ctx:,}-token attention window"),
+             detail=f"batches of up to {k} tokens (k_max), attention over {ctx:,} tokens"),
     ]
     return lines, device
 
