@@ -1,0 +1,63 @@
+"""Property test: for random models, budgets and options the plan never exceeds the budget, keeps
+the reservation order, and only leaves an FFN layer on the CPU when it could not fit."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from placement import MiB, PlanError, PlanOptions, plan
+from tests.test_placement import synthetic_profile
+
+STAGE_OF = {"overhead": 1, "gdn_snapshot_ring": 2, "draft_kv": 2, "draft_weights": 2, "draft_state": 2,
+            "embedding": 3, "attention_weights": 3, "gdn_weights": 3, "norms": 3, "output_head": 3,
+            "other_weights": 3, "kv_cache": 3, "recurrent_state": 3, "scratch": 3, "ffn": 4}
+
+
+@st.composite
+def cases(draw):
+    ffn = draw(st.lists(st.integers(1, 64).map(lambda m: m * MiB), min_size=1, max_size=24))
+    mtp = draw(st.booleans())
+    prof = synthetic_profile(ffn_sizes=tuple(ffn), interval=draw(st.integers(1, 5)), mtp=mtp,
+                             tied=draw(st.booleans()))
+    spec = draw(st.sampled_from(["none", "ngram-simple"] + (["draft-mtp"] if mtp else [])))
+    opt = PlanOptions(
+        vram_bytes=draw(st.integers(1, 3000)) * MiB,
+        margin_bytes=draw(st.integers(0, 600)) * MiB,
+        n_ctx=draw(st.integers(1, 200_000)),
+        cache_type_k=draw(st.sampled_from(["f16", "q8_0", "f32"])),
+        cache_type_v=draw(st.sampled_from(["f16", "q8_0", "f32"])),
+        spec_type=spec,
+        spec_draft_n_max=draw(st.integers(1, 8)),
+        accept_rate=draw(st.floats(0, 1)),
+    )
+    return prof, opt
+
+
+@settings(max_examples=300, deadline=None)
+@given(cases())
+def test_plan_respects_budget_and_order(case):
+    prof, opt = case
+    roomy = plan(prof, replace(opt, vram_bytes=1 << 40))
+    fixed = sum(line.gpu_bytes for line in roomy.lines if line.stage < 4)
+    try:
+        p = plan(prof, opt)
+    except PlanError as exc:
+        assert exc.min_vram_bytes == fixed > opt.vram_bytes
+        return
+    assert p.gpu_bytes <= opt.vram_bytes
+    assert p.gpu_bytes - opt.margin_bytes <= opt.vram_bytes - opt.margin_bytes
+    assert [STAGE_OF[line.key] for line in p.lines] == [line.stage for line in p.lines]
+    assert [line.stage for line in p.lines] == sorted(line.stage for line in p.lines)
+    assert p.lines[0].key == "overhead" and p.lines[-1].key == "ffn"
+    # stages 1-3 do not depend on the budget: speculation state is reserved before any FFN layer
+    assert [line for line in p.lines if line.stage < 4] == [line for line in roomy.lines if line.stage < 4]
+    ffn = prof.ffn_layer_bytes()
+    assert sorted(p.ffn_gpu_layers + p.ffn_cpu_layers) == list(ffn)
+    assert p.line("ffn").gpu_bytes == sum(ffn[i] for i in p.ffn_gpu_layers)
+    if p.ffn_cpu_layers:                          # a layer is on the CPU only because it did not fit
+        assert p.free_bytes < min(ffn[i] for i in p.ffn_cpu_layers)
+    assert p.speed.plain_tok_s > 0
+    if opt.spec_type != "none":
+        assert p.speed.spec_tok_s > 0
