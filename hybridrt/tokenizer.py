@@ -423,20 +423,24 @@ class Tokenizer:
             return b""
         return self._pieces[token_id]
 
-    def decode_bytes(self, ids, skip_special: bool = False) -> bytes:
-        """llama.cpp's llama_detokenize(remove_special=skip_special, unparse_special=not skip_special)."""
+    def detokenize(self, ids, remove_special: bool, unparse_special: bool) -> bytes:
+        """llama.cpp's llama_detokenize: remove_special drops a leading BOS / trailing EOS the file
+        adds itself; unparse_special spells control tokens out instead of dropping them."""
         ids = list(ids)
-        strip_space = self.add_space_prefix
-        if skip_special and self.add_bos and ids and ids[0] == self.bos_id:
+        strip_space = self.add_space_prefix   # the space SentencePiece put in front of the text
+        if remove_special and self.add_bos and ids and ids[0] == self.bos_id:
             strip_space = False
             ids = ids[1:]
-        if skip_special and self.add_eos and ids and ids[-1] == self.eos_id:
+        if remove_special and self.add_eos and ids and ids[-1] == self.eos_id:
             ids = ids[:-1]
-        parts = [self.token_to_piece(i, special=not skip_special) for i in ids]
+        parts = [self.token_to_piece(i, special=unparse_special) for i in ids]
         if strip_space and parts and parts[0].startswith(b" "):
             parts[0] = parts[0][1:]
         text = b"".join(parts)
         return _clean_spaces(text) if self.clean_spaces else text
+
+    def decode_bytes(self, ids, skip_special: bool = False) -> bytes:
+        return self.detokenize(ids, remove_special=skip_special, unparse_special=not skip_special)
 
     def decode(self, ids, skip_special: bool = False) -> str:
         return self.decode_bytes(ids, skip_special).decode("utf-8", errors="replace")
