@@ -1,0 +1,499 @@
+#!/usr/bin/env python3
+"""Synthetic GGUF model files in exactly the layout llama.cpp's converter and quantizer write.
+
+Real Qwen3.5/3.6 GDN-hybrid MTP models cannot be downloaded here, so tests and the VRAM planner
+use files built by this script:
+
+* tiny models with random weights (``qwen35`` with optional MTP block, ``qwen3``, ``llama``),
+  f32 / q8_0 / q4_k_m mixes, deterministic for a seed, loadable by llama.cpp and by hybridrt;
+* full-size *sparse* files (``--preset qwen3.6-27b-mtp --sparse``): the complete header, metadata,
+  tokenizer and tensor table of a Q4_K_M file, with the data region left as a hole
+  (``truncate``), so the file has its real apparent size (~16.6 GB) but takes a few MB on disk.
+
+Layout facts (checked against llama.cpp's ``src/models/qwen35.cpp`` loader, ``gguf-py`` constants,
+the converter's Qwen3.5 path and ``src/llama-quant.cpp``):
+
+* ggml shapes are ``{ne0 = row length, ne1 = rows}``; numpy arrays are ``[rows, row length]``;
+* qwen35 tensors: GDN layers carry ``attn_qkv``, ``attn_gate``, ``ssm_conv1d`` {K, conv_dim},
+  ``ssm_dt.bias``, ``ssm_a`` (no suffix, already ``-exp(A_log)``), ``ssm_beta``, ``ssm_alpha``,
+  ``ssm_norm`` {head_dim}, ``ssm_out``; attention layers ``attn_q`` (query and gate interleaved
+  per head), ``attn_k``, ``attn_v``, ``attn_output``, ``attn_q_norm``, ``attn_k_norm``; every layer
+  ``attn_norm``, ``post_attention_norm``, ``ffn_{gate,up,down}``; the MTP block at ``blk.{n_layer}``
+  is a full-attention layer plus ``nextn.{eh_proj,enorm,hnorm,shared_head_norm}``;
+* norms are stored with the converter's +1 already applied (plain ``x / rms * w``);
+* value heads are in the converter's tiled order (value head j reads key head ``j % Hk``);
+* the Q4_K_M type choice follows llama-quantize: tensors in sorted-name order (its weights map is
+  a ``std::map``), ``output.weight`` Q6_K, ``attn_v``/``attn_qkv`` and ``ffn_down`` Q6_K where
+  ``use_more_bits(i, n)``, other 2-D weights Q4_K, 1-D tensors / ``*_norm`` / ``ssm_conv1d`` /
+  ``ssm_a`` / ``ssm_dt.bias`` F32, and the fallback Q4_K -> Q5_0, Q6_K -> Q8_0 for rows that are
+  not a multiple of 256.
+
+Importing from tests: ``tests/conftest.py`` puts ``scripts/`` on ``sys.path`` and does
+``import make_model``; use ``make_model.write_model(...)`` / ``make_model.write_sparse_preset(...)``.
+
+CLI::
+
+    python scripts/make_model.py --preset qwen3.6-27b-mtp --sparse --out /tmp/q36.gguf
+    python scripts/make_model.py --arch qwen35 --mtp --mix f32 --seed 0 --out /tmp/tiny.gguf
+    python scripts/make_model.py --arch llama --dims n_embd=128,n_layer=4 --out /tmp/l.gguf
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import gguf
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+
+ARCHS = ("qwen35", "qwen3", "llama")
+MIXES = ("f32", "q8_0", "q4_k_m")
+# llama_ftype values written as general.file_type
+FILE_TYPE = {"f32": 0, "q8_0": 7, "q4_k_m": 15}
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    arch: str
+    n_embd: int
+    n_layer: int                 # trunk layers (block_count = n_layer + n_mtp)
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_rot: int
+    n_vocab: int                 # tiny models: the tokenizer decides (0 = use it)
+    rope_base: float
+    rms_eps: float = 1e-6
+    context_length: int = 4096
+    tied: bool = False           # no output.weight: the head reuses token_embd
+    n_mtp: int = 0               # qwen35 only: NextN blocks appended after the trunk
+    # qwen35 only
+    full_attention_interval: int = 4
+    ssm_conv: int = 4
+    ssm_head_dim: int = 0        # ssm.state_size: GDN head dim (keys and values)
+    ssm_k_heads: int = 0         # ssm.group_count
+    ssm_v_heads: int = 0         # ssm.time_step_rank
+    rope_sections: tuple[int, int, int, int] = (0, 0, 0, 0)
+    name: str = "tiny"
+
+    @property
+    def block_count(self) -> int:
+        return self.n_layer + self.n_mtp
+
+    def is_recurrent(self, il: int) -> bool:
+        return (self.arch == "qwen35" and il < self.n_layer
+                and (il + 1) % self.full_attention_interval != 0)
+
+
+TINY_DEFAULTS: dict[str, ModelDims] = {
+    # 8 layers with interval 4: layers 3 and 7 are full attention, the rest Gated DeltaNet
+    "qwen35": ModelDims(arch="qwen35", n_embd=64, n_layer=8, n_ff=128, n_head=4, n_head_kv=2,
+                        head_dim=16, n_rot=8, n_vocab=0, rope_base=1e7, ssm_head_dim=16,
+                        ssm_k_heads=2, ssm_v_heads=4, rope_sections=(2, 1, 1, 0),
+                        name="tiny-qwen35"),
+    "qwen3": ModelDims(arch="qwen3", n_embd=64, n_layer=4, n_ff=128, n_head=4, n_head_kv=2,
+                       head_dim=32, n_rot=32, n_vocab=0, rope_base=1e6, name="tiny-qwen3"),
+    # tied like SmolLM2; llama's rotary pairs adjacent dims (ggml's "norm" mode)
+    "llama": ModelDims(arch="llama", n_embd=64, n_layer=4, n_ff=128, n_head=4, n_head_kv=2,
+                       head_dim=16, n_rot=16, n_vocab=0, rope_base=1e4, rms_eps=1e-5,
+                       tied=True, name="tiny-llama"),
+}
+
+PRESETS: dict[str, tuple[ModelDims, str]] = {
+    # Qwen3.6-27B with its MTP block, as a Q4_K_M file (config.json of Qwen/Qwen3.6-27B)
+    "qwen3.6-27b-mtp": (ModelDims(
+        arch="qwen35", n_embd=5120, n_layer=64, n_ff=17408, n_head=24, n_head_kv=4, head_dim=256,
+        n_rot=64, n_vocab=248320, rope_base=1e7, rms_eps=1e-6, context_length=262144, n_mtp=1,
+        full_attention_interval=4, ssm_conv=4, ssm_head_dim=128, ssm_k_heads=16, ssm_v_heads=48,
+        rope_sections=(11, 11, 10, 0), name="Qwen3.6-27B"), "q4_k_m"),
+}
+
+
+# ---------------------------------------------------------------- tensor table
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    ne: tuple[int, ...]          # ggml order: ne[0] is the row length
+    kind: str                    # how to draw it: matrix | embd | norm | ssm_norm | ssm_a | dt_bias | conv
+
+
+def _attention_tensors(p: str, d: ModelDims, qwen35: bool) -> list[TensorSpec]:
+    q_rows = d.n_head * d.head_dim * (2 if qwen35 else 1)   # qwen35: [q_h | gate_h] per head
+    kv_rows = d.n_head_kv * d.head_dim
+    out = [TensorSpec(f"{p}.attn_q.weight", (d.n_embd, q_rows), "matrix"),
+           TensorSpec(f"{p}.attn_k.weight", (d.n_embd, kv_rows), "matrix"),
+           TensorSpec(f"{p}.attn_v.weight", (d.n_embd, kv_rows), "matrix"),
+           TensorSpec(f"{p}.attn_output.weight", (d.n_head * d.head_dim, d.n_embd), "matrix")]
+    if d.arch in ("qwen35", "qwen3"):
+        out += [TensorSpec(f"{p}.attn_q_norm.weight", (d.head_dim,), "norm"),
+                TensorSpec(f"{p}.attn_k_norm.weight", (d.head_dim,), "norm")]
+    return out
+
+
+def _gdn_tensors(p: str, d: ModelDims) -> list[TensorSpec]:
+    key_dim = d.ssm_k_heads * d.ssm_head_dim
+    value_dim = d.ssm_v_heads * d.ssm_head_dim
+    conv_dim = 2 * key_dim + value_dim
+    return [TensorSpec(f"{p}.attn_qkv.weight", (d.n_embd, conv_dim), "matrix"),
+            TensorSpec(f"{p}.attn_gate.weight", (d.n_embd, value_dim), "matrix"),
+            TensorSpec(f"{p}.ssm_conv1d.weight", (d.ssm_conv, conv_dim), "conv"),
+            TensorSpec(f"{p}.ssm_dt.bias", (d.ssm_v_heads,), "dt_bias"),
+            TensorSpec(f"{p}.ssm_a", (d.ssm_v_heads,), "ssm_a"),
+            TensorSpec(f"{p}.ssm_beta.weight", (d.n_embd, d.ssm_v_heads), "matrix"),
+            TensorSpec(f"{p}.ssm_alpha.weight", (d.n_embd, d.ssm_v_heads), "matrix"),
+            TensorSpec(f"{p}.ssm_norm.weight", (d.ssm_head_dim,), "ssm_norm"),
+            TensorSpec(f"{p}.ssm_out.weight", (value_dim, d.n_embd), "matrix")]
+
+
+def _ffn_tensors(p: str, d: ModelDims) -> list[TensorSpec]:
+    return [TensorSpec(f"{p}.ffn_gate.weight", (d.n_embd, d.n_ff), "matrix"),
+            TensorSpec(f"{p}.ffn_up.weight", (d.n_embd, d.n_ff), "matrix"),
+            TensorSpec(f"{p}.ffn_down.weight", (d.n_ff, d.n_embd), "matrix")]
+
+
+def tensor_table(d: ModelDims) -> list[TensorSpec]:
+    """All tensors of the model in llama-quantize's output order (sorted by name)."""
+    specs = [TensorSpec("token_embd.weight", (d.n_embd, d.n_vocab), "embd"),
+             TensorSpec("output_norm.weight", (d.n_embd,), "norm")]
+    if not d.tied:
+        specs.append(TensorSpec("output.weight", (d.n_embd, d.n_vocab), "matrix"))
+    for il in range(d.block_count):
+        p = f"blk.{il}"
+        specs.append(TensorSpec(f"{p}.attn_norm.weight", (d.n_embd,), "norm"))
+        if d.arch == "qwen35":
+            specs.append(TensorSpec(f"{p}.post_attention_norm.weight", (d.n_embd,), "norm"))
+            specs += _gdn_tensors(p, d) if d.is_recurrent(il) else _attention_tensors(p, d, True)
+        else:
+            specs.append(TensorSpec(f"{p}.ffn_norm.weight", (d.n_embd,), "norm"))
+            specs += _attention_tensors(p, d, False)
+        specs += _ffn_tensors(p, d)
+        if il >= d.n_layer:     # NextN / MTP block
+            specs += [TensorSpec(f"{p}.nextn.eh_proj.weight", (2 * d.n_embd, d.n_embd), "matrix"),
+                      TensorSpec(f"{p}.nextn.enorm.weight", (d.n_embd,), "norm"),
+                      TensorSpec(f"{p}.nextn.hnorm.weight", (d.n_embd,), "norm"),
+                      TensorSpec(f"{p}.nextn.shared_head_norm.weight", (d.n_embd,), "norm")]
+    return sorted(specs, key=lambda s: s.name)
+
+
+# ---------------------------------------------------------------- quant type choice
+
+def _quantizable(spec: TensorSpec) -> bool:
+    # llama-quantize leaves 1-D tensors, norms, conv kernels and non-".weight" tensors alone
+    return (len(spec.ne) >= 2 and spec.name.endswith("weight") and "_norm.weight" not in spec.name
+            and "ssm_conv1d" not in spec.name)
+
+
+def _use_more_bits(i: int, n: int) -> bool:
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+_FALLBACK = {QT.Q4_K: QT.Q5_0, QT.Q5_K: QT.Q5_1, QT.Q6_K: QT.Q8_0}
+
+
+def _fit_row(qtype: QT, row: int) -> QT:
+    """llama-quantize's fallback when the row length is not a multiple of the block size."""
+    block = GGML_QUANT_SIZES[qtype][0]
+    if row % block == 0:
+        return qtype
+    qtype = _FALLBACK.get(qtype, QT.F16)
+    return qtype if row % GGML_QUANT_SIZES[qtype][0] == 0 else QT.F16
+
+
+def assign_types(specs: list[TensorSpec], mix: str, d: ModelDims) -> list[QT]:
+    """Per-tensor ggml type for a mix, in the order of ``specs`` (which must be name-sorted)."""
+    if mix not in MIXES:
+        raise ValueError(f"unknown mix {mix!r}; expected one of {MIXES}")
+    n_wv = sum(1 for s in specs if "attn_v.weight" in s.name or "attn_qkv.weight" in s.name)
+    i_wv = i_down = 0
+    types = []
+    for s in specs:
+        if mix == "f32" or not _quantizable(s):
+            types.append(QT.F32)
+            continue
+        if mix == "q8_0":
+            types.append(_fit_row(QT.Q8_0, s.ne[0]))
+            continue
+        qtype = QT.Q4_K
+        is_head = s.name == "output.weight" or (d.tied and s.name == "token_embd.weight")
+        if is_head:
+            qtype = QT.Q6_K if s.ne[0] % 256 == 0 else QT.Q8_0
+        elif "attn_v.weight" in s.name or "attn_qkv.weight" in s.name:
+            qtype = QT.Q6_K if _use_more_bits(i_wv, n_wv) else QT.Q4_K
+            i_wv += 1
+        elif "ffn_down" in s.name:
+            qtype = QT.Q6_K if _use_more_bits(i_down, d.block_count) else QT.Q4_K
+            i_down += 1
+        types.append(_fit_row(qtype, s.ne[0]))
+    return types
+
+
+def tensor_nbytes(ne: tuple[int, ...], qtype: QT) -> int:
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    n = int(np.prod(ne, dtype=np.int64))
+    assert ne[0] % block == 0, (ne, qtype)
+    return n // block * type_size
+
+
+# ---------------------------------------------------------------- tokenizer
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+@dataclass
+class Tokenizer:
+    tokens: list[str]
+    token_types: list[int]
+    merges: list[str]
+    pre: str
+    bos_id: int
+    eos_id: int
+    pad_id: int
+    add_bos: bool
+    chat_template: str
+
+
+SPECIALS = {"qwen": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+            "llama": ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]}
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+LLAMA3_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
+                   "<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>{% endfor %}")
+
+# Training text for the tiny BPE: English, code and digits, so merges look like a real vocab's.
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. The cat sat on the mat, and the dog sat on the log.
+In the beginning there was the word, and the word was with the model. It is what it is.
+Speculative decoding drafts several tokens and verifies them in one pass of the target model.
+A gated delta network keeps a state matrix per head and updates it with the delta rule.
+def forward(self, tokens, positions):
+    hidden = self.embed(tokens)
+    for layer in self.layers:
+        hidden = layer(hidden, positions)
+    return self.norm(hidden)
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 12 42 100 256 1024 2048 4096 3.14159 2.71828
+Hello, world! How are you today? I am fine, thank you. Where is the station? Here it is.
+the theory of the thing is that there is then another thing in the other room with them.
+"""
+
+
+def _pretokenize(text: str) -> list[str]:
+    return re.findall(r"'(?:s|t|re|ve|m|ll|d)| ?[A-Za-z]+| ?[0-9]| ?[^\sA-Za-z0-9]+|\s+", text)
+
+
+def _train_bpe(n_merges: int) -> list[tuple[str, str]]:
+    """Greedy byte-level BPE on the built-in corpus (ties broken by the pair's text)."""
+    b2u = bytes_to_unicode()
+    words: dict[tuple[str, ...], int] = {}
+    for w in _pretokenize(_CORPUS):
+        key = tuple(b2u[b] for b in w.encode("utf-8"))
+        words[key] = words.get(key, 0) + 1
+    merges = []
+    for _ in range(n_merges):
+        counts: dict[tuple[str, str], int] = {}
+        for w, c in words.items():
+            for pair in zip(w[:-1], w[1:]):
+                counts[pair] = counts.get(pair, 0) + c
+        if not counts:
+            break
+        best = min(counts, key=lambda pr: (-counts[pr], pr))
+        if counts[best] < 2:
+            break
+        merges.append(best)
+        new_words: dict[tuple[str, ...], int] = {}
+        for w, c in words.items():
+            out, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
+                    out.append(w[i] + w[i + 1])
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            new_words[tuple(out)] = new_words.get(tuple(out), 0) + c
+        words = new_words
+    return merges
+
+
+def _finish_tokenizer(arch: str, tokens: list[str], merges: list[str]) -> Tokenizer:
+    family = "llama" if arch == "llama" else "qwen"
+    specials = SPECIALS[family]
+    first_special = len(tokens)
+    tokens = tokens + specials
+    types = [1] * first_special + [3] * len(specials)   # NORMAL, CONTROL
+    pre = {"qwen35": "qwen35", "qwen3": "qwen2", "llama": "llama-bpe"}[arch]
+    if family == "qwen":
+        return Tokenizer(tokens, types, merges, pre, bos_id=first_special, eos_id=first_special + 2,
+                         pad_id=first_special, add_bos=False, chat_template=CHATML)
+    return Tokenizer(tokens, types, merges, pre, bos_id=first_special, eos_id=first_special + 2,
+                     pad_id=first_special + 1, add_bos=True, chat_template=LLAMA3_TEMPLATE)
+
+
+def tiny_tokenizer(arch: str, n_merges: int = 200) -> Tokenizer:
+    """256 byte tokens, up to ``n_merges`` trained merges, then the special tokens."""
+    b2u = bytes_to_unicode()
+    tokens = [b2u[b] for b in range(256)]
+    merge_pairs = _train_bpe(n_merges)
+    tokens += [a + b for a, b in merge_pairs]
+    return _finish_tokenizer(arch, tokens, [f"{a} {b}" for a, b in merge_pairs])
+
+
+def generated_tokenizer(arch: str, n_vocab: int) -> Tokenizer:
+    """A valid byte-level BPE vocabulary of exactly ``n_vocab`` tokens, built without training.
+
+    Token 256 + k is a pair or triple of byte symbols with its merge; cheap enough for 248k tokens.
+    """
+    b2u = bytes_to_unicode()
+    sym = [b2u[b] for b in range(256)]
+    n_special = len(SPECIALS["llama" if arch == "llama" else "qwen"])
+    n_merged = n_vocab - 256 - n_special
+    tokens, merges = list(sym), []
+    for k in range(n_merged):
+        if k < 256 * 256:
+            a, b = sym[k // 256], sym[k % 256]
+        else:
+            j = k - 256 * 256
+            a, b = sym[(j // 256) // 256] + sym[(j // 256) % 256], sym[j % 256]
+        tokens.append(a + b)
+        merges.append(f"{a} {b}")
+    return _finish_tokenizer(arch, tokens, merges)
+
+
+# ---------------------------------------------------------------- metadata
+
+def _add_metadata(w: gguf.GGUFWriter, d: ModelDims, tok: Tokenizer, mix: str) -> None:
+    a = d.arch
+    w.add_name(d.name)
+    w.add_type("model")
+    w.add_uint32(f"{a}.block_count", d.block_count)
+    w.add_uint32(f"{a}.context_length", d.context_length)
+    w.add_uint32(f"{a}.embedding_length", d.n_embd)
+    w.add_uint32(f"{a}.feed_forward_length", d.n_ff)
+    w.add_uint32(f"{a}.attention.head_count", d.n_head)
+    w.add_uint32(f"{a}.attention.head_count_kv", d.n_head_kv)
+    w.add_float32(f"{a}.rope.freq_base", d.rope_base)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", d.rms_eps)
+    if a in ("qwen35", "qwen3"):
+        w.add_uint32(f"{a}.attention.key_length", d.head_dim)
+        w.add_uint32(f"{a}.attention.value_length", d.head_dim)
+    if a == "llama":
+        w.add_uint32(f"{a}.vocab_size", len(tok.tokens))
+    w.add_uint32(f"{a}.rope.dimension_count", d.n_rot)
+    if a == "qwen35":
+        w.add_array(f"{a}.rope.dimension_sections", list(d.rope_sections))
+        w.add_uint32(f"{a}.ssm.conv_kernel", d.ssm_conv)
+        w.add_uint32(f"{a}.ssm.state_size", d.ssm_head_dim)
+        w.add_uint32(f"{a}.ssm.group_count", d.ssm_k_heads)
+        w.add_uint32(f"{a}.ssm.time_step_rank", d.ssm_v_heads)
+        w.add_uint32(f"{a}.ssm.inner_size", d.ssm_v_heads * d.ssm_head_dim)
+        w.add_uint32(f"{a}.full_attention_interval", d.full_attention_interval)
+        if d.n_mtp:
+            w.add_uint32(f"{a}.nextn_predict_layers", d.n_mtp)
+    w.add_file_type(FILE_TYPE[mix])
+    if mix != "f32":
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(tok.pre)
+    w.add_token_list(tok.tokens)
+    w.add_token_types(tok.token_types)
+    w.add_token_merges(tok.merges)
+    w.add_bos_token_id(tok.bos_id)
+    w.add_eos_token_id(tok.eos_id)
+    w.add_pad_token_id(tok.pad_id)
+    w.add_add_bos_token(tok.add_bos)
+    w.add_chat_template(tok.chat_template)
+
+
+# ---------------------------------------------------------------- sparse preset
+
+def write_sparse_preset(path: str | Path, preset: str = "qwen3.6-27b-mtp") -> Path:
+    """Header, metadata, tokenizer and tensor table of a full-size file; data left as a hole."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
+    d, mix = PRESETS[preset]
+    path = Path(path)
+    tok = generated_tokenizer(d.arch, d.n_vocab)
+    specs = tensor_table(d)
+    types = assign_types(specs, mix, d)
+    w = gguf.GGUFWriter(path, d.arch)
+    _add_metadata(w, d, tok, mix)
+    for s, t in zip(specs, types):
+        # element shape in numpy order; a non-uint8 dtype tells the writer it is not a byte shape
+        w.add_tensor_info(s.name, tuple(reversed(s.ne)), np.dtype(np.float32),
+                          tensor_nbytes(s.ne, t), raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    assert w.fout is not None
+    f = w.fout[0]
+    data_start = gguf.GGUFWriter.ggml_pad(f.tell(), w.data_alignment)
+    data_size = sum(gguf.GGUFWriter.ggml_pad(tensor_nbytes(s.ne, t), w.data_alignment)
+                    for s, t in zip(specs, types))
+    f.truncate(data_start + data_size)
+    w.close()
+    return path
+
+
+# ---------------------------------------------------------------- CLI
+
+def parse_dims(text: str) -> dict:
+    """``"n_embd=128,n_layer=4,tied=1"`` -> overrides for :class:`ModelDims`."""
+    fields = {f.name: f.type for f in dataclasses.fields(ModelDims)}
+    out: dict = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, _, value = item.partition("=")
+        if key not in fields:
+            raise SystemExit(f"unknown dim {key!r}; known: {', '.join(fields)}")
+        if key == "rope_sections":
+            out[key] = tuple(int(v) for v in value.split(":"))
+        elif key in ("rope_base", "rms_eps"):
+            out[key] = float(value)
+        elif key == "tied":
+            out[key] = value.lower() in ("1", "true", "yes")
+        elif key in ("arch", "name"):
+            out[key] = value
+        else:
+            out[key] = int(value)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--preset", choices=sorted(PRESETS))
+    ap.add_argument("--sparse", action="store_true", help="with --preset: leave the data as a hole")
+    ap.add_argument("--arch", choices=ARCHS)
+    ap.add_argument("--mtp", action="store_true", help="qwen35: append one MTP (NextN) block")
+    ap.add_argument("--mix", choices=MIXES, default="f32")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dims", default="", help="overrides, e.g. n_embd=256,n_ff=512,n_layer=4")
+    args = ap.parse_args(argv)
+    if args.preset:
+        if not args.sparse:
+            raise SystemExit("--preset files are full size: pass --sparse")
+        path = write_sparse_preset(args.out, args.preset)
+    elif args.arch:
+        path = write_model(args.out, args.arch, mtp=args.mtp, mix=args.mix, seed=args.seed,
+                           dims=parse_dims(args.dims))
+    else:
+        raise SystemExit("pass --preset NAME --sparse or --arch ARCH")
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
