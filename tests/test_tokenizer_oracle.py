@@ -12,6 +12,7 @@ import random
 import subprocess
 from pathlib import Path
 
+import gguf
 import pytest
 
 from hybridrt.gguf_file import GGUFFile
@@ -146,9 +147,35 @@ def _run_oracle(model: Path, job: dict) -> dict:
     return json.loads(proc.stdout)
 
 
-@pytest.fixture(scope="module", params=["smollm2", "gemma3"])
-def model_and_oracle(request):
-    path = require(SMOLLM2 if request.param == "smollm2" else GEMMA3)
+# SmolLM2's byte-level vocab and merges re-labelled with other pre-tokenizer names, so every regex
+# set in BPE_PRE_TOKENIZERS that real models here do not use is still checked against llama.cpp
+RELABELLED_PRES = ["gpt-2", "default", "qwen2", "qwen35", "llama-bpe", "starcoder", "gpt-4o"]
+
+
+def _write_relabelled_vocab(src: Path, dst: Path, pre: str) -> Path:
+    md = GGUFFile(src).metadata
+    writer = gguf.GGUFWriter(str(dst), arch="llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(md["tokenizer.ggml.tokens"])
+    writer.add_token_types([int(t) for t in md["tokenizer.ggml.token_type"]])
+    writer.add_token_merges(md["tokenizer.ggml.merges"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)          # no add_bos flag: each pre-tokenizer's default applies
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+@pytest.fixture(scope="module", params=["smollm2", "gemma3"] + [f"smollm2-as-{p}" for p in RELABELLED_PRES])
+def model_and_oracle(request, tmp_path_factory):
+    if request.param.startswith("smollm2-as-"):
+        pre = request.param.removeprefix("smollm2-as-")
+        path = _write_relabelled_vocab(require(SMOLLM2), tmp_path_factory.mktemp("vocab") / f"{pre}.gguf", pre)
+    else:
+        path = require(SMOLLM2 if request.param == "smollm2" else GEMMA3)
     tok = Tokenizer.from_gguf(GGUFFile(path).metadata)
     cases = [(t, a, p) for t in TEXTS for a, p in FLAGS]
     ours = [tok.encode(t, add_special=a, parse_special=p) for t, a, p in cases]
