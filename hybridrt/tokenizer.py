@@ -216,8 +216,11 @@ def spm_merges(tokens: list[str], scores: np.ndarray) -> list[tuple[str, str]]:
     n = len(tokens)
     lens = np.fromiter(map(len, tokens), dtype=np.int64, count=n)
     starts = np.zeros(n, dtype=np.int64)
+    if n == 0 or lens.max() < 2:
+        return []
     np.cumsum(lens[:-1], out=starts[1:])
-    codes = np.frombuffer("".join(tokens).encode("utf-32-le"), dtype=np.uint32).astype(np.uint64) + np.uint64(1)
+    codes = np.frombuffer("".join(tokens).encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+    codes = codes.astype(np.uint64) + np.uint64(1)
     splits_per_token = np.maximum(lens - 1, 0)
     tok = np.repeat(np.arange(n), splits_per_token)
     first_split = np.cumsum(splits_per_token) - splits_per_token
