@@ -126,8 +126,7 @@ def profile_from_gguf(f: GGUFFile) -> ModelProfile:
                                    expert="_exps." in part))
 
     n_used = int(f.get("expert_used_count", 0) or 0)
-    mixer = [t.shape[1] for t in f.tensors.values() if len(t.shape) == 2
-             and (_split_name(t.name)[0] or 0) < block_count
+    mixer = [t.shape[1] for t in f.tensors.values() if len(t.shape) == 2 and not _split_name(t.name)[1].startswith("ffn_")
              and _role(*_split_name(t.name), n_layer, kinds, tied) in ("attention", "gdn", "mtp")]
     mtp_parts = set().union(*(by_layer.get(i, {}) for i in range(n_layer, block_count))) if n_mtp else set()
     notes = []

@@ -293,20 +293,31 @@ def _fixed_gpu(profile: ModelProfile, opt: PlanOptions) -> int:
     return sum(line.gpu_bytes for line in _fixed_lines(profile, opt)[0])
 
 
+def _max_ctx(profile: ModelProfile, opt: PlanOptions) -> int | None:
+    """The largest context (a multiple of CTX_STEP below n_ctx) whose stages 1-3 fit the budget.
+    Every reservation is affine in the context, so two evaluations give the line to solve."""
+    at_1 = _fixed_gpu(profile, replace(opt, n_ctx=CTX_STEP))
+    slope = (_fixed_gpu(profile, replace(opt, n_ctx=2 * CTX_STEP)) - at_1) / CTX_STEP
+    if slope <= 0 or at_1 > opt.vram_bytes:
+        return None
+    ctx = int(CTX_STEP + (opt.vram_bytes - at_1) // slope) // CTX_STEP * CTX_STEP
+    return ctx if CTX_STEP <= ctx < opt.n_ctx else None
+
+
 def _alternatives(profile: ModelProfile, opt: PlanOptions) -> list[tuple[str, int]]:
     """Cheaper configurations, each with the VRAM its stages 1-3 need."""
     out = []
-    # every reservation grows linearly with the context: solve for the largest that fits
-    at_1 = _fixed_gpu(profile, replace(opt, n_ctx=CTX_STEP))
-    slope = (_fixed_gpu(profile, replace(opt, n_ctx=2 * CTX_STEP)) - at_1) / CTX_STEP
-    if slope > 0:
-        ctx = int(CTX_STEP + (opt.vram_bytes - at_1) // slope) // CTX_STEP * CTX_STEP
-        if CTX_STEP <= ctx < opt.n_ctx:
-            out.append((f"-c {ctx}", _fixed_gpu(profile, replace(opt, n_ctx=ctx))))
+    ctx = _max_ctx(profile, opt)
+    if ctx:
+        out.append((f"-c {ctx}", _fixed_gpu(profile, replace(opt, n_ctx=ctx))))
     if (opt.cache_type_k, opt.cache_type_v) != ("q8_0", "q8_0"):
+        q8 = replace(opt, cache_type_k="q8_0", cache_type_v="q8_0")
+        flags = "--cache-type-k q8_0 --cache-type-v q8_0"
         try:
-            out.append(("--cache-type-k q8_0 --cache-type-v q8_0",
-                        _fixed_gpu(profile, replace(opt, cache_type_k="q8_0", cache_type_v="q8_0"))))
+            out.append((flags, _fixed_gpu(profile, q8)))
+            ctx_q8 = _max_ctx(profile, q8)
+            if ctx_q8 and ctx_q8 > (ctx or 0):
+                out.append((f"-c {ctx_q8} {flags}", _fixed_gpu(profile, replace(q8, n_ctx=ctx_q8))))
         except ValueError:      # head dims that q8_0 cannot block
             pass
     if opt.spec_type != "none":
@@ -320,17 +331,20 @@ def _alternatives(profile: ModelProfile, opt: PlanOptions) -> list[tuple[str, in
 
 
 def _does_not_fit(profile: ModelProfile, opt: PlanOptions, need: int) -> PlanError:
-    head = (f"{profile.name} does not fit: even with every FFN layer on the CPU this configuration needs "
-            f"at least {_mib(need)} of VRAM (budget {_mib(opt.vram_bytes)}, margin included)")
+    msg = (f"{profile.name} does not fit: even with every FFN layer on the CPU this configuration needs "
+           f"at least {_mib(need)} of VRAM (budget {_mib(opt.vram_bytes)}, margin included)")
     alternatives = _alternatives(profile, opt)
     fits = [text for text, needs in alternatives if needs <= opt.vram_bytes]
     if need - opt.margin_bytes <= opt.vram_bytes - 256 * MiB:
         fits.append(f"--margin {(opt.vram_bytes - (need - opt.margin_bytes)) // MiB}MiB (less safety)")
+    short = [f"{text} ({_mib(needs)})" for text, needs in alternatives if needs > opt.vram_bytes]
     if fits:
-        return PlanError(f"{head}; it fits with {' | '.join(fits)}", min_vram_bytes=need)
-    still = ", ".join(f"{text} {_mib(needs)}" for text, needs in alternatives)
-    return PlanError(f"{head}; a larger --vram is needed" + (f" (smaller settings still need: {still})" if still else ""),
-                     min_vram_bytes=need)
+        msg += f"; it fits with {' | '.join(fits)}"
+    else:
+        msg += "; a larger --vram is needed"
+    if short:
+        msg += f"; not enough alone: {', '.join(short)}"
+    return PlanError(msg, min_vram_bytes=need)
 
 
 def plan(profile: ModelProfile, options: PlanOptions) -> Plan:
