@@ -85,10 +85,11 @@ def pull(name: str = typer.Argument(..., help="gemma3-270m or smollm2-135m")):
     print(pull_model(name))
 
 
-from . import cli_bench, cli_run  # noqa: E402  (commands in their own modules)
+from . import cli_bench, cli_plan, cli_run  # noqa: E402  (commands in their own modules)
 
 app.command("run")(cli_run.run)
 app.command("bench")(cli_bench.bench)
+app.command("plan")(cli_plan.plan)
 
 
 def _open(path):

@@ -56,7 +56,7 @@ def run(
     session = m.session(n_ctx, cache_type)
     if display_prompt and not chat:
         sys.stdout.write(text)
-    stream = m.tokenizer.stream_decoder()
+    stream = m.tokenizer.stream()
 
     def emit(token: int) -> None:
         sys.stdout.write(stream.push(token))
