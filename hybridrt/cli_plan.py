@@ -85,8 +85,9 @@ def _print_report(p: Plan, host: dict, sources: dict) -> None:
     console = Console(highlight=False)
     o, s = p.options, p.speed
     spec = "none" if o.spec_type == "none" else f"{o.spec_type}, N = {o.n_draft}"
-    console.print(f"[bold]{p.model}[/bold] ({p.arch}) · budget {_mib(o.vram_bytes)} MiB ({sources['vram']}) · "
-                  f"context {o.n_ctx:,} · KV {o.cache_type_k}/{o.cache_type_v} · spec {spec} · k_max {o.batch}")
+    console.print(f"[bold]{p.model}[/bold] ({p.arch})")
+    console.print(f"budget {_mib(o.vram_bytes)} MiB ({sources['vram']}) · context {o.n_ctx:,} · "
+                  f"KV {o.cache_type_k}/{o.cache_type_v} · spec {spec} · k_max {o.batch}")
     table = Table(title_justify="left", show_footer=True)
     table.add_column("#", footer="")
     table.add_column("reservation", footer="total")
@@ -121,7 +122,7 @@ def _print_report(p: Plan, host: dict, sources: dict) -> None:
         console.print(f"  speculative  {s.spec_tok_s:8.1f} tok/s  ({s.tokens_per_step:.2f} tokens per "
                       f"{s.spec_step_s * 1e3:.2f} ms step: verify {s.verify_step_s * 1e3:.2f} ms + "
                       f"{o.n_draft} x {s.draft_step_s * 1e3:.2f} ms drafts)")
-    for a in s.assumptions[2:]:
+    for a in s.assumptions[1:]:
         console.print(f"  [dim]{a}[/dim]")
     for note in p.notes:
         console.print(f"[dim]note: {note}[/dim]")
