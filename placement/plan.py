@@ -28,7 +28,7 @@ is the same for every FFN byte, so the leftover is worth filling.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from .profile import CACHE_TYPES, F32, ModelProfile
 from .speed import SpeedEstimate, estimate_speed
@@ -118,10 +118,10 @@ class Plan:
         return next(line for line in self.lines if line.key == key)
 
     def to_dict(self) -> dict:
-        opts = asdict(self.options)
-        opts["draft"] = self.options.draft.name if self.options.draft is not None else None
-        opts["n_draft"], opts["k_max"], opts["decode_depth"] = (
-            self.options.n_draft, self.options.batch, self.options.depth)
+        o = self.options
+        opts = {f.name: getattr(o, f.name) for f in fields(o)}
+        opts["draft"] = o.draft.name if o.draft is not None else None
+        opts["n_draft"], opts["k_max"], opts["decode_depth"] = o.n_draft, o.batch, o.depth
         return {
             "model": self.model,
             "arch": self.arch,
@@ -207,7 +207,7 @@ def _fixed_lines(profile: ModelProfile, opt: PlanOptions) -> tuple[list[Line], d
     role_gpu: dict[str, int] = {}
     cpu_embedding = mtp_gpu = mtp_cpu = 0
     for t in profile.tensors:
-        is_mtp = t.role == "mtp" or (t.layer is not None and t.layer >= profile.n_layer)
+        is_mtp = profile.in_mtp(t)
         if t.role == "ffn" and not is_mtp:
             continue
         if is_mtp and not use_mtp:

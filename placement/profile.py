@@ -126,6 +126,10 @@ class ModelProfile:
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
+    def in_mtp(self, t: TensorEntry) -> bool:
+        """A tensor of the NextN blocks (their embedding too, which has role "embedding")."""
+        return t.role == "mtp" or (t.layer is not None and t.layer >= self.n_layer)
+
     def role_bytes(self, role: str) -> int:
         return sum(t.nbytes for t in self.tensors if t.role == role)
 

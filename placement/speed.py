@@ -62,7 +62,7 @@ def _trunk_step(profile: ModelProfile, opt: PlanOptions, device: dict[str, str],
                 k: int, snapshots: int) -> tuple[float, int, int]:
     gpu = cpu = 0.0
     for t in profile.tensors:
-        if t.role == "mtp" or (t.layer is not None and t.layer >= profile.n_layer):
+        if profile.in_mtp(t):
             continue
         if t.role == "embedding":
             cpu += k * t.nbytes / profile.n_vocab
@@ -83,8 +83,7 @@ def _draft_token(profile: ModelProfile, opt: PlanOptions, device: dict[str, str]
     """Seconds per draft token, and seconds of the MTP KV rewrite per step (0 for other drafts)."""
     ctk, ctv, depth = opt.cache_type_k, opt.cache_type_v, opt.depth
     if opt.spec_type == "draft-mtp":
-        block = sum(t.nbytes for t in profile.tensors if device.get(t.name) == "gpu"
-                    and (t.role == "mtp" or (t.layer is not None and t.layer >= profile.n_layer)))
+        block = sum(t.nbytes for t in profile.tensors if device[t.name] == "gpu" and profile.in_mtp(t))
         head = 0 if profile.mtp_has_head else profile.role_bytes("output")
         kv = depth * profile.mtp_kv_bytes_per_token(ctk, ctv)
         n_blocks = len(profile.mtp_layers)

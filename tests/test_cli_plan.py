@@ -114,3 +114,27 @@ def test_console_script():
                          capture_output=True, text=True)
     assert bad.returncode == 2
     assert bad.stderr.startswith("error: ") and "needs at least" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_warns_when_cpu_side_weights_will_not_stay_resident(monkeypatch):
+    import psutil
+
+    real = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=1 << 20))
+    r = invoke("-m", require(GEMMA3), "--vram", "300MiB", "--margin", "64MiB", "-c", "2048", *FIXED_BW)
+    assert r.exit_code == 0, r.output
+    assert "will NOT stay resident" in r.stdout
+
+
+def test_draft_model_with_md():
+    r = invoke("-m", require(GEMMA3), "-md", require(SMOLLM2), "--vram", "1GiB", "--margin", "64MiB", "-c", "2048",
+               "--spec-draft-n-max", "2", "--json", *FIXED_BW)
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    lines = {line["key"]: line for line in d["lines"]}
+    assert d["options"]["spec_type"] == "draft-simple" and d["options"]["draft"] == SMOLLM2.name
+    from hybridrt.gguf_file import GGUFFile
+
+    assert lines["draft_weights"]["gpu_bytes"] == sum(t.nbytes for t in GGUFFile(SMOLLM2).tensors.values())
+    assert lines["draft_kv"]["gpu_bytes"] == 2048 * 30 * 3 * 64 * 2 * 2
+    assert d["speed"]["draft_step_s"] > 0

@@ -5,7 +5,7 @@ import re
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGUFWriter
 
 from hybridrt.model_profile import load_profile
 from placement import (AttentionShape, GDNShape, LayerProfile, MiB, ModelProfile, PlanError, PlanOptions,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import resource
 import subprocess
 import sys
 import time
@@ -121,12 +122,17 @@ def _cli():
 
 def test_cli_plan_on_the_27b_is_fast(q36_path):
     cmd = _cli() + ["plan", "-m", str(q36_path), "--vram", "12GiB", "-c", "32768", "--spec-draft-n-max", "3"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True)
-    elapsed = time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert r.returncode == 0, r.stderr
     assert "FFN on GPU: 0-" in r.stdout and "GDN snapshot ring" in r.stdout and "speculative" in r.stdout
-    assert elapsed < 3.0, f"hybridrt plan took {elapsed:.2f} s"
+    # CPU seconds, not wall: the test machine is shared, and the command's own work is what must be
+    # small (the bandwidth probe's threads count in full)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert cpu < 3.0, f"hybridrt plan used {cpu:.2f} CPU s ({wall:.2f} s wall)"
     d = json.loads(subprocess.run(cmd + ["--json", "--cpu-bw", "40"], capture_output=True, text=True).stdout)
     assert d["options"]["spec_type"] == "draft-mtp"          # the default with an MTP head
 
