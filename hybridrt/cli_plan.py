@@ -157,7 +157,6 @@ def plan(
     from .model_profile import load_profile
     from .registry import resolve_model
 
-    notes = Console(stderr=True, highlight=False)
     try:
         profile = load_profile(resolve_model(model_opt or model))
         draft = load_profile(resolve_model(model_draft)) if model_draft else None
@@ -168,10 +167,12 @@ def plan(
     if draft is not None and spec_type != "draft-simple":
         raise UserError(f"-md is a draft model for --spec-type draft-simple, not {spec_type}")
 
+    margin_bytes = parse_size(margin, "--margin")
     gpu = detect_gpu() if (vram == "auto" or gpu_bw is None) else None
+    no_gpu_note = None
     if vram == "auto":
         if gpu is None:
-            notes.print(f"no GPU found: planning for {DEFAULT_VRAM // GiB} GiB (choose with --vram)")
+            no_gpu_note = f"no GPU found: planning for {DEFAULT_VRAM // GiB} GiB (choose with --vram)"
             budget, vram_source = DEFAULT_VRAM, "no GPU: default"
         else:
             budget, vram_source = gpu.free_bytes, f"free on {gpu.name}"
@@ -188,7 +189,7 @@ def plan(
     else:
         cbw, cbw_source = measure_cpu_bandwidth(), "measured"
 
-    options = PlanOptions(vram_bytes=budget, margin_bytes=parse_size(margin, "--margin"), n_ctx=ctx_size,
+    options = PlanOptions(vram_bytes=budget, margin_bytes=margin_bytes, n_ctx=ctx_size,
                           cache_type_k=cache_type_k, cache_type_v=cache_type_v, spec_type=spec_type,
                           spec_draft_n_max=spec_draft_n_max, draft=draft, accept_rate=accept_rate,
                           gpu_bw=gbw, cpu_bw=cbw, k_max=k_max)
@@ -196,6 +197,8 @@ def plan(
         p = make_plan(profile, options)
     except PlanError as exc:
         raise UserError(str(exc)) from None
+    if no_gpu_note:             # after the plan, so that an error stays the only line on stderr
+        Console(stderr=True, highlight=False).print(no_gpu_note)
     host = _host_ram(p.cpu_bytes)
     sources = {"vram": vram_source, "gpu_bw": gbw_source, "cpu_bw": cbw_source}
     if as_json:

@@ -194,10 +194,12 @@ def _check(profile: ModelProfile, opt: PlanOptions) -> None:
         raise PlanError(f"k_max {opt.k_max} is smaller than a verify batch ({opt.n_draft + 1} tokens)")
     if opt.gpu_bw <= 0 or opt.cpu_bw <= 0:
         raise PlanError("bandwidths must be positive")
-    try:
-        profile.kv_bytes_per_token(opt.cache_type_k, opt.cache_type_v)
-    except ValueError as exc:
-        raise PlanError(f"{profile.name}: {exc}") from None
+    for model in (profile, opt.draft if opt.spec_type == "draft-simple" else None):
+        try:
+            if model is not None:
+                model.kv_bytes_per_token(opt.cache_type_k, opt.cache_type_v)
+        except ValueError as exc:
+            raise PlanError(f"{model.name}: {exc}") from None
 
 
 def _fixed_lines(profile: ModelProfile, opt: PlanOptions) -> tuple[list[Line], dict[str, str]]:

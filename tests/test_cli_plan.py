@@ -73,6 +73,12 @@ def test_auto_without_a_gpu_plans_for_12_gib(monkeypatch):
     assert json.loads(r.stdout)["budget_bytes"] == 12 << 30
 
 
+def test_an_error_is_the_only_line_even_without_a_gpu(monkeypatch):
+    monkeypatch.setattr("hybridrt.cli_plan.detect_gpu", lambda: None)
+    r = invoke("-m", require(SMOLLM2), "--spec-type", "ngram-simple", "--spec-draft-n-max", "0", *FIXED_BW)
+    assert isinstance(r.exception, UserError) and r.stderr == ""
+
+
 def test_cpu_bandwidth_is_measured_when_not_given():
     r = invoke("-m", require(SMOLLM2), "--vram", "1GiB", "--gpu-bw", "400", "--json")
     d = json.loads(r.stdout)
