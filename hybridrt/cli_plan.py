@@ -14,7 +14,7 @@ from typing import Optional
 import typer
 
 from placement import (DEFAULT_GPU_BW, SPEC_TYPES, GiB, MiB, Plan, PlanError, PlanOptions, gpu_peak_bandwidth,
-                       measure_cpu_bandwidth)
+                       layer_ranges, measure_cpu_bandwidth)
 from placement import plan as make_plan
 
 from .errors import UserError
@@ -101,8 +101,6 @@ def _print_report(p: Plan, host: dict, sources: dict) -> None:
                       _mib(line.cpu_bytes) if line.cpu_bytes else "·", line.detail)
     console.print(table)
     n_gpu, n_cpu = len(p.ffn_gpu_layers), len(p.ffn_cpu_layers)
-    from placement import layer_ranges
-
     console.print(f"FFN on GPU: {layer_ranges(p.ffn_gpu_layers) or 'none'} ({n_gpu} layers), "
                   f"CPU: {layer_ranges(p.ffn_cpu_layers) or 'none'} ({n_cpu} layers)")
     for why in p.not_fitted:
@@ -183,7 +181,7 @@ def plan(
     elif gpu is not None and gpu.peak_bw:
         gbw, gbw_source = gpu.peak_bw, f"peak of {gpu.name}"
     else:
-        gbw, gbw_source = DEFAULT_GPU_BW, "assumed, no GPU to ask"
+        gbw, gbw_source = DEFAULT_GPU_BW, f"assumed ({gpu.name}: unknown card)" if gpu else "assumed, no GPU to ask"
     if cpu_bw is not None:
         cbw, cbw_source = cpu_bw * 1e9, "from --cpu-bw"
     else:

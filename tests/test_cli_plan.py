@@ -144,3 +144,14 @@ def test_draft_model_with_md():
     assert lines["draft_weights"]["gpu_bytes"] == sum(t.nbytes for t in GGUFFile(SMOLLM2).tensors.values())
     assert lines["draft_kv"]["gpu_bytes"] == 2048 * 30 * 3 * 64 * 2 * 2
     assert d["speed"]["draft_step_s"] > 0
+
+
+def test_auto_with_a_gpu_uses_its_free_memory_and_bandwidth(monkeypatch):
+    from hybridrt.cli_plan import GPUInfo
+
+    monkeypatch.setattr("hybridrt.cli_plan.detect_gpu", lambda: GPUInfo("Fake GPU", 200 << 20, 1 << 30, 300e9))
+    r = invoke("-m", require(SMOLLM2), "--margin", "64MiB", "-c", "1024", "--cpu-bw", "20", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["budget_bytes"] == 200 << 20 and d["speed"]["gpu_bw"] == 300e9
+    assert d["sources"]["vram"] == "free on Fake GPU" and d["sources"]["gpu_bw"] == "peak of Fake GPU"

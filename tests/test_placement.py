@@ -313,3 +313,25 @@ def test_qwen35moe_tensor_table(tmp_path):
     assert roles["token_embd.weight"] == ("embedding", False)
     assert prof.n_ff == n_used * ff_exp + ff_sh and (prof.n_expert, prof.n_expert_used) == (n_exp, n_used)
     assert prof.recurrent_state_bytes == 3 * 4 * (4 * 16 * 16 + 3 * 128)
+
+
+def test_gpu_peak_bandwidth():
+    from placement import gpu_peak_bandwidth
+
+    # H100 SXM: HBM3 at 2619 MHz on a 5120-bit bus, double data rate
+    assert gpu_peak_bandwidth("NVIDIA H100 80GB HBM3", 2_619_000, 5120) == pytest.approx(3.352e12, rel=1e-3)
+    assert gpu_peak_bandwidth("NVIDIA GeForce RTX 4070") == 504e9
+    assert gpu_peak_bandwidth("NVIDIA H100 PCIe") == 2000e9
+    assert gpu_peak_bandwidth("Some Future Card") is None
+
+
+def test_cpu_bandwidth_probe_is_quick():
+    import time
+
+    from placement import measure_cpu_bandwidth
+
+    t0 = time.process_time()
+    bw = measure_cpu_bandwidth()
+    assert 1e8 < bw < 1e13
+    # CPU seconds (robust on a shared machine): the work is fixed, 64 MiB filled and 5 x 64 MiB summed
+    assert time.process_time() - t0 < 1.0
