@@ -139,9 +139,9 @@ def _gdn_tensors(p: str, d: ModelDims) -> list[TensorSpec]:
     key_dim = d.ssm_k_heads * d.ssm_head_dim
     value_dim = d.ssm_v_heads * d.ssm_head_dim
     conv_dim = 2 * key_dim + value_dim
-    return [TensorSpec(f"{p}.attn_qkv.weight", (d.n_embd, conv_dim), "matrix"),
+    return [TensorSpec(f"{p}.attn_qkv.weight", (d.n_embd, conv_dim), "qkv"),
             TensorSpec(f"{p}.attn_gate.weight", (d.n_embd, value_dim), "matrix"),
-            TensorSpec(f"{p}.ssm_conv1d.weight", (d.ssm_conv, conv_dim), "conv"),
+            TensorSpec(f"{p}.ssm_conv1d.weight", (d.ssm_conv, conv_dim), "conv_qkv"),
             TensorSpec(f"{p}.ssm_dt.bias", (d.ssm_v_heads,), "dt_bias"),
             TensorSpec(f"{p}.ssm_a", (d.ssm_v_heads,), "ssm_a"),
             TensorSpec(f"{p}.ssm_beta.weight", (d.n_embd, d.ssm_v_heads), "matrix"),
@@ -445,6 +445,95 @@ def write_sparse_preset(path: str | Path, preset: str = "qwen3.6-27b-mtp") -> Pa
     data_size = sum(gguf.GGUFWriter.ggml_pad(tensor_nbytes(s.ne, t), w.data_alignment)
                     for s, t in zip(specs, types))
     f.truncate(data_start + data_size)
+    w.close()
+    return path
+
+
+# ---------------------------------------------------------------- tiny models with weights
+
+def tiny_dims(arch: str, mtp: bool = False, mix: str = "f32", overrides: dict | None = None) -> ModelDims:
+    """Default tiny dims for an arch; the q4_k_m mix widens rows to 256 so K-quants apply."""
+    if arch not in TINY_DEFAULTS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+    d = TINY_DEFAULTS[arch]
+    if mix == "q4_k_m":
+        d = dataclasses.replace(d, n_embd=256, n_ff=512)
+    if mtp:
+        if arch != "qwen35":
+            raise ValueError("--mtp is only defined for qwen35")
+        d = dataclasses.replace(d, n_mtp=1)
+    return dataclasses.replace(d, **(overrides or {}))
+
+
+def draw_tensor(spec: TensorSpec, rng: np.random.Generator, d: ModelDims) -> np.ndarray:
+    """Random float32 weights with realistic scales, numpy shape = reversed ggml shape."""
+    shape = tuple(reversed(spec.ne))
+    if spec.kind in ("matrix", "qkv"):      # keeps activations O(1) through each projection
+        x = rng.standard_normal(shape) / np.sqrt(spec.ne[0])
+        if spec.name.endswith(("ssm_out.weight", "attn_output.weight", "ffn_down.weight")):
+            x /= np.sqrt(2 * d.block_count)      # GPT-2 style: residual writes scaled by depth
+    elif spec.kind == "embd":
+        x = 0.5 * rng.standard_normal(shape)
+    elif spec.kind in ("norm", "ssm_norm"):
+        x = 1.0 + 0.1 * rng.standard_normal(shape)
+    elif spec.kind == "ssm_a":     # stored as -exp(A_log): a negative decay rate per value head
+        x = -rng.uniform(0.1, 2.0, shape)
+    elif spec.kind == "dt_bias":
+        x = rng.uniform(-1.0, 1.0, shape)
+    elif spec.kind == "conv_qkv":
+        x = rng.standard_normal(shape) / np.sqrt(spec.ne[0])
+    else:
+        raise ValueError(spec.kind)
+    if spec.kind in ("qkv", "conv_qkv"):
+        # GDN: rows [q; k; v]. Independent random q and k make q.k pass near zero, and the
+        # per-head ssm_norm then blows tiny activation errors up (a q8_0 file loses top-1 on a
+        # quarter of positions); trained models align q and k, so draw k close to q.
+        kd = d.ssm_k_heads * d.ssm_head_dim
+        x[kd:2 * kd] = 0.8 * x[:kd] + 0.6 * x[kd:2 * kd]
+    return x.astype(np.float32)
+
+
+def quantize(x: np.ndarray, qtype: QT) -> np.ndarray:
+    """float32 [rows, cols] -> the stored array (float32/float16, or uint8 blocks)."""
+    if qtype == QT.F32:
+        return np.ascontiguousarray(x, dtype=np.float32)
+    if qtype == QT.F16:
+        return x.astype(np.float16)
+    try:
+        from cpu_kernels.quantize import quantize as cpu_quantize
+    except ImportError:
+        cpu_quantize = None
+    if cpu_quantize is not None:
+        q = np.asarray(cpu_quantize(np.ascontiguousarray(x, dtype=np.float32), int(qtype)))
+    elif qtype in (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0):
+        q = gguf.quants.quantize(x, qtype)
+    else:
+        raise RuntimeError(f"{qtype.name} needs cpu_kernels.quantize, which is not importable")
+    q = q.view(np.uint8).reshape(x.shape[0], -1)
+    assert q.shape[1] == tensor_nbytes((x.shape[1],), qtype), (q.shape, qtype)
+    return q
+
+
+def write_model(path: str | Path, arch: str, mtp: bool = False, mix: str = "f32", seed: int = 0,
+                dims: dict | None = None) -> Path:
+    """A tiny random model of ``arch`` in llama.cpp's layout; same seed and args, same bytes."""
+    d = tiny_dims(arch, mtp, mix, dims)
+    tok = tiny_tokenizer(arch) if d.n_vocab == 0 else generated_tokenizer(arch, d.n_vocab)
+    d = dataclasses.replace(d, n_vocab=len(tok.tokens))
+    specs = tensor_table(d)
+    types = assign_types(specs, mix, d)
+    rng = np.random.default_rng(seed)
+    path = Path(path)
+    w = gguf.GGUFWriter(path, d.arch)
+    _add_metadata(w, d, tok, mix)
+    for s, t in zip(specs, types):
+        x = draw_tensor(s, rng, d)
+        data = quantize(x.reshape(-1, s.ne[0]), t)
+        w.add_tensor(s.name, data if data.dtype == np.uint8 else data.reshape(x.shape),
+                     raw_dtype=t if data.dtype == np.uint8 else None)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
     w.close()
     return path
 
