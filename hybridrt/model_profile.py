@@ -119,15 +119,15 @@ def profile_from_gguf(f: GGUFFile) -> ModelProfile:
             return LayerProfile("gdn", gdn=gdn(i))
         return LayerProfile("attention", attention=attention(i))
 
-    tensors = []
+    tensors, mixer = [], []
     for name, t in f.tensors.items():
         layer, part = _split_name(name)
-        tensors.append(TensorEntry(name, _role(layer, part, n_layer, kinds, tied), t.nbytes, layer,
-                                   expert="_exps." in part))
+        role = _role(layer, part, n_layer, kinds, tied)
+        tensors.append(TensorEntry(name, role, t.nbytes, layer, expert="_exps." in part))
+        if role in ("attention", "gdn", "mtp") and len(t.shape) == 2 and not part.startswith("ffn_"):
+            mixer.append(t.shape[1])
 
     n_used = int(f.get("expert_used_count", 0) or 0)
-    mixer = [t.shape[1] for t in f.tensors.values() if len(t.shape) == 2 and not _split_name(t.name)[1].startswith("ffn_")
-             and _role(*_split_name(t.name), n_layer, kinds, tied) in ("attention", "gdn", "mtp")]
     mtp_parts = set().union(*(by_layer.get(i, {}) for i in range(n_layer, block_count))) if n_mtp else set()
     notes = []
     if arch == "gemma3":
