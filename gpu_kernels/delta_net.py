@@ -27,7 +27,8 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: tor
     """Per value head h and token t (state S[h] is d_k x d_v, float32, updated in place):
         S = exp(g) S;  u = beta (v - S^T k);  S = S + k u^T;  o = S^T q
     q, k: [n, H, d_k] (already broadcast to value heads, normalised, q scaled); v: [n, H, d_v];
-    log_decay g, beta: [n, H]. `snapshots` [>= n, H, d_k, d_v] receives S after each token.
+    log_decay g, beta: [n, H]. `snapshots` [>= n - 1, H, d_k, d_v] receives S after each token but the last
+    (the last one is the live state itself).
     Returns o [n, H, d_v]."""
     n = q.shape[0]
     out = torch.empty_like(v)
@@ -38,6 +39,6 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: tor
         u = beta[t][:, None] * (v[t] - kv_mem)
         state.add_(k[t].unsqueeze(2) * u.unsqueeze(1))                      # k u^T
         out[t] = torch.bmm(q[t].unsqueeze(1), state).squeeze(1)             # S^T q
-        if snapshots is not None:
+        if snapshots is not None and t < n - 1:
             snapshots[t].copy_(state)
     return out

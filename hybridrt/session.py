@@ -13,7 +13,7 @@ PROMPT_CHUNK = 512    # prompt tokens per forward (bounds the attention scratch,
 
 
 class Session:
-    def __init__(self, model: Model, n_ctx: int | None = None, cache_type: str = "f32", k_max: int = 16):
+    def __init__(self, model: Model, n_ctx: int | None = None, cache_type: str = "f32", k_max: int = 4):
         n_ctx = n_ctx or min(model.n_ctx_train, 4096)
         if n_ctx > model.n_ctx_train:
             raise UserError(f"context {n_ctx} is larger than the model's training context {model.n_ctx_train}")

@@ -2,8 +2,11 @@
 
 Attention rolls back by moving its length, but a recurrent state has no history: to accept only
 the first m tokens of a k-token verify batch we need the state as it was after token m. The ring
-is allocated once for k_max (slot 0 = before the batch, slot i = after its i-th token) and is
-written by the recurrence itself, on the state's own device, so there is no stale host copy.
+is allocated once for k_max and is written by the recurrence itself, on the state's own device, so
+there is no stale host copy. Slot i holds S after the batch's (i+1)-th token, for i < k_max - 1:
+the state after the last token is the live state, and a verify step always keeps its first
+(certain) token, so k_max - 1 slots (= the draft count N) serve every rollback. The conv state is
+cheap, so the batch's whole conv input history is kept instead of per-token copies.
 """
 from __future__ import annotations
 
@@ -14,8 +17,8 @@ class SnapshotRing:
     def __init__(self, n_layers: int, k_max: int, conv_rows: int, conv_channels: int,
                  s_shape: tuple[int, int, int], device):
         self.k_max = k_max
-        # S after each token (slot 0: before the batch), per GDN layer
-        self.S = torch.zeros(n_layers, k_max + 1, *s_shape, dtype=torch.float32, device=device)
+        # S after each token but the last, per GDN layer
+        self.S = torch.zeros(n_layers, max(k_max - 1, 0), *s_shape, dtype=torch.float32, device=device)
         # conv input history of the batch: [old conv state; the batch's inputs]; the conv state
         # after m tokens is rows [m, m + conv_rows)
         self.conv_hist = torch.zeros(n_layers, conv_rows + k_max, conv_channels, dtype=torch.float32, device=device)
@@ -32,13 +35,15 @@ class SnapshotRing:
         return True
 
     def can_restore(self, n_keep: int) -> bool:
-        return self.batch_start is not None and self.batch_start <= n_keep <= self.batch_start + self.batch_len
+        return self.batch_start is not None and self.batch_start < n_keep <= self.batch_start + self.batch_len
 
     def restore(self, n_keep: int, conv_state: list[torch.Tensor], S: list[torch.Tensor]) -> None:
         """Put every layer's live state back to what it was after absolute position n_keep - 1."""
         m = n_keep - self.batch_start
+        if m == self.batch_len:
+            return
         for layer in range(len(S)):
-            S[layer].copy_(self.S[layer, m])
+            S[layer].copy_(self.S[layer, m - 1])
             conv_state[layer].copy_(self.conv_hist[layer, m:m + self.conv_rows])
         self.batch_len = m
 

@@ -48,13 +48,13 @@ class Model:
     def detokenize(self, ids) -> str:
         return self.tokenizer.decode(list(ids))
 
-    def session(self, n_ctx: int | None = None, cache_type: str = "f32", k_max: int = 16):
+    def session(self, n_ctx: int | None = None, cache_type: str = "f32", k_max: int = 4):
         from ..session import Session
 
         return Session(self, n_ctx, cache_type, k_max)
 
     # --- state -------------------------------------------------------------------------------
-    def new_state(self, n_ctx: int, cache_type: str = "f32", k_max: int = 16) -> ModelState:
+    def new_state(self, n_ctx: int, cache_type: str = "f32", k_max: int = 4) -> ModelState:
         kv = KVCache(self.n_attention_layers, n_ctx, self.n_kv, self.head_dim, self.head_dim_v,
                      CACHE_DTYPES[cache_type], self.device)
         return ModelState(n_ctx=n_ctx, kv=kv)

@@ -104,9 +104,8 @@ class GatedDeltaNet:
         snapshots = None
         if capture:
             ring = state.ring
-            ring.S[self.index, 0].copy_(state.S[self.index])
             ring.conv_hist[self.index, :history.shape[0]].copy_(history)
-            snapshots = ring.S[self.index, 1:]
+            snapshots = ring.S[self.index]
         o = delta_rule(q, k, v, log_decay, beta, state.S[self.index], snapshots)
         y = rms_norm(o, self.norm, s.eps) * F.silu(z)
         return self.w_out(y.reshape(n, s.value_dim))
@@ -148,7 +147,7 @@ class Qwen35(Model):
         self.mtp = MTPHead(binder, self) if self.n_nextn else None
 
     # --- state ----------------------------------------------------------------------------------
-    def new_state(self, n_ctx: int, cache_type: str = "f32", k_max: int = 16) -> HybridState:
+    def new_state(self, n_ctx: int, cache_type: str = "f32", k_max: int = 4) -> HybridState:
         s, dev = self.gdn_spec, self.device
         kv = KVCache(self.n_attention_layers, n_ctx, self.n_kv, self.head_dim, self.head_dim_v,
                      CACHE_DTYPES[cache_type], dev)
@@ -172,7 +171,8 @@ class Qwen35(Model):
             return
         if not state.ring.can_restore(n):
             raise UserError(f"{self.arch}: cannot roll the recurrent state back to {n} tokens: only positions "
-                            f"inside the last verify batch (up to k_max = {state.ring.k_max} tokens) are kept")
+                            f"after the first token of the last verify batch (up to k_max = "
+                            f"{state.ring.k_max} tokens) are kept")
         state.ring.restore(n, state.conv, state.S)
 
     # --- compute --------------------------------------------------------------------------------
