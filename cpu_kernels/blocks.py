@@ -72,7 +72,7 @@ def f32_to_bits(typingctx, x):
     return types.uint32(x), codegen
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def f16_bits_to_f32_bits(h):
     """IEEE half -> single bit pattern, exact (numpy's conversion: subnormals normalised, NaN payload kept)."""
     h = np.uint32(h)
@@ -92,13 +92,13 @@ def f16_bits_to_f32_bits(h):
     return sign | (e << np.uint32(23)) | ((mant & np.uint32(0x3FF)) << np.uint32(13))
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def load_f16(src, off):
     """The little-endian float16 at src[off], as float32."""
     return bits_to_f32(f16_bits_to_f32_bits(np.uint32(src[off]) | (np.uint32(src[off + 1]) << np.uint32(8))))
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def load_u32(src, off):
     return (np.uint32(src[off]) | (np.uint32(src[off + 1]) << np.uint32(8))
             | (np.uint32(src[off + 2]) << np.uint32(16)) | (np.uint32(src[off + 3]) << np.uint32(24)))
@@ -106,24 +106,24 @@ def load_u32(src, off):
 
 # ---------------------------------------------------------------- float types (block = 1 element)
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def decode_f32(src, off, out, out_off):
     out[out_off] = bits_to_f32(load_u32(src, off))
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def decode_f16(src, off, out, out_off):
     out[out_off] = load_f16(src, off)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def decode_bf16(src, off, out, out_off):
     out[out_off] = bits_to_f32((np.uint32(src[off]) << np.uint32(16)) | (np.uint32(src[off + 1]) << np.uint32(24)))
 
 
 # ---------------------------------------------------------------- legacy 32-element blocks
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def decode_q4_0(src, off, out, out_off):
     d = load_f16(src, off)
     for j in range(16):
@@ -132,7 +132,7 @@ def decode_q4_0(src, off, out, out_off):
         out[out_off + j + 16] = d * np.float32(np.int32(b >> 4) - 8)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def decode_q4_1(src, off, out, out_off):
     d = load_f16(src, off)
     m = load_f16(src, off + 2)
@@ -142,7 +142,7 @@ def decode_q4_1(src, off, out, out_off):
         out[out_off + j + 16] = d * np.float32(b >> 4) + m
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def decode_q5_0(src, off, out, out_off):
     d = load_f16(src, off)
     qh = load_u32(src, off + 2)
@@ -154,7 +154,7 @@ def decode_q5_0(src, off, out, out_off):
         out[out_off + j + 16] = d * np.float32(np.int32(hi) - 16)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def decode_q5_1(src, off, out, out_off):
     d = load_f16(src, off)
     m = load_f16(src, off + 2)
@@ -167,14 +167,14 @@ def decode_q5_1(src, off, out, out_off):
         out[out_off + j + 16] = d * np.float32(hi) + m
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def decode_q8_0(src, off, out, out_off):
     d = load_f16(src, off)
     for j in range(32):
         out[out_off + j] = np.float32(np.int8(src[off + 2 + j])) * d
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def decode_iq4_nl(src, off, out, out_off):
     d = load_f16(src, off)
     for j in range(16):
@@ -185,7 +185,7 @@ def decode_iq4_nl(src, off, out, out_off):
 
 # ---------------------------------------------------------------- 256-element super-blocks
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def decode_q2_k(src, off, out, out_off):
     # scales[16] @0, qs[64] @16, d @80, dmin @82; element h*128 + s*32 + l is bits 2s of qs[h*32 + l]
     d = load_f16(src, off + 80)
@@ -201,7 +201,7 @@ def decode_q2_k(src, off, out, out_off):
                     out[out_off + h * 128 + s * 32 + l] = dl * np.float32(q) - ml
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def q3_k_scale(src, off, i):
     """Signed 6-bit scale i (0..15) of a Q3_K block whose 12 scale bytes start at src[off]."""
     if i < 8:
@@ -212,7 +212,7 @@ def q3_k_scale(src, off, i):
     return (low | (high << 4)) - 32
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def decode_q3_k(src, off, out, out_off):
     # hmask[32] @0, qs[64] @32, scales[12] @96, d @108; element h*128 + s*32 + l: low 2 bits from
     # bits 2s of qs[h*32 + l], high bit j = 4h + s of hmask[l] (set means no -4 offset)
@@ -228,7 +228,7 @@ def decode_q3_k(src, off, out, out_off):
                     out[out_off + h * 128 + s * 32 + l] = dl * np.float32(low - 4 + 4 * hbit)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def k_scale_min(src, off, j):
     """6-bit (scale, min) of sub-block j (0..7) from the 12 packed bytes at src[off] (Q4_K, Q5_K)."""
     if j < 4:
@@ -238,7 +238,7 @@ def k_scale_min(src, off, j):
     return sc, m
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def decode_q4_k(src, off, out, out_off):
     # d @0, dmin @2, scales[12] @4, qs[128] @16
     d = load_f16(src, off)
@@ -256,7 +256,7 @@ def decode_q4_k(src, off, out, out_off):
             out[out_off + c * 64 + 32 + l] = d1 * np.float32(b >> 4) - dm1
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def decode_q5_k(src, off, out, out_off):
     # d @0, dmin @2, scales[12] @4, qh[32] @16, qs[128] @48; sub-block j takes bit j of qh[l]
     d = load_f16(src, off)
@@ -277,7 +277,7 @@ def decode_q5_k(src, off, out, out_off):
             out[out_off + c * 64 + 32 + l] = d1 * np.float32(q1) - dm1
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def decode_q6_k(src, off, out, out_off):
     # ql[128] @0, qh[64] @128, int8 scales[16] @192, d @208; two halves of 128 elements
     d = load_f16(src, off + 208)
@@ -301,7 +301,7 @@ def decode_q6_k(src, off, out, out_off):
             out[o + l + 96] = (d * np.float32(np.int8(src[sc + i + 6]))) * np.float32(q3)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def decode_iq4_xs(src, off, out, out_off):
     # d @0, u16 scales_h @2, scales_l[4] @4, qs[128] @8; 8 sub-blocks of 32 with signed 6-bit scales
     d = load_f16(src, off)

@@ -24,7 +24,10 @@ def _flat_rows(raw: np.ndarray, row_bytes: int) -> tuple[np.ndarray, int]:
         raise TypeError(f"raw tensor bytes must be uint8, got {raw.dtype}")
     if raw.ndim == 2 and raw.shape[1] != row_bytes:
         raise ValueError(f"rows of {raw.shape[1]} bytes, expected {row_bytes}")
-    flat = np.ascontiguousarray(raw).reshape(-1)
+    flat = np.ascontiguousarray(raw).reshape(-1).view()
+    # Tensors come as read-only mmap views; make every input read-only so Numba compiles (and
+    # caches) one specialisation instead of two.
+    flat.flags.writeable = False
     if flat.size % row_bytes:
         raise ValueError(f"{flat.size} bytes is not a whole number of {row_bytes}-byte rows")
     return flat, flat.size // row_bytes
