@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny synthetic GGUF models built once per test session.
+
+The files come from scripts/make_model.py (imported by putting scripts/ on sys.path). Each fixture
+is an F32 file with seed 0; build other mixes/seeds in a test with ``make_model.write_model``.
+
+    def test_x(tiny_qwen35_mtp): ...     # a pathlib.Path to the .gguf
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+if str(SCRIPTS) not in sys.path:
+    sys.path.insert(0, str(SCRIPTS))
+
+import make_model  # noqa: E402
+
+
+def _build(tmp_path_factory, name: str, arch: str, mtp: bool = False) -> Path:
+    return make_model.write_model(tmp_path_factory.mktemp("models") / f"{name}.gguf", arch,
+                                  mtp=mtp, mix="f32", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen35(tmp_path_factory) -> Path:
+    return _build(tmp_path_factory, "tiny-qwen35", "qwen35")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen35_mtp(tmp_path_factory) -> Path:
+    return _build(tmp_path_factory, "tiny-qwen35-mtp", "qwen35", mtp=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return _build(tmp_path_factory, "tiny-llama", "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> Path:
+    return _build(tmp_path_factory, "tiny-qwen3", "qwen3")
