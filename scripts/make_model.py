@@ -119,7 +119,7 @@ PRESETS: dict[str, tuple[ModelDims, str]] = {
 class TensorSpec:
     name: str
     ne: tuple[int, ...]          # ggml order: ne[0] is the row length
-    kind: str                    # how to draw it: matrix | embd | norm | ssm_norm | ssm_a | dt_bias | conv
+    kind: str   # how to draw it: matrix | qkv | conv_qkv | embd | norm | ssm_norm | ssm_a | dt_bias
 
 
 def _attention_tensors(p: str, d: ModelDims, qwen35: bool) -> list[TensorSpec]:
