@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from gguf.constants import GGMLQuantizationType as _T
@@ -368,3 +368,12 @@ def decode_row(src, off, qtype, n_cols, out, out_off):
             decode_iq4_xs(src, off + 136 * b, out, out_off + 256 * b)
     else:
         raise ValueError("decode_row: unsupported tensor type")
+
+
+# Lives here, not in dequant.py: Numba's cache only notices edits to the caller's own file, and the
+# decoders above are inlined into this loop.
+@njit(parallel=True, cache=True)
+def decode_rows(flat, row_bytes, qtype, n_cols, row_ids, out):
+    """out[i] = row row_ids[i] of the tensor whose rows of row_bytes bytes are packed in flat."""
+    for i in prange(row_ids.shape[0]):
+        decode_row(flat, row_ids[i] * row_bytes, qtype, n_cols, out[i], 0)

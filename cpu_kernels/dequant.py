@@ -6,16 +6,9 @@ Numba's prange; the number of threads is whatever `numba.set_num_threads` says.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
 
-from .blocks import decode_row
+from .blocks import decode_rows
 from .formats import format_of
-
-
-@njit(parallel=True, cache=True)
-def _decode_rows(flat, row_bytes, qtype, n_cols, row_ids, out):
-    for i in prange(row_ids.shape[0]):
-        decode_row(flat, row_ids[i] * row_bytes, qtype, n_cols, out[i], 0)
 
 
 def _flat_rows(raw: np.ndarray, row_bytes: int) -> tuple[np.ndarray, int]:
@@ -42,7 +35,7 @@ def gather_rows(raw: np.ndarray, qtype: int, n_cols: int, row_ids: np.ndarray) -
         raise IndexError(f"row id out of range [0, {n_rows})")
     out = np.empty((row_ids.size, n_cols), dtype=np.float32)
     if row_ids.size:
-        _decode_rows(flat, fmt.row_bytes(n_cols), fmt.qtype, n_cols, row_ids, out)
+        decode_rows(flat, fmt.row_bytes(n_cols), fmt.qtype, n_cols, row_ids, out)
     return out
 
 
