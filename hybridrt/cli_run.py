@@ -38,11 +38,19 @@ def run(
     device: str = typer.Option("cpu", "--device", help="Trunk device: cpu or cuda."),
     cache_type: str = typer.Option("f32", "--cache-type-k", help="KV cache type: f32, f16, bf16."),
     display_prompt: bool = typer.Option(True, "--display-prompt/--no-display-prompt", help="Echo the prompt before the output."),
+    spec_type: Optional[str] = typer.Option(None, "--spec-type", help="Speculative drafts: none, draft-mtp, draft-simple, ngram-simple (default: draft-mtp when the model has an MTP head, else none)."),
+    model_draft: Optional[str] = typer.Option(None, "-md", "--model-draft", help="Draft model for --spec-type draft-simple (same vocabulary)."),
+    draft_n_max: int = typer.Option(3, "--spec-draft-n-max", "--draft-max", help="Most draft tokens per step."),
+    draft_n_min: int = typer.Option(0, "--spec-draft-n-min", "--draft-min", help="Drop proposals shorter than this."),
+    draft_p_min: float = typer.Option(0.0, "--spec-draft-p-min", "--draft-p-min", help="Stop model drafting below this top-1 probability."),
+    ngram_n: int = typer.Option(4, "--spec-ngram-size-n", help="ngram-simple: longest n-gram to match (tried down to 2)."),
 ):
     """Generate text from a prompt (streams tokens; timings on stderr like llama.cpp)."""
     from .generate import generate
     from .loader import load_model
     from .sampling import SamplerConfig
+    from .speculative.loop import SpecConfig, speculative_generate
+    from .speculative.sources import build_source, default_spec_type
 
     text = read_prompt(prompt, file)
     _check_device(device)
@@ -53,7 +61,12 @@ def run(
     n_ctx = min(ctx_size, m.n_ctx_train) if ctx_size > 0 else m.n_ctx_train
     if len(ids) >= n_ctx:
         raise UserError(f"prompt is {len(ids)} tokens, the context is {n_ctx} (raise -c or shorten the prompt)")
-    session = m.session(n_ctx, cache_type)
+    sampler = SamplerConfig(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    spec = SpecConfig(n_max=draft_n_max, n_min=draft_n_min, p_min=draft_p_min)
+    spec_type = spec_type or ("draft-simple" if model_draft else default_spec_type(m))
+    draft_model = load_model(model_draft, device=device) if model_draft else None
+    session = m.session(n_ctx, cache_type, k_max=spec.k_max)
+    source = build_source(spec_type, session, sampler, spec, draft_model, ngram_n_max=ngram_n, cache_type=cache_type)
     if display_prompt and not chat:
         sys.stdout.write(text)
     stream = m.tokenizer.stream()
@@ -62,10 +75,14 @@ def run(
         sys.stdout.write(stream.push(token))
         sys.stdout.flush()
 
-    sampler = SamplerConfig(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
-    _, stats = generate(m, session, ids, n_predict, sampler, on_token=emit)
+    if source is None:
+        _, stats = generate(m, session, ids, n_predict, sampler, on_token=emit)
+    else:
+        _, stats = speculative_generate(m, session, ids, n_predict, sampler, source, spec, on_token=emit)
     sys.stdout.write(stream.flush() + "\n")
     sys.stdout.flush()
+    if stats.spec is not None:
+        print(stats.spec.summary(), file=sys.stderr)
     print(f"prompt eval: {stats.n_prompt} tokens in {stats.prompt_s * 1e3:.0f} ms ({stats.prompt_tps:.1f} t/s) | "
           f"decode: {stats.n_decode} tokens in {stats.decode_s * 1e3:.0f} ms ({stats.decode_tps:.1f} t/s)",
           file=sys.stderr)

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from .models.base import Model
 from .sampling import SamplerConfig, make_generator, sample_token
 from .session import Session
+
+if TYPE_CHECKING:
+    from .speculative.stats import SpecStats
 
 
 @dataclass
@@ -23,6 +26,7 @@ class GenerationStats:
     decode_s: float = 0.0
     stopped_by: str = ""         # "eog", "n_predict" or "context"
     extra: dict = field(default_factory=dict)
+    spec: "SpecStats | None" = None     # set by the speculative loop
 
     @property
     def prompt_tps(self) -> float:

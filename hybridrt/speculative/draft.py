@@ -1,0 +1,78 @@
+"""What a draft source is to the decoding loop, and how a model-based source turns its logits
+into draft tokens (argmax at temp 0; a sample of the transformed distribution q at temp > 0).
+
+A source sees the committed sequence through `observe` (tokens the target has evaluated and kept,
+with the target's final hidden states) and proposes up to n tokens to follow the certain token.
+It never commits anything itself: what the target rejects simply never reaches `observe`, so a
+source's own state (MTP KV, draft-model KV, n-gram index) only has to stay consistent with it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+
+from ..sampling import SamplerConfig, filtered_probs
+
+
+@dataclass
+class Draft:
+    """Proposed tokens and, for sampled drafts, the distribution each was drawn from (one row of
+    `filtered_probs` per token: candidate ids [m] and probabilities [m]). q None means one-hot."""
+    tokens: list[int] = field(default_factory=list)
+    q_ids: list[torch.Tensor] | None = None
+    q_probs: list[torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def truncated(self, n: int) -> "Draft":
+        if n >= len(self.tokens):
+            return self
+        if self.q_ids is None:
+            return Draft(self.tokens[:n])
+        return Draft(self.tokens[:n], self.q_ids[:n], self.q_probs[:n])
+
+
+class DraftSource(Protocol):
+    name: str
+
+    def observe(self, start: int, tokens: Sequence[int], hidden: torch.Tensor | None) -> None:
+        """The target evaluated and kept `tokens` at positions [start, start + n); `hidden` holds
+        its final-normed hidden state of each (rows [n, n_embd]). Calls cover every position once,
+        in order, starting at 0."""
+
+    def propose(self, certain: int, pos: int, n_max: int) -> Draft:
+        """Up to n_max tokens to follow `certain`, the token known to come at position `pos`."""
+
+
+class DraftPicker:
+    """Chooses each draft token from a draft model's (or MTP head's) logits row.
+
+    temp 0: the argmax (q one-hot). temp > 0: a sample from filtered_probs under the same
+    SamplerConfig as the target, and q is that distribution, so acceptance is min(1, p/q).
+    `p_min` ends the draft at the first position whose top-1 probability is below it."""
+
+    def __init__(self, cfg: SamplerConfig, gen: torch.Generator, p_min: float = 0.0):
+        self.cfg, self.gen, self.p_min = cfg, gen, p_min
+
+    def start(self) -> Draft:
+        return Draft([], None, None) if self.cfg.greedy else Draft([], [], [])
+
+    def add(self, draft: Draft, logits_row: torch.Tensor) -> bool:
+        """Append a token chosen from logits_row [V]; False (nothing appended) when p_min stops it."""
+        if self.cfg.greedy:
+            if self.p_min > 0.0 and float(torch.softmax(logits_row.float(), dim=-1).max()) < self.p_min:
+                return False
+            draft.tokens.append(int(torch.argmax(logits_row)))
+            return True
+        ids, probs = filtered_probs(logits_row.unsqueeze(0), self.cfg)
+        ids, probs = ids[0], probs[0]
+        if float(probs[0]) < self.p_min:      # rows are sorted: probs[0] is the top-1
+            return False
+        choice = torch.multinomial(probs, 1, generator=self.gen)
+        draft.tokens.append(int(ids[choice]))
+        draft.q_ids.append(ids)
+        draft.q_probs.append(probs)
+        return True

@@ -1,0 +1,77 @@
+"""MTP self-speculation (`--spec-type draft-mtp`): the model's own NextN head drafts the tokens.
+
+The MTP entry at position j takes token t_j and the trunk's final hidden h_(j-1) and predicts
+t_(j+1); it writes the head's own KV at j. Drafting from the certain token c at position P:
+  1. one batched MTP call over the committed positions it has not yet seen with trunk hiddens
+     (the tokens accepted last step) plus c, with h from the target's verify pass; this both
+     rewrites those positions' MTP KV with trunk-quality inputs and yields the first draft;
+  2. chained calls, each feeding the previous draft with the MTP's own output hidden.
+Chained entries beyond the accepted prefix are overwritten by step 1 of the next proposal
+before anything reads them, so the MTP KV needs no explicit rollback.
+Position 0 has no previous hidden, so (as in llama.cpp, and the float64 reference) the MTP
+sequence starts at position 1. A prompt is written as soon as it is observed.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..errors import UserError
+from ..session import PROMPT_CHUNK, Session
+from .draft import Draft, DraftPicker
+
+EAGER_TOKENS = 64    # a prompt's MTP entries are written as it is observed (counted as prompt time)
+
+
+class MTPSource:
+    name = "draft-mtp"
+
+    def __init__(self, session: Session, picker: DraftPicker):
+        mtp = getattr(session.model, "mtp", None)
+        if mtp is None:
+            raise UserError(f"--spec-type draft-mtp: {session.model.arch} model has no MTP (nextn) head")
+        self.mtp, self.state, self.picker = mtp, session.state, picker
+        self.synced = 1      # MTP KV positions [1, synced) were written from trunk hiddens
+        self.tokens: list[int] = []                 # committed tokens at positions >= synced
+        self.prev_hidden: list[torch.Tensor] = []   # trunk hidden of the position before each
+        self.last_hidden: torch.Tensor | None = None    # trunk hidden of the last observed position
+        self.row = torch.empty(1, session.model.n_vocab)
+
+    def observe(self, start: int, tokens: Sequence[int], hidden: torch.Tensor | None) -> None:
+        for j, token in enumerate(tokens):
+            if start + j >= self.synced:
+                self.tokens.append(int(token))
+                self.prev_hidden.append(self.last_hidden)
+            self.last_hidden = hidden[j:j + 1]
+        if len(self.tokens) >= EAGER_TOKENS:
+            self._write(self.tokens, torch.cat(self.prev_hidden), self.synced)
+            self.synced += len(self.tokens)
+            self.tokens, self.prev_hidden = [], []
+
+    def _write(self, tokens: list[int], hiddens: torch.Tensor, start: int) -> torch.Tensor:
+        """MTP entries for `tokens` at [start, +n) from the trunk hiddens before each; returns
+        the MTP output hidden of the last."""
+        tok = torch.tensor(tokens, dtype=torch.int64)
+        for lo in range(0, len(tokens), PROMPT_CHUNK):
+            _, h = self.mtp.step(self.state, tok[lo:lo + PROMPT_CHUNK], hiddens[lo:lo + PROMPT_CHUNK],
+                                 start + lo, logits=False)
+        return h[-1:]
+
+    def propose(self, certain: int, pos: int, n_max: int) -> Draft:
+        draft = self.picker.start()
+        if n_max <= 0:
+            return draft
+        tokens = self.tokens + [certain]
+        hiddens = torch.cat(self.prev_hidden + [self.last_hidden])
+        start = pos + 1 - len(tokens)
+        if start != self.synced:
+            raise ValueError(f"MTP synced to {self.synced}, asked to draft from position {start}")
+        h = self._write(tokens, hiddens, start)
+        self.synced, self.tokens, self.prev_hidden = pos + 1, [], []
+        for i in range(n_max):
+            logits = self.mtp.head(h, out=self.row)[0]
+            if not self.picker.add(draft, logits) or i == n_max - 1:
+                break
+            _, h = self.mtp.step(self.state, torch.tensor(draft.tokens[-1:]), h, pos + 1 + i, logits=False)
+        return draft

@@ -1,0 +1,148 @@
+"""The speculative decoding loop, one for every draft source (and for none).
+
+Each step starts from a certain token c at position P (drawn from the logits of P - 1: it is never
+drawn again). The source proposes drafts d1..dn after c, and ONE target forward over
+[c, d1, ..., dn] at [P, P + n] yields logits at every position: row i verifies d(i+1), and the
+row after the last kept draft gives the next certain token (the correction after a rejection, or
+the bonus token). There is no separate commit pass. Rollback after keeping a drafts is
+`session.truncate(P + 1 + a)`: attention KV by length, recurrent state from the snapshot ring.
+Only kept tokens are shown to the source, so its state follows the committed sequence.
+
+A stop token or the -n cap inside the kept window ends generation there, and the target (and
+through `observe`, the source) is rewound to the last emitted token.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..errors import UserError
+from ..generate import GenerationStats
+from ..models.base import Model
+from ..sampling import SamplerConfig, make_generator, sample_token
+from ..session import PROMPT_CHUNK, Session
+from .acceptance import SampledAcceptor, Verdict, accept_greedy
+from .draft import Draft, DraftSource
+from .stats import SpecStats
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    n_max: int = 3          # --spec-draft-n-max: most drafts per step
+    n_min: int = 0          # --spec-draft-n-min: a shorter proposal is dropped (plain step)
+    p_min: float = 0.0      # --spec-draft-p-min: model drafts stop below this top-1 probability
+
+    def __post_init__(self):
+        if self.n_max < 0 or self.n_min < 0:
+            raise UserError("--spec-draft-n-max and --spec-draft-n-min must be >= 0")
+        if not 0.0 <= self.p_min <= 1.0:
+            raise UserError("--spec-draft-p-min must be in [0, 1]")
+
+    @property
+    def k_max(self) -> int:
+        """Largest verify batch: the certain token plus n_max drafts."""
+        return self.n_max + 1
+
+
+def prefill(session: Session, prompt_ids: list[int], source: DraftSource | None,
+            out: torch.Tensor) -> torch.Tensor:
+    """Evaluate the prompt chunk by chunk, showing each chunk's hiddens to the source; returns
+    the logits row of the last prompt token."""
+    if not prompt_ids:
+        raise UserError("empty prompt")
+    if session.n_past:
+        session.truncate(0)
+    for lo in range(0, len(prompt_ids), PROMPT_CHUNK):
+        chunk = prompt_ids[lo:lo + PROMPT_CHUNK]
+        last = lo + PROMPT_CHUNK >= len(prompt_ids)
+        logits = session.eval(chunk, start_pos=lo, logits="last" if last else "none", out=out)
+        if source is not None:
+            source.observe(lo, chunk, session.hidden)
+    return logits[0]
+
+
+def speculative_generate(model: Model, session: Session, prompt_ids: list[int], n_predict: int,
+                         sampler: SamplerConfig, source: DraftSource | None, spec: SpecConfig = SpecConfig(),
+                         on_token: Callable[[int], None] | None = None, stop_ids: set[int] | None = None,
+                         gen: torch.Generator | None = None) -> tuple[list[int], GenerationStats]:
+    """Generate up to n_predict tokens (< 0: until a stop token or a full context) with drafts
+    from `source` (None: plain decoding through the same loop). Output and stopping rules are
+    those of `generate.generate`; at temp 0 the tokens are identical to it. `source` must be
+    fresh (it follows this one sequence) and `session.k_max` at least spec.k_max."""
+    stop_ids = model.tokenizer.eog_ids if stop_ids is None else stop_ids
+    if session.k_max < spec.k_max:
+        raise UserError(f"the session's k_max {session.k_max} is below --spec-draft-n-max + 1 = {spec.k_max}")
+    gen = make_generator(sampler.seed) if gen is None else gen
+    accept = (lambda logits, draft: accept_greedy(logits, draft.tokens)) if sampler.greedy \
+        else SampledAcceptor(model.n_vocab, sampler, gen)
+    stats = GenerationStats(n_prompt=len(prompt_ids))
+    spec_stats = SpecStats(source.name if source is not None else "none", spec.n_max)
+    stats.spec = spec_stats
+    logits_buf = torch.empty(spec.k_max, model.n_vocab)     # every verify writes into this
+    no_draft = Draft()
+
+    t0 = time.perf_counter()
+    certain = sample_token(prefill(session, prompt_ids, source, logits_buf), sampler, gen)
+    stats.prompt_s = time.perf_counter() - t0
+
+    out: list[int] = []
+    t_start = time.perf_counter()
+    while True:
+        if certain in stop_ids:
+            stats.stopped_by = "eog"
+            break
+        out.append(certain)
+        if on_token:
+            on_token(certain)
+        if 0 <= n_predict <= len(out):
+            stats.stopped_by = "n_predict"
+            break
+        pos = session.n_past
+        if pos >= session.n_ctx:
+            stats.stopped_by = "context"
+            break
+        # drafts past the -n cap or the context could never be emitted
+        room = min(spec.n_max, session.n_ctx - pos - 1)
+        if n_predict >= 0:
+            room = min(room, n_predict - len(out))
+
+        t0 = time.perf_counter()
+        draft = source.propose(certain, pos, room) if source is not None and room > 0 else no_draft
+        if len(draft) < max(spec.n_min, 1):
+            draft = no_draft
+        t1 = time.perf_counter()
+        logits = session.eval([certain] + draft.tokens, start_pos=pos, logits="all", out=logits_buf)
+        t2 = time.perf_counter()
+        verdict: Verdict = accept(logits, draft)
+
+        # emit the kept drafts up to a stop token or the cap; the rest of the window is undone
+        kept = draft.tokens[:verdict.n_accepted]
+        n_emit = 0
+        for token in kept:
+            if token in stop_ids:
+                stats.stopped_by = "eog"
+                break
+            out.append(token)
+            n_emit += 1
+            if on_token:
+                on_token(token)
+            if 0 <= n_predict <= len(out):
+                stats.stopped_by = "n_predict"
+                break
+        if session.n_past > pos + 1 + n_emit:
+            session.truncate(pos + 1 + n_emit)
+        if source is not None:
+            source.observe(pos, [certain] + kept[:n_emit], session.hidden[:1 + n_emit])
+        spec_stats.record(len(draft), verdict.n_accepted)
+        spec_stats.draft_s += t1 - t0
+        spec_stats.verify_s += t2 - t1
+        if stats.stopped_by:
+            break
+        certain = verdict.next_token
+    stats.decode_s = time.perf_counter() - t_start
+    spec_stats.other_s = max(0.0, stats.decode_s - spec_stats.draft_s - spec_stats.verify_s)
+    stats.n_decode = max(0, len(out) - 1) if stats.stopped_by != "eog" else len(out)
+    return out, stats

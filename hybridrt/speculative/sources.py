@@ -1,0 +1,40 @@
+"""`--spec-type` names to draft sources (llama.cpp's names)."""
+from __future__ import annotations
+
+from ..errors import UserError
+from ..models.base import Model
+from ..sampling import SamplerConfig, make_generator
+from ..session import Session
+from .draft import DraftPicker, DraftSource
+from .draft_model import DraftModelSource, check_same_vocab
+from .draft_mtp import MTPSource
+from .draft_ngram import NgramSource
+from .loop import SpecConfig
+
+SPEC_TYPES = ("none", "draft-mtp", "draft-simple", "ngram-simple")
+
+
+def default_spec_type(model: Model) -> str:
+    return "draft-mtp" if getattr(model, "mtp", None) is not None else "none"
+
+
+def build_source(spec_type: str, session: Session, sampler: SamplerConfig, spec: SpecConfig,
+                 draft_model: Model | None = None, ngram_n_max: int = 4, ngram_n_min: int = 2,
+                 cache_type: str = "f32") -> DraftSource | None:
+    """A fresh source for one generation on `session` (None for "none")."""
+    if spec_type not in SPEC_TYPES:
+        raise UserError(f"unknown --spec-type '{spec_type}' (one of: {', '.join(SPEC_TYPES)})")
+    if spec_type != "draft-simple" and draft_model is not None:
+        raise UserError(f"-md/--model-draft needs --spec-type draft-simple, not {spec_type}")
+    if spec_type == "none":
+        return None
+    if spec_type == "ngram-simple":
+        return NgramSource(ngram_n_max, ngram_n_min)
+    # drafts are sampled with their own stream so the target's draws do not depend on the source
+    picker = DraftPicker(sampler, make_generator(sampler.seed + 1 if sampler.seed >= 0 else -1), spec.p_min)
+    if spec_type == "draft-mtp":
+        return MTPSource(session, picker)
+    if draft_model is None:
+        raise UserError("--spec-type draft-simple needs a draft model: -md DRAFT.gguf")
+    check_same_vocab(session.model, draft_model)
+    return DraftModelSource(draft_model, session.n_ctx, picker, spec.k_max, cache_type)

@@ -1,0 +1,57 @@
+"""Per-step record of a speculative run and the figures reported from it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    source: str
+    n_max: int
+    drafted: list[int] = field(default_factory=list)     # drafts proposed, per step
+    accepted: list[int] = field(default_factory=list)    # drafts kept, per step
+    draft_s: float = 0.0       # proposing (draft model / MTP forwards, n-gram lookups)
+    verify_s: float = 0.0      # the target's k-token forwards
+    other_s: float = 0.0       # acceptance, sampling, bookkeeping
+
+    def record(self, n_drafted: int, n_accepted: int) -> None:
+        self.drafted.append(n_drafted)
+        self.accepted.append(n_accepted)
+
+    @property
+    def steps(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def acceptance_rate(self) -> float:
+        total = sum(self.drafted)
+        return sum(self.accepted) / total if total else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens produced per target forward (accepted drafts + the token each step adds)."""
+        return (sum(self.accepted) + self.steps) / self.steps if self.steps else 0.0
+
+    @property
+    def histogram(self) -> list[int]:
+        """histogram[a] = steps that kept exactly a drafts."""
+        h = [0] * (self.n_max + 1)
+        for a in self.accepted:
+            h[a] += 1
+        return h
+
+    def to_dict(self) -> dict:
+        return {"source": self.source, "n_max": self.n_max, "steps": self.steps,
+                "drafted": sum(self.drafted), "accepted": sum(self.accepted),
+                "acceptance_rate": self.acceptance_rate, "tokens_per_step": self.tokens_per_step,
+                "histogram": self.histogram, "draft_s": self.draft_s, "verify_s": self.verify_s,
+                "other_s": self.other_s}
+
+    def summary(self) -> str:
+        total = self.draft_s + self.verify_s + self.other_s
+        share = (lambda t: f"{100 * t / total:.0f}%") if total else (lambda t: "-")
+        return (f"speculative ({self.source}, n_max {self.n_max}): {self.steps} steps, "
+                f"accepted {sum(self.accepted)}/{sum(self.drafted)} drafts ({100 * self.acceptance_rate:.1f}%), "
+                f"{self.tokens_per_step:.2f} tokens/step, accepted-per-step histogram {self.histogram}, "
+                f"time draft {self.draft_s * 1e3:.0f} ms ({share(self.draft_s)}) / verify {self.verify_s * 1e3:.0f} ms "
+                f"({share(self.verify_s)}) / other {self.other_s * 1e3:.0f} ms ({share(self.other_s)})")
