@@ -1,0 +1,182 @@
+"""The k-input quantized matvec: y[t] = W x[t] for k activation rows, one pass over W's bytes.
+
+During a speculative verify step a CPU-resident layer sees k tokens. Decode is bound by reading
+weights, so each weight chunk is decoded once (into a small float32 tile that stays in L1) and
+applied to all k activation rows before the next chunk is read.
+
+Kernel shape (`_matvec_kernel`): output rows are split into tiles of TILE_ROWS (4) rows, tiles into
+contiguous groups, groups run in parallel (prange). Per tile, columns go in CHUNK (1024) steps:
+decode the 4 rows' chunk, then `dot_tile_T` (matvec_simd) for tokens in groups of up to 4: 16 fma
+accumulators, 8 vector loads per 16 fmas. A chunk's partial sums are added to `out` in chunk order.
+
+Bit identity: a (token, row) result is the same sequence of float operations however many tokens
+are in the call, where the token sits in it, and how many threads run (tiles, chunks and the
+accumulator lanes are fixed; threads only change which core computes a tile). Tested for every type.
+
+Activations stay float32 (no Q8 quantization of x): a result is within float32 rounding of the
+float64 product of the dequantized weights (tests: relative error <= 1e-5).
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from gguf.constants import GGMLQuantizationType as _T
+
+from .formats import format_of
+from .matvec_float import decode_chunk_bf16, decode_chunk_f16, decode_chunk_f32
+from .matvec_kquants import (decode_chunk_iq4_xs, decode_chunk_q2_k, decode_chunk_q3_k, decode_chunk_q4_k,
+                             decode_chunk_q5_k, decode_chunk_q6_k)
+from .matvec_legacy import (decode_chunk_iq4_nl, decode_chunk_q4_0, decode_chunk_q4_1, decode_chunk_q5_0,
+                            decode_chunk_q5_1, decode_chunk_q8_0)
+from .matvec_simd import LANES, TILE_ROWS, dot_tile_1, dot_tile_2, dot_tile_3, dot_tile_4
+
+CHUNK = 1024        # columns decoded per step: 4 rows x 4 KiB of float32 stay in L1 with x's chunk
+TOKEN_TILE = 4      # tokens per dot micro-kernel call (16 accumulators + 8 operands < 32 registers)
+GROUPS_PER_THREAD = 4
+
+_F32, _F16, _BF16 = int(_T.F32), int(_T.F16), int(_T.BF16)
+_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0 = int(_T.Q4_0), int(_T.Q4_1), int(_T.Q5_0), int(_T.Q5_1), int(_T.Q8_0)
+_Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K = int(_T.Q2_K), int(_T.Q3_K), int(_T.Q4_K), int(_T.Q5_K), int(_T.Q6_K)
+_IQ4_NL, _IQ4_XS = int(_T.IQ4_NL), int(_T.IQ4_XS)
+
+
+@njit(cache=True, nogil=True)
+def decode_chunk(qtype, src, b0, nb, dst):
+    """Blocks b0 .. b0+nb-1 of the row `src` (raw bytes) -> dst[: nb * block_elems] as float32."""
+    if qtype == _Q4_K:
+        decode_chunk_q4_k(src, b0, nb, dst)
+    elif qtype == _Q6_K:
+        decode_chunk_q6_k(src, b0, nb, dst)
+    elif qtype == _Q8_0:
+        decode_chunk_q8_0(src, b0, nb, dst)
+    elif qtype == _Q5_K:
+        decode_chunk_q5_k(src, b0, nb, dst)
+    elif qtype == _Q4_0:
+        decode_chunk_q4_0(src, b0, nb, dst)
+    elif qtype == _Q5_0:
+        decode_chunk_q5_0(src, b0, nb, dst)
+    elif qtype == _Q4_1:
+        decode_chunk_q4_1(src, b0, nb, dst)
+    elif qtype == _Q5_1:
+        decode_chunk_q5_1(src, b0, nb, dst)
+    elif qtype == _Q2_K:
+        decode_chunk_q2_k(src, b0, nb, dst)
+    elif qtype == _Q3_K:
+        decode_chunk_q3_k(src, b0, nb, dst)
+    elif qtype == _IQ4_NL:
+        decode_chunk_iq4_nl(src, b0, nb, dst)
+    elif qtype == _IQ4_XS:
+        decode_chunk_iq4_xs(src, b0, nb, dst)
+    elif qtype == _F32:
+        decode_chunk_f32(src, b0, nb, dst)
+    elif qtype == _F16:
+        decode_chunk_f16(src, b0, nb, dst)
+    elif qtype == _BF16:
+        decode_chunk_bf16(src, b0, nb, dst)
+
+
+@njit(cache=True, nogil=True)
+def dot_tokens(buf, x, t0, n_tok, c0, length, part):
+    """part[t * R + r] = sum_i buf[r, i] * x[t0 + t, c0 + i] for t < n_tok (<= 4), i < length."""
+    main = length - length % LANES
+    if main > 0:
+        if n_tok == 4:
+            dot_tile_4(buf, x, t0, c0, main, part)
+        elif n_tok == 3:
+            dot_tile_3(buf, x, t0, c0, main, part)
+        elif n_tok == 2:
+            dot_tile_2(buf, x, t0, c0, main, part)
+        else:
+            dot_tile_1(buf, x, t0, c0, main, part)
+    else:
+        part[:] = 0.0
+    # Tail of an unquantized row whose length is not a multiple of 16: in index order, per pair.
+    for t in range(n_tok):
+        for r in range(TILE_ROWS):
+            s = part[t * TILE_ROWS + r]
+            for i in range(main, length):
+                s += buf[r, i] * x[t0 + t, c0 + i]
+            part[t * TILE_ROWS + r] = s
+
+
+@njit(cache=True, nogil=True, inline="always")
+def tile_products(w, qtype, block_elems, r0, n_rows, x, buf, part, acc):
+    """acc[t, r] = (W x[t])[r0 + r] for all k tokens and r < n_rows, chunk by chunk."""
+    k, n_in = x.shape
+    for c0 in range(0, n_in, CHUNK):
+        length = min(CHUNK, n_in - c0)
+        for r in range(n_rows):
+            decode_chunk(qtype, w[r0 + r], c0 // block_elems, length // block_elems, buf[r])
+        for t0 in range(0, k, TOKEN_TILE):
+            n_tok = min(TOKEN_TILE, k - t0)
+            dot_tokens(buf, x, t0, n_tok, c0, length, part)
+            for t in range(n_tok):
+                for r in range(n_rows):
+                    if c0 == 0:
+                        acc[t0 + t, r] = part[t * TILE_ROWS + r]
+                    else:
+                        acc[t0 + t, r] += part[t * TILE_ROWS + r]
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _matvec_kernel(w, qtype, block_elems, x, out, n_groups):
+    rows = w.shape[0]
+    k = x.shape[0]
+    n_tiles = (rows + TILE_ROWS - 1) // TILE_ROWS
+    for g in prange(n_groups):
+        buf = np.zeros((TILE_ROWS, CHUNK), np.float32)
+        part = np.zeros(TOKEN_TILE * TILE_ROWS, np.float32)
+        acc = np.zeros((k, TILE_ROWS), np.float32)
+        for tile in range(g * n_tiles // n_groups, (g + 1) * n_tiles // n_groups):
+            r0 = tile * TILE_ROWS
+            n_rows = min(TILE_ROWS, rows - r0)
+            tile_products(w, qtype, block_elems, r0, n_rows, x, buf, part, acc)
+            for t in range(k):
+                for r in range(n_rows):
+                    out[t, r0 + r] = acc[t, r]
+
+
+def n_groups_for(rows: int) -> int:
+    """Parallel work items: a few per thread so a slow core does not hold up the call."""
+    n_tiles = (rows + TILE_ROWS - 1) // TILE_ROWS
+    return max(1, min(n_tiles, GROUPS_PER_THREAD * numba.get_num_threads()))
+
+
+def check_operands(w: np.ndarray, qtype: int, x: np.ndarray, out: np.ndarray | None):
+    """Validate shapes and dtypes; return (w as uint8, block_elems, x as C float32, out)."""
+    fmt = format_of(qtype)
+    if w.ndim != 2 or not w.flags.c_contiguous:
+        raise ValueError(f"w must be a C-contiguous (rows, row_bytes) array, got {w.dtype} {w.shape}")
+    if w.dtype != np.uint8:     # e.g. an F16 matrix as float16: the same bytes
+        w = w.view(np.uint8)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2:
+        raise ValueError(f"x must be (k, n_in), got shape {x.shape}")
+    k, n_in = x.shape
+    if fmt.row_bytes(n_in) != w.shape[1]:
+        raise ValueError(f"{fmt.name}: {n_in} inputs need {fmt.row_bytes(n_in)} bytes per row, w has {w.shape[1]}")
+    rows = w.shape[0]
+    if out is None:
+        out = np.empty((k, rows), np.float32)
+    elif out.shape != (k, rows) or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be C-contiguous float32 of shape {(k, rows)}, got {out.dtype} {out.shape}")
+    return w, fmt.block_elems, x, out
+
+
+def matvec(w: np.ndarray, qtype: int, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """out[t, r] = sum_i W[r, i] * x[t, i] for W stored as ggml type `qtype`.
+
+    w: raw bytes (rows, row_bytes) as in the file (a zero-copy mmap view is fine); row r holds output
+    row r. x: (k, n_in) float32, any k >= 1, one pass over w. out: optional (k, rows) float32
+    C-contiguous buffer to write into. Releases the GIL; runs on numba's threads.
+    """
+    w, block_elems, x, out = check_operands(w, qtype, x, out)
+    if x.shape[0] == 0 or w.shape[0] == 0:
+        return out
+    if x.shape[1] == 0:
+        out.fill(0.0)
+        return out
+    _matvec_kernel(w, int(qtype), block_elems, x, out, n_groups_for(w.shape[0]))
+    return out
