@@ -1,0 +1,201 @@
+"""GGUF block formats decoded with plain torch tensor ops, on whatever device holds the bytes.
+
+Each decoder takes the raw blocks of a tensor as a uint8 (n_blocks, block_bytes) tensor and returns
+float32 (n_blocks, block_elems). The arithmetic is float32 and follows gguf-py's numpy reference
+operation by operation (scale products first, then one multiply and one add/subtract, never a
+fused multiply-add), so the values are bitwise those of `gguf.quants.dequantize`. Everything is
+whole-tensor: views, shifts, masks and gathers over all blocks at once, no loop over blocks.
+"""
+from __future__ import annotations
+
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+QK_K = 256
+
+# The 16 non-linear levels shared by IQ4_NL and IQ4_XS (ggml's kvalues_iq4nl).
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def type_name(qtype: int) -> str:
+    try:
+        return T(int(qtype)).name
+    except ValueError:
+        return f"type {int(qtype)}"
+
+
+def block_shape(qtype: int) -> tuple[int, int]:
+    """(weights per block, bytes per block) of a GGUF type."""
+    try:
+        return GGML_QUANT_SIZES[T(int(qtype))]
+    except (ValueError, KeyError):
+        raise ValueError(f"unknown GGUF tensor type {type_name(qtype)}") from None
+
+
+def row_bytes(qtype: int, n_cols: int) -> int:
+    elems, nbytes = block_shape(qtype)
+    if n_cols % elems:
+        raise ValueError(f"{type_name(qtype)}: row of {n_cols} is not a multiple of {elems}")
+    return n_cols // elems * nbytes
+
+
+def _f16(blocks: torch.Tensor, off: int) -> torch.Tensor:
+    """The float16 at byte `off` of every block, as float32 (n_blocks, 1)."""
+    return blocks[:, off:off + 2].view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """(..., m) bytes -> (..., 2, m): low nibbles first, then high nibbles."""
+    return torch.stack((qs & 15, qs >> 4), dim=-2)
+
+
+def _shifts(device: torch.device, start: int, stop: int, step: int) -> torch.Tensor:
+    # built on the device (no host-to-device copy); shapes broadcast against a (..., k, 1) axis
+    return torch.arange(start, stop, step, dtype=torch.uint8, device=device).view(-1, 1)
+
+
+def _bits(packed: torch.Tensor) -> torch.Tensor:
+    """(..., m) bytes -> (..., 8, m): bit b of byte j at [..., b, j]."""
+    return (packed.unsqueeze(-2) >> _shifts(packed.device, 0, 8, 1)) & 1
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(b[:, 2:18]).reshape(-1, 32).float() - 8
+    return _f16(b, 0) * q
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(b[:, 4:20]).reshape(-1, 32).float()
+    return _f16(b, 0) * q + _f16(b, 2)
+
+
+def _q5_low_high(b: torch.Tensor, qh_off: int) -> torch.Tensor:
+    """5-bit values of a Q5_0/Q5_1 block: nibble | (bit j of the little-endian u32 qh) << 4."""
+    high = _bits(b[:, qh_off:qh_off + 4]).transpose(1, 2).reshape(-1, 32)   # bit j = byte j/8, bit j%8
+    low = _nibbles(b[:, qh_off + 4:qh_off + 20]).reshape(-1, 32)
+    return low | (high << 4)
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b, 0) * (_q5_low_high(b, 2).float() - 16)
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b, 0) * _q5_low_high(b, 4).float() + _f16(b, 2)
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    return b[:, 2:34].view(torch.int8).float() * _f16(b, 0)
+
+
+def _q2_k(b: torch.Tensor) -> torch.Tensor:
+    scales = b[:, 0:16]
+    dl = (_f16(b, 80) * (scales & 15).float()).unsqueeze(-1)          # (n, 16, 1)
+    ml = (_f16(b, 82) * (scales >> 4).float()).unsqueeze(-1)
+    # each 32-byte half of qs holds 4 crumbs per byte: 128 weights, in 8 groups of 16
+    qs = b[:, 16:80].reshape(-1, 2, 1, 32) >> _shifts(b.device, 0, 8, 2)
+    q = (qs & 3).reshape(-1, 16, 16).float()
+    return (dl * q - ml).reshape(-1, QK_K)
+
+
+def _q3_k(b: torch.Tensor) -> torch.Tensor:
+    sc = b[:, 96:108]
+    low = _nibbles(sc[:, 0:8]).reshape(-1, 16)
+    high = ((sc[:, 8:12].unsqueeze(-2) >> _shifts(b.device, 0, 8, 2)) & 3).reshape(-1, 16)
+    scales = ((low | (high << 4)).to(torch.int16) - 32).float()
+    dl = (_f16(b, 108) * scales).unsqueeze(-1)                         # (n, 16, 1)
+    ql = ((b[:, 32:96].reshape(-1, 2, 1, 32) >> _shifts(b.device, 0, 8, 2)) & 3).reshape(-1, 16, 16)
+    # hmask bit set means "no -4 offset"
+    hm = (_bits(b[:, 0:32]) ^ 1).reshape(-1, 16, 16)
+    q = (ql.to(torch.int16) - (hm.to(torch.int16) << 2)).float()
+    return (dl * q).reshape(-1, QK_K)
+
+
+def _k_scale_min(sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K: 12 packed bytes -> the 8 six-bit sub-block scales and mins, as float32."""
+    d, m, md = sc[:, 0:4], sc[:, 4:8], sc[:, 8:12]
+    scale = torch.cat((d & 63, (md & 15) | ((d >> 2) & 48)), dim=1)
+    mins = torch.cat((m & 63, (md >> 4) | ((m >> 2) & 48)), dim=1)
+    return scale.float(), mins.float()
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    scale, mins = _k_scale_min(b[:, 4:16])
+    d = (_f16(b, 0) * scale).unsqueeze(-1)                              # (n, 8, 1)
+    dm = (_f16(b, 2) * mins).unsqueeze(-1)
+    q = _nibbles(b[:, 16:144].reshape(-1, 4, 32)).reshape(-1, 8, 32).float()
+    return (d * q - dm).reshape(-1, QK_K)
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    scale, mins = _k_scale_min(b[:, 4:16])
+    d = (_f16(b, 0) * scale).unsqueeze(-1)
+    dm = (_f16(b, 2) * mins).unsqueeze(-1)
+    low = _nibbles(b[:, 48:176].reshape(-1, 4, 32)).reshape(-1, 8, 32)
+    high = _bits(b[:, 16:48])                                           # sub-block j takes bit j
+    q = (low | (high << 4)).float()
+    return (d * q - dm).reshape(-1, QK_K)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    d = (_f16(b, 208) * b[:, 192:208].view(torch.int8).float()).unsqueeze(-1)   # (n, 16, 1)
+    low = _nibbles(b[:, 0:128].reshape(-1, 2, 64)).reshape(-1, 8, 32)
+    high = ((b[:, 128:192].reshape(-1, 2, 1, 32) >> _shifts(b.device, 0, 8, 2)) & 3).reshape(-1, 8, 32)
+    q = ((low | (high << 4)).to(torch.int16) - 32).reshape(-1, 16, 16).float()
+    return (d * q).reshape(-1, QK_K)
+
+
+def _iq4_levels(device: torch.device) -> torch.Tensor:
+    return torch.tensor(IQ4_LEVELS, dtype=torch.float32, device=device)
+
+
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    idx = _nibbles(b[:, 2:18]).reshape(-1, 32).long()
+    return _f16(b, 0) * _iq4_levels(b.device)[idx]
+
+
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    low = _nibbles(b[:, 4:8]).transpose(1, 2).reshape(-1, 8)           # sub-block 2i low, 2i+1 high
+    sh = b[:, 2].to(torch.int32) | (b[:, 3].to(torch.int32) << 8)       # u16 scales_h, little-endian
+    high = (sh.unsqueeze(-1) >> torch.arange(0, 16, 2, dtype=torch.int32, device=b.device)) & 3
+    scales = ((low.to(torch.int32) | (high << 4)) - 32).float()
+    dl = (_f16(b, 0) * scales).unsqueeze(-1)                            # (n, 8, 1)
+    idx = _nibbles(b[:, 8:136].reshape(-1, 8, 16)).reshape(-1, 8, 32).long()
+    return (dl * _iq4_levels(b.device)[idx]).reshape(-1, QK_K)
+
+
+_DECODERS = {
+    T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: _q8_0,
+    T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k,
+    T.IQ4_NL: _iq4_nl, T.IQ4_XS: _iq4_xs,
+}
+_FLOATS = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
+
+SUPPORTED_TYPES = tuple(int(t) for t in (*_FLOATS, *_DECODERS))
+QUANTIZED_TYPES = tuple(int(t) for t in _DECODERS)
+
+
+def dequantize_torch(raw: torch.Tensor, qtype: int, n_cols: int, dtype: torch.dtype = torch.float32,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Raw GGUF rows, uint8 (rows, row_bytes) on any device -> (rows, n_cols) of `dtype`.
+
+    Values are computed in float32 (bitwise gguf-py's) and then cast. With `out` (a (rows, n_cols)
+    tensor of `dtype` on the same device) the result lands there and `out` is returned.
+    """
+    qtype = int(qtype)
+    if qtype not in SUPPORTED_TYPES:
+        raise ValueError(f"gpu_kernels cannot decode {type_name(qtype)}")
+    if raw.dtype != torch.uint8 or raw.dim() != 2:
+        raise ValueError(f"raw must be uint8 (rows, row_bytes), got {raw.dtype} {tuple(raw.shape)}")
+    if raw.shape[1] != row_bytes(qtype, n_cols):
+        raise ValueError(f"{type_name(qtype)}: {raw.shape[1]} bytes per row do not hold {n_cols} columns")
+    raw = raw.contiguous()
+    n_rows = raw.shape[0]
+    if qtype in _FLOATS:
+        values = raw.view(_FLOATS[T(qtype)])
+    else:
+        elems, nbytes = block_shape(qtype)
+        values = _DECODERS[T(qtype)](raw.view(-1, nbytes)).view(n_rows, n_cols)
+    if out is None:
+        return values.to(dtype, copy=True)     # never an alias of `raw`, even for F32
+    return out.copy_(values)
