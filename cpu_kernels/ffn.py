@@ -1,0 +1,93 @@
+"""A gated FFN layer on k token rows, all three matrices quantized in the mmap:
+
+    y = W_down (act(W_gate x) * (W_up x))
+
+Gate and up run in one parallel loop: a tile of 4 output rows computes its gate products and its
+up products back to back (x's chunks stay in L2) and writes act(gate) * up straight into the hidden
+buffer, so the gate and up outputs never go to memory. Then the down projection is a matvec. Each
+weight byte is read once per call for any k, and a token's output does not depend on k (same
+kernels and accumulation order as `matvec`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit, prange
+
+from .matvec import CHUNK, TOKEN_TILE, check_operands, matvec, n_groups_for, tile_products
+from .matvec_simd import TILE_ROWS
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+@dataclass
+class FfnScratch:
+    """Preallocated buffers for up to k_max rows; ffn_glu returns a view of `out`."""
+    hidden: np.ndarray    # (k_max, n_ff) float32
+    out: np.ndarray       # (k_max, n_embd) float32
+
+    @classmethod
+    def allocate(cls, k_max: int, n_ff: int, n_embd: int) -> "FfnScratch":
+        return cls(np.empty((k_max, n_ff), np.float32), np.empty((k_max, n_embd), np.float32))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _act_times(g, u, act):
+    """act(g) * u in float64 (scalar libm calls: the same result in any loop shape)."""
+    g = np.float64(g)
+    if act == 0:
+        a = g / (1.0 + math.exp(-g))
+    else:
+        a = 0.5 * g * (1.0 + math.tanh(_SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)))
+    return np.float32(a * np.float64(u))
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _gate_up_kernel(w_gate, t_gate, be_gate, w_up, t_up, be_up, x, hidden, act, n_groups):
+    rows = w_gate.shape[0]
+    k = x.shape[0]
+    n_tiles = (rows + TILE_ROWS - 1) // TILE_ROWS
+    for g in prange(n_groups):
+        buf = np.zeros((TILE_ROWS, CHUNK), np.float32)
+        part = np.zeros(TOKEN_TILE * TILE_ROWS, np.float32)
+        gate = np.zeros((k, TILE_ROWS), np.float32)
+        up = np.zeros((k, TILE_ROWS), np.float32)
+        for tile in range(g * n_tiles // n_groups, (g + 1) * n_tiles // n_groups):
+            r0 = tile * TILE_ROWS
+            n_rows = min(TILE_ROWS, rows - r0)
+            tile_products(w_gate, t_gate, be_gate, r0, n_rows, x, buf, part, gate)
+            tile_products(w_up, t_up, be_up, r0, n_rows, x, buf, part, up)
+            for t in range(k):
+                for r in range(n_rows):
+                    hidden[t, r0 + r] = _act_times(gate[t, r], up[t, r], act)
+
+
+def ffn_glu(x: np.ndarray, w_gate: np.ndarray, t_gate: int, w_up: np.ndarray, t_up: int,
+            w_down: np.ndarray, t_down: int, act: str = "silu",
+            scratch: FfnScratch | None = None) -> np.ndarray:
+    """(k, n_embd) float32 = W_down (act(W_gate x) * W_up x) for x of shape (k, n_embd).
+
+    Weights are raw (rows, row_bytes) byte matrices in ggml layout (gate/up: n_ff rows, down:
+    n_embd rows) with their ggml type ids. act: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma).
+    With `scratch`, no allocation: the result is a view of scratch.out, valid until the next call.
+    """
+    if act not in ACTIVATIONS:
+        raise ValueError(f"unknown FFN activation {act!r} (expected one of {', '.join(ACTIVATIONS)})")
+    k = x.shape[0]
+    n_ff = w_gate.shape[0]
+    if w_up.shape[0] != n_ff:
+        raise ValueError(f"gate has {n_ff} rows but up has {w_up.shape[0]}")
+    hidden = None if scratch is None else scratch.hidden[:k]
+    out = None if scratch is None else scratch.out[:k]
+    w_gate, be_gate, x, hidden = check_operands(w_gate, t_gate, x, hidden)
+    w_up, be_up, _, _ = check_operands(w_up, t_up, x, hidden)
+    if k > 0 and n_ff > 0:
+        if x.shape[1] == 0:
+            hidden.fill(0.0)
+        else:
+            _gate_up_kernel(w_gate, int(t_gate), be_gate, w_up, int(t_up), be_up, x, hidden,
+                            ACTIVATIONS[act], n_groups_for(n_ff))
+    return matvec(w_down, t_down, hidden, out)
