@@ -3,8 +3,10 @@
 Each decoder takes the raw blocks of a tensor as a uint8 (n_blocks, block_bytes) tensor and returns
 float32 (n_blocks, block_elems). The arithmetic is float32 and follows gguf-py's numpy reference
 operation by operation (scale products first, then one multiply and one add/subtract, never a
-fused multiply-add), so the values are bitwise those of `gguf.quants.dequantize`. Everything is
-whole-tensor: views, shifts, masks and gathers over all blocks at once, no loop over blocks.
+fused multiply-add), so the values are bitwise those of `gguf.quants.dequantize` (a NaN stays a
+NaN but its payload is not kept). Everything is whole-tensor: views, shifts, masks and gathers over
+all blocks at once, no loop over blocks. The scaling runs in place on the one float32 tensor each
+decoder makes, so a tile's working set is that tensor plus a few byte-sized ones.
 """
 from __future__ import annotations
 
@@ -60,13 +62,13 @@ def _bits(packed: torch.Tensor) -> torch.Tensor:
 
 
 def _q4_0(b: torch.Tensor) -> torch.Tensor:
-    q = _nibbles(b[:, 2:18]).reshape(-1, 32).float() - 8
-    return _f16(b, 0) * q
+    q = _nibbles(b[:, 2:18]).reshape(-1, 32).float()
+    return q.sub_(8).mul_(_f16(b, 0))
 
 
 def _q4_1(b: torch.Tensor) -> torch.Tensor:
     q = _nibbles(b[:, 4:20]).reshape(-1, 32).float()
-    return _f16(b, 0) * q + _f16(b, 2)
+    return q.mul_(_f16(b, 0)).add_(_f16(b, 2))
 
 
 def _q5_low_high(b: torch.Tensor, qh_off: int) -> torch.Tensor:
@@ -77,15 +79,15 @@ def _q5_low_high(b: torch.Tensor, qh_off: int) -> torch.Tensor:
 
 
 def _q5_0(b: torch.Tensor) -> torch.Tensor:
-    return _f16(b, 0) * (_q5_low_high(b, 2).float() - 16)
+    return _q5_low_high(b, 2).float().sub_(16).mul_(_f16(b, 0))
 
 
 def _q5_1(b: torch.Tensor) -> torch.Tensor:
-    return _f16(b, 0) * _q5_low_high(b, 4).float() + _f16(b, 2)
+    return _q5_low_high(b, 4).float().mul_(_f16(b, 0)).add_(_f16(b, 2))
 
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
-    return b[:, 2:34].view(torch.int8).float() * _f16(b, 0)
+    return b[:, 2:34].view(torch.int8).float().mul_(_f16(b, 0))
 
 
 def _q2_k(b: torch.Tensor) -> torch.Tensor:
@@ -95,7 +97,7 @@ def _q2_k(b: torch.Tensor) -> torch.Tensor:
     # each 32-byte half of qs holds 4 crumbs per byte: 128 weights, in 8 groups of 16
     qs = b[:, 16:80].reshape(-1, 2, 1, 32) >> _shifts(b.device, 0, 8, 2)
     q = (qs & 3).reshape(-1, 16, 16).float()
-    return (dl * q - ml).reshape(-1, QK_K)
+    return q.mul_(dl).sub_(ml).view(-1, QK_K)
 
 
 def _q3_k(b: torch.Tensor) -> torch.Tensor:
@@ -108,7 +110,7 @@ def _q3_k(b: torch.Tensor) -> torch.Tensor:
     # hmask bit set means "no -4 offset"
     hm = (_bits(b[:, 0:32]) ^ 1).reshape(-1, 16, 16)
     q = (ql.to(torch.int16) - (hm.to(torch.int16) << 2)).float()
-    return (dl * q).reshape(-1, QK_K)
+    return q.mul_(dl).view(-1, QK_K)
 
 
 def _k_scale_min(sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +126,7 @@ def _q4_k(b: torch.Tensor) -> torch.Tensor:
     d = (_f16(b, 0) * scale).unsqueeze(-1)                              # (n, 8, 1)
     dm = (_f16(b, 2) * mins).unsqueeze(-1)
     q = _nibbles(b[:, 16:144].reshape(-1, 4, 32)).reshape(-1, 8, 32).float()
-    return (d * q - dm).reshape(-1, QK_K)
+    return q.mul_(d).sub_(dm).view(-1, QK_K)
 
 
 def _q5_k(b: torch.Tensor) -> torch.Tensor:
@@ -134,7 +136,7 @@ def _q5_k(b: torch.Tensor) -> torch.Tensor:
     low = _nibbles(b[:, 48:176].reshape(-1, 4, 32)).reshape(-1, 8, 32)
     high = _bits(b[:, 16:48])                                           # sub-block j takes bit j
     q = (low | (high << 4)).float()
-    return (d * q - dm).reshape(-1, QK_K)
+    return q.mul_(d).sub_(dm).view(-1, QK_K)
 
 
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
@@ -142,7 +144,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     low = _nibbles(b[:, 0:128].reshape(-1, 2, 64)).reshape(-1, 8, 32)
     high = ((b[:, 128:192].reshape(-1, 2, 1, 32) >> _shifts(b.device, 0, 8, 2)) & 3).reshape(-1, 8, 32)
     q = ((low | (high << 4)).to(torch.int16) - 32).reshape(-1, 16, 16).float()
-    return (d * q).reshape(-1, QK_K)
+    return q.mul_(d).view(-1, QK_K)
 
 
 def _iq4_levels(device: torch.device) -> torch.Tensor:
@@ -151,7 +153,7 @@ def _iq4_levels(device: torch.device) -> torch.Tensor:
 
 def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
     idx = _nibbles(b[:, 2:18]).reshape(-1, 32).long()
-    return _f16(b, 0) * _iq4_levels(b.device)[idx]
+    return _iq4_levels(b.device)[idx].mul_(_f16(b, 0))
 
 
 def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
@@ -161,7 +163,7 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
     scales = ((low.to(torch.int32) | (high << 4)) - 32).float()
     dl = (_f16(b, 0) * scales).unsqueeze(-1)                            # (n, 8, 1)
     idx = _nibbles(b[:, 8:136].reshape(-1, 8, 16)).reshape(-1, 8, 32).long()
-    return (dl * _iq4_levels(b.device)[idx]).reshape(-1, QK_K)
+    return _iq4_levels(b.device)[idx].mul_(dl).view(-1, QK_K)
 
 
 _DECODERS = {
