@@ -39,7 +39,9 @@ class NgramIndex:
         t, j = self.tokens, len(self.tokens)
         for n in range(min(self.n_max, j + 1), self.n_min - 1, -1):
             key = tuple(t[j - n + 1:j]) + (suffix_last,)
-            start = self.follow[n].get(key)
+            # the newest occurrence may end one token earlier, followed by suffix_last itself
+            # (a run such as "x x x"), which the index cannot hold yet
+            start = j if j >= n and tuple(t[j - n:j]) == key else self.follow[n].get(key)
             if start is None:
                 continue
             # copy what followed; a match near the end runs on into the drafts themselves
