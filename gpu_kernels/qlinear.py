@@ -1,0 +1,97 @@
+"""y = x W^T with W kept on the device as its GGUF blocks, dequantized one row tile at a time.
+
+The planner budgets device weights at their GGUF size (Q4_K: 4.5 bits per weight); a dequantized
+float16 copy would be 3.5x that. So the device holds the raw bytes, and each call decodes a tile of
+output rows into a scratch buffer right before the tile's matmul. One `TileScratch` is shared by all
+the linears of a device and compute dtype, so the whole model adds a single tile to device memory
+(plus the float32 working set of one decode, freed after each tile).
+
+Bit stability: batches of up to ROWWISE_MAX rows run one GEMV per row and tile, the same ops on the
+same shapes whatever the batch size, so a token's output is bitwise the same alone or in a verify
+batch. Larger batches (prompts) use one GEMM per tile.
+"""
+from __future__ import annotations
+
+import torch
+
+from .attention import ROWWISE_MAX
+from .quant import QUANTIZED_TYPES, dequantize_torch, row_bytes, type_name
+
+TILE_ELEMS = 1 << 24    # weights per dequantized tile: 32 MiB in float16, ~3300 rows of a 5120-wide matrix
+
+
+class TileScratch:
+    """The dequantization tile shared by every QuantLinear on one device with one compute dtype.
+
+    Linears reserve their tile size when they are built; the buffer is allocated once, at the first
+    call, at the largest reserved size, and every later tile is a view into it."""
+
+    def __init__(self, device: torch.device | str, dtype: torch.dtype):
+        self.device, self.dtype = torch.device(device), dtype
+        self.elems = 0
+        self._buffer: torch.Tensor | None = None
+
+    def reserve(self, elems: int) -> None:
+        if elems > self.elems:
+            self.elems = elems
+            self._buffer = None     # re-made at the new size on next use (only while binding)
+
+    def tile(self, rows: int, cols: int) -> torch.Tensor:
+        if rows * cols > self.elems:
+            raise ValueError(f"tile {rows}x{cols} exceeds the reserved {self.elems} elements")
+        if self._buffer is None:
+            self._buffer = torch.empty(self.elems, dtype=self.dtype, device=self.device)
+        return self._buffer[:rows * cols].view(rows, cols)
+
+    @property
+    def nbytes(self) -> int:
+        return self.elems * self.dtype.itemsize
+
+
+class QuantLinear:
+    """A [n_out, n_in] weight held on its device as raw GGUF rows (uint8 [n_out, row_bytes])."""
+
+    def __init__(self, raw: torch.Tensor, qtype: int, n_in: int, n_out: int,
+                 compute_dtype: torch.dtype = torch.float32, name: str = "",
+                 scratch: TileScratch | None = None, tile_rows: int | None = None):
+        if int(qtype) not in QUANTIZED_TYPES:
+            raise ValueError(f"{name or 'QuantLinear'}: {type_name(qtype)} is not a quantized type")
+        expected = (n_out, row_bytes(qtype, n_in))
+        if raw.dtype != torch.uint8 or tuple(raw.shape) != expected:
+            raise ValueError(f"{name or 'QuantLinear'}: raw must be uint8 {expected}, "
+                             f"got {raw.dtype} {tuple(raw.shape)}")
+        self.raw, self.qtype, self.n_in, self.n_out, self.name = raw.contiguous(), int(qtype), n_in, n_out, name
+        self.device, self.compute_dtype = raw.device, compute_dtype
+        self.tile_rows = min(n_out, tile_rows or max(1, TILE_ELEMS // n_in))
+        self.scratch = scratch if scratch is not None else TileScratch(raw.device, compute_dtype)
+        if self.scratch.device != self.device or self.scratch.dtype != compute_dtype:
+            raise ValueError(f"{name or 'QuantLinear'}: scratch is {self.scratch.dtype} on {self.scratch.device}, "
+                             f"weights need {compute_dtype} on {self.device}")
+        self.scratch.reserve(self.tile_rows * n_in)
+        self.nbytes = self.raw.numel()                                    # what the planner budgets
+        self.scratch_bytes = self.tile_rows * n_in * compute_dtype.itemsize
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [k, n_in] -> float32 [k, n_out] on the weights' device (written into `out` if given)."""
+        n_tok = x.shape[0]
+        xw = x.to(self.device, self.compute_dtype)
+        direct = out is not None and out.dtype == torch.float32 and out.device == self.device and out.is_contiguous()
+        y = out if direct else torch.empty(n_tok, self.n_out, dtype=torch.float32, device=self.device)
+        rowwise = n_tok <= ROWWISE_MAX
+        fp32 = self.compute_dtype == torch.float32
+        for r0 in range(0, self.n_out, self.tile_rows):
+            r1 = min(r0 + self.tile_rows, self.n_out)
+            w = dequantize_torch(self.raw[r0:r1], self.qtype, self.n_in, self.compute_dtype,
+                                 out=self.scratch.tile(r1 - r0, self.n_in))
+            if not rowwise:
+                y[:, r0:r1] = torch.matmul(xw, w.t())
+            elif fp32:
+                for i in range(n_tok):
+                    torch.mv(w, xw[i], out=y[i, r0:r1])
+            else:
+                for i in range(n_tok):
+                    y[i, r0:r1] = torch.mv(w, xw[i])
+        if out is not None and not direct:
+            out.copy_(y)
+            return out
+        return y
