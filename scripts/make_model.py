@@ -4,8 +4,9 @@
 Real Qwen3.5/3.6 GDN-hybrid MTP models cannot be downloaded here, so tests and the VRAM planner
 use files built by this script:
 
-* tiny models with random weights (``qwen35`` with optional MTP block, ``qwen3``, ``llama``),
-  f32 / q8_0 / q4_k_m mixes, deterministic for a seed, loadable by llama.cpp and by hybridrt;
+* tiny models with random weights (``qwen35`` with optional MTP block, ``qwen3``, ``llama``,
+  ``gemma3``, ``qwen3next``), f32 / q8_0 / q4_k_m mixes, deterministic for a seed, loadable by
+  llama.cpp and by hybridrt;
 * full-size *sparse* files (``--preset qwen3.6-27b-mtp --sparse``): the complete header, metadata,
   tokenizer and tensor table of a Q4_K_M file, with the data region left as a hole
   (``truncate``), so the file has its real apparent size (~16.6 GB) but takes a few MB on disk.
@@ -22,6 +23,19 @@ the converter's Qwen3.5 path and ``src/llama-quant.cpp``):
   is a full-attention layer plus ``nextn.{eh_proj,enorm,hnorm,shared_head_norm}``;
 * norms are stored with the converter's +1 already applied (plain ``x / rms * w``);
 * value heads are in the converter's tiled order (value head j reads key head ``j % Hk``);
+* qwen3next (checked against llama.cpp's ``src/models/qwen3next.cpp`` and gguf-py's tensor list):
+  the qwen35 layout except that beta and alpha come packed in one ``ssm_ba`` {n_embd, 2*Hv} whose
+  output rows are, per key head g, [beta of its Hv/Hk value heads | alpha of them]; value heads
+  keep the grouped order (value head j reads key head ``j // (Hv/Hk)``); and the FFN is always a
+  mixture of experts: ``ffn_gate_inp`` {n_embd, n_expert} (softmax router, top-k renormalised),
+  ``ffn_{gate,up}_exps`` {n_embd, n_ff_exp, n_expert}, ``ffn_down_exps`` {n_ff_exp, n_embd,
+  n_expert}, and a shared SwiGLU expert ``ffn_{gate,up,down}_shexp`` scaled by
+  sigmoid(``ffn_gate_inp_shexp`` {n_embd} . x); llama.cpp refuses a qwen3next file without experts;
+* gemma3 (``src/models/gemma3.cpp`` and its hparams loader): tied embeddings, q/k norms,
+  ``post_attention_norm`` and ``post_ffw_norm`` after the mixer/FFN outputs, ``ffn_norm`` before the
+  GELU-tanh FFN; metadata has ``attention.sliding_window`` and ``attention.key_length`` but no
+  ``rope.dimension_count``; llama.cpp hard-codes the rest (layer i global iff i % 6 == 5, local
+  layers rope base 10000, embeddings scaled by sqrt(n_embd), attention scale 1/sqrt(key_length));
 * the Q4_K_M type choice follows llama-quantize: tensors in sorted-name order (its weights map is
   a ``std::map``), ``output.weight`` Q6_K, ``attn_v``/``attn_qkv`` and ``ffn_down`` Q6_K where
   ``use_more_bits(i, n)``, other 2-D weights Q4_K, 1-D tensors / ``*_norm`` / ``ssm_conv1d`` /
@@ -49,7 +63,8 @@ import numpy as np
 import gguf
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
-ARCHS = ("qwen35", "qwen3", "llama")
+ARCHS = ("qwen35", "qwen3", "llama", "gemma3", "qwen3next")
+HYBRID_ARCHS = ("qwen35", "qwen3next")     # Gated DeltaNet + gated full attention
 MIXES = ("f32", "q8_0", "q4_k_m")
 # llama_ftype values written as general.file_type
 FILE_TYPE = {"f32": 0, "q8_0": 7, "q4_k_m": 15}
@@ -71,7 +86,13 @@ class ModelDims:
     context_length: int = 4096
     tied: bool = False           # no output.weight: the head reuses token_embd
     n_mtp: int = 0               # qwen35 only: NextN blocks appended after the trunk
-    # qwen35 only
+    sliding_window: int = 0      # gemma3 only: local layers see the last `sliding_window` positions
+    # qwen3next only: mixture-of-experts FFN
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_ff_shexp: int = 0
+    # qwen35 / qwen3next
     full_attention_interval: int = 4
     ssm_conv: int = 4
     ssm_head_dim: int = 0        # ssm.state_size: GDN head dim (keys and values)
@@ -85,7 +106,7 @@ class ModelDims:
         return self.n_layer + self.n_mtp
 
     def is_recurrent(self, il: int) -> bool:
-        return (self.arch == "qwen35" and il < self.n_layer
+        return (self.arch in HYBRID_ARCHS and il < self.n_layer
                 and (il + 1) % self.full_attention_interval != 0)
 
 
@@ -101,6 +122,15 @@ TINY_DEFAULTS: dict[str, ModelDims] = {
     "llama": ModelDims(arch="llama", n_embd=64, n_layer=4, n_ff=128, n_head=4, n_head_kv=2,
                        head_dim=16, n_rot=16, n_vocab=0, rope_base=1e4, rms_eps=1e-5,
                        tied=True, name="tiny-llama"),
+    # 8 layers: layer 5 is global, the others slide over 8 positions; key_length 32 != n_embd/n_head
+    "gemma3": ModelDims(arch="gemma3", n_embd=64, n_layer=8, n_ff=128, n_head=4, n_head_kv=1,
+                        head_dim=32, n_rot=32, n_vocab=0, rope_base=1e6, tied=True,
+                        sliding_window=8, name="tiny-gemma3"),
+    # qwen35's trunk with grouped V heads, a packed ssm_ba and 4 experts (2 used) + a shared expert
+    "qwen3next": ModelDims(arch="qwen3next", n_embd=64, n_layer=8, n_ff=64, n_head=4, n_head_kv=2,
+                           head_dim=16, n_rot=8, n_vocab=0, rope_base=1e7, ssm_head_dim=16,
+                           ssm_k_heads=2, ssm_v_heads=4, n_expert=4, n_expert_used=2, n_ff_exp=32,
+                           n_ff_shexp=64, name="tiny-qwen3next"),
 }
 
 PRESETS: dict[str, tuple[ModelDims, str]] = {
@@ -122,14 +152,15 @@ class TensorSpec:
     kind: str   # how to draw it: matrix | qkv | conv_qkv | embd | norm | ssm_norm | ssm_a | dt_bias
 
 
-def _attention_tensors(p: str, d: ModelDims, qwen35: bool) -> list[TensorSpec]:
-    q_rows = d.n_head * d.head_dim * (2 if qwen35 else 1)   # qwen35: [q_h | gate_h] per head
+def _attention_tensors(p: str, d: ModelDims) -> list[TensorSpec]:
+    gated = d.arch in HYBRID_ARCHS
+    q_rows = d.n_head * d.head_dim * (2 if gated else 1)   # gated: [q_h | gate_h] per head
     kv_rows = d.n_head_kv * d.head_dim
     out = [TensorSpec(f"{p}.attn_q.weight", (d.n_embd, q_rows), "matrix"),
            TensorSpec(f"{p}.attn_k.weight", (d.n_embd, kv_rows), "matrix"),
            TensorSpec(f"{p}.attn_v.weight", (d.n_embd, kv_rows), "matrix"),
            TensorSpec(f"{p}.attn_output.weight", (d.n_head * d.head_dim, d.n_embd), "matrix")]
-    if d.arch in ("qwen35", "qwen3"):
+    if d.arch != "llama":
         out += [TensorSpec(f"{p}.attn_q_norm.weight", (d.head_dim,), "norm"),
                 TensorSpec(f"{p}.attn_k_norm.weight", (d.head_dim,), "norm")]
     return out
@@ -139,18 +170,31 @@ def _gdn_tensors(p: str, d: ModelDims) -> list[TensorSpec]:
     key_dim = d.ssm_k_heads * d.ssm_head_dim
     value_dim = d.ssm_v_heads * d.ssm_head_dim
     conv_dim = 2 * key_dim + value_dim
+    if d.arch == "qwen3next":
+        beta_alpha = [TensorSpec(f"{p}.ssm_ba.weight", (d.n_embd, 2 * d.ssm_v_heads), "matrix")]
+    else:
+        beta_alpha = [TensorSpec(f"{p}.ssm_beta.weight", (d.n_embd, d.ssm_v_heads), "matrix"),
+                      TensorSpec(f"{p}.ssm_alpha.weight", (d.n_embd, d.ssm_v_heads), "matrix")]
     return [TensorSpec(f"{p}.attn_qkv.weight", (d.n_embd, conv_dim), "qkv"),
             TensorSpec(f"{p}.attn_gate.weight", (d.n_embd, value_dim), "matrix"),
             TensorSpec(f"{p}.ssm_conv1d.weight", (d.ssm_conv, conv_dim), "conv_qkv"),
             TensorSpec(f"{p}.ssm_dt.bias", (d.ssm_v_heads,), "dt_bias"),
             TensorSpec(f"{p}.ssm_a", (d.ssm_v_heads,), "ssm_a"),
-            TensorSpec(f"{p}.ssm_beta.weight", (d.n_embd, d.ssm_v_heads), "matrix"),
-            TensorSpec(f"{p}.ssm_alpha.weight", (d.n_embd, d.ssm_v_heads), "matrix"),
+            *beta_alpha,
             TensorSpec(f"{p}.ssm_norm.weight", (d.ssm_head_dim,), "ssm_norm"),
             TensorSpec(f"{p}.ssm_out.weight", (value_dim, d.n_embd), "matrix")]
 
 
 def _ffn_tensors(p: str, d: ModelDims) -> list[TensorSpec]:
+    if d.n_expert:
+        return [TensorSpec(f"{p}.ffn_gate_inp.weight", (d.n_embd, d.n_expert), "router"),
+                TensorSpec(f"{p}.ffn_gate_exps.weight", (d.n_embd, d.n_ff_exp, d.n_expert), "matrix"),
+                TensorSpec(f"{p}.ffn_up_exps.weight", (d.n_embd, d.n_ff_exp, d.n_expert), "matrix"),
+                TensorSpec(f"{p}.ffn_down_exps.weight", (d.n_ff_exp, d.n_embd, d.n_expert), "matrix"),
+                TensorSpec(f"{p}.ffn_gate_inp_shexp.weight", (d.n_embd,), "router"),
+                TensorSpec(f"{p}.ffn_gate_shexp.weight", (d.n_embd, d.n_ff_shexp), "matrix"),
+                TensorSpec(f"{p}.ffn_up_shexp.weight", (d.n_embd, d.n_ff_shexp), "matrix"),
+                TensorSpec(f"{p}.ffn_down_shexp.weight", (d.n_ff_shexp, d.n_embd), "matrix")]
     return [TensorSpec(f"{p}.ffn_gate.weight", (d.n_embd, d.n_ff), "matrix"),
             TensorSpec(f"{p}.ffn_up.weight", (d.n_embd, d.n_ff), "matrix"),
             TensorSpec(f"{p}.ffn_down.weight", (d.n_ff, d.n_embd), "matrix")]
@@ -165,12 +209,15 @@ def tensor_table(d: ModelDims) -> list[TensorSpec]:
     for il in range(d.block_count):
         p = f"blk.{il}"
         specs.append(TensorSpec(f"{p}.attn_norm.weight", (d.n_embd,), "norm"))
-        if d.arch == "qwen35":
+        if d.arch in HYBRID_ARCHS:
             specs.append(TensorSpec(f"{p}.post_attention_norm.weight", (d.n_embd,), "norm"))
-            specs += _gdn_tensors(p, d) if d.is_recurrent(il) else _attention_tensors(p, d, True)
+            specs += _gdn_tensors(p, d) if d.is_recurrent(il) else _attention_tensors(p, d)
         else:
             specs.append(TensorSpec(f"{p}.ffn_norm.weight", (d.n_embd,), "norm"))
-            specs += _attention_tensors(p, d, False)
+            specs += _attention_tensors(p, d)
+            if d.arch == "gemma3":     # norms of the attention and FFN outputs
+                specs += [TensorSpec(f"{p}.post_attention_norm.weight", (d.n_embd,), "norm"),
+                          TensorSpec(f"{p}.post_ffw_norm.weight", (d.n_embd,), "norm")]
         specs += _ffn_tensors(p, d)
         if il >= d.n_layer:     # NextN / MTP block
             specs += [TensorSpec(f"{p}.nextn.eh_proj.weight", (2 * d.n_embd, d.n_embd), "matrix"),
@@ -183,9 +230,10 @@ def tensor_table(d: ModelDims) -> list[TensorSpec]:
 # ---------------------------------------------------------------- quant type choice
 
 def _quantizable(spec: TensorSpec) -> bool:
-    # llama-quantize leaves 1-D tensors, norms, conv kernels and non-".weight" tensors alone
+    # llama-quantize leaves 1-D tensors, norms, conv kernels, MoE routers and non-".weight"
+    # tensors alone
     return (len(spec.ne) >= 2 and spec.name.endswith("weight") and "_norm.weight" not in spec.name
-            and "ssm_conv1d" not in spec.name)
+            and "ssm_conv1d" not in spec.name and "ffn_gate_inp" not in spec.name)
 
 
 def _use_more_bits(i: int, n: int) -> bool:
@@ -209,6 +257,7 @@ def assign_types(specs: list[TensorSpec], mix: str, d: ModelDims) -> list[QT]:
     if mix not in MIXES:
         raise ValueError(f"unknown mix {mix!r}; expected one of {MIXES}")
     n_wv = sum(1 for s in specs if "attn_v.weight" in s.name or "attn_qkv.weight" in s.name)
+    n_down = sum(1 for s in specs if "ffn_down" in s.name)
     i_wv = i_down = 0
     types = []
     for s in specs:
@@ -226,7 +275,7 @@ def assign_types(specs: list[TensorSpec], mix: str, d: ModelDims) -> list[QT]:
             qtype = QT.Q6_K if _use_more_bits(i_wv, n_wv) else QT.Q4_K
             i_wv += 1
         elif "ffn_down" in s.name:
-            qtype = QT.Q6_K if _use_more_bits(i_down, d.block_count) else QT.Q4_K
+            qtype = QT.Q6_K if _use_more_bits(i_down, n_down) else QT.Q4_K
             i_down += 1
         types.append(_fit_row(qtype, s.ne[0]))
     return types
@@ -331,12 +380,13 @@ def _train_bpe(n_merges: int) -> list[tuple[str, str]]:
 
 
 def _finish_tokenizer(arch: str, tokens: list[str], merges: list[str]) -> Tokenizer:
-    family = "llama" if arch == "llama" else "qwen"
+    family = "llama" if arch in ("llama", "gemma3") else "qwen"
     specials = SPECIALS[family]
     first_special = len(tokens)
     tokens = tokens + specials
     types = [1] * first_special + [3] * len(specials)   # NORMAL, CONTROL
-    pre = {"qwen35": "qwen35", "qwen3": "qwen2", "llama": "llama-bpe"}[arch]
+    pre = {"qwen35": "qwen35", "qwen3": "qwen2", "qwen3next": "qwen2", "llama": "llama-bpe",
+           "gemma3": "default"}[arch]
     if family == "qwen":
         return Tokenizer(tokens, types, merges, pre, bos_id=first_special, eos_id=first_special + 2,
                          pad_id=first_special, add_bos=False, chat_template=CHATML)
@@ -360,7 +410,7 @@ def generated_tokenizer(arch: str, n_vocab: int) -> Tokenizer:
     """
     b2u = bytes_to_unicode()
     sym = [b2u[b] for b in range(256)]
-    n_special = len(SPECIALS["llama" if arch == "llama" else "qwen"])
+    n_special = len(SPECIALS["llama" if arch in ("llama", "gemma3") else "qwen"])
     n_merged = n_vocab - 256 - n_special
     tokens, merges = list(sym), []
     for k in range(n_merged):
@@ -388,14 +438,23 @@ def _add_metadata(w: gguf.GGUFWriter, d: ModelDims, tok: Tokenizer, mix: str) ->
     w.add_uint32(f"{a}.attention.head_count_kv", d.n_head_kv)
     w.add_float32(f"{a}.rope.freq_base", d.rope_base)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", d.rms_eps)
-    if a in ("qwen35", "qwen3"):
+    if a != "llama":
         w.add_uint32(f"{a}.attention.key_length", d.head_dim)
         w.add_uint32(f"{a}.attention.value_length", d.head_dim)
     if a == "llama":
         w.add_uint32(f"{a}.vocab_size", len(tok.tokens))
-    w.add_uint32(f"{a}.rope.dimension_count", d.n_rot)
+    if a == "gemma3":       # like the converter: no rotary dims key (all of key_length rotates)
+        w.add_uint32(f"{a}.attention.sliding_window", d.sliding_window)
+    else:
+        w.add_uint32(f"{a}.rope.dimension_count", d.n_rot)
+    if d.n_expert:
+        w.add_uint32(f"{a}.expert_count", d.n_expert)
+        w.add_uint32(f"{a}.expert_used_count", d.n_expert_used)
+        w.add_uint32(f"{a}.expert_feed_forward_length", d.n_ff_exp)
+        w.add_uint32(f"{a}.expert_shared_feed_forward_length", d.n_ff_shexp)
     if a == "qwen35":
         w.add_array(f"{a}.rope.dimension_sections", list(d.rope_sections))
+    if a in HYBRID_ARCHS:
         w.add_uint32(f"{a}.ssm.conv_kernel", d.ssm_conv)
         w.add_uint32(f"{a}.ssm.state_size", d.ssm_head_dim)
         w.add_uint32(f"{a}.ssm.group_count", d.ssm_k_heads)
@@ -457,7 +516,8 @@ def tiny_dims(arch: str, mtp: bool = False, mix: str = "f32", overrides: dict | 
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
     d = TINY_DEFAULTS[arch]
     if mix == "q4_k_m":
-        d = dataclasses.replace(d, n_embd=256, n_ff=512)
+        d = dataclasses.replace(d, n_embd=256, n_ff=512, n_ff_exp=256 if d.n_expert else 0,
+                                n_ff_shexp=512 if d.n_expert else 0)
     if mtp:
         if arch != "qwen35":
             raise ValueError("--mtp is only defined for qwen35")
@@ -470,8 +530,11 @@ def draw_tensor(spec: TensorSpec, rng: np.random.Generator, d: ModelDims) -> np.
     shape = tuple(reversed(spec.ne))
     if spec.kind in ("matrix", "qkv"):      # keeps activations O(1) through each projection
         x = rng.standard_normal(shape) / np.sqrt(spec.ne[0])
-        if spec.name.endswith(("ssm_out.weight", "attn_output.weight", "ffn_down.weight")):
+        if spec.name.endswith(("ssm_out.weight", "attn_output.weight", "ffn_down.weight",
+                               "ffn_down_exps.weight", "ffn_down_shexp.weight")):
             x /= np.sqrt(2 * d.block_count)      # GPT-2 style: residual writes scaled by depth
+    elif spec.kind == "router":    # logits of O(1) spread, so the top-k choice is rarely a near tie
+        x = 2.0 * rng.standard_normal(shape) / np.sqrt(spec.ne[0])
     elif spec.kind == "embd":
         x = 0.5 * rng.standard_normal(shape)
     elif spec.kind in ("norm", "ssm_norm"):
@@ -529,8 +592,10 @@ def write_model(path: str | Path, arch: str, mtp: bool = False, mix: str = "f32"
     for s, t in zip(specs, types):
         x = draw_tensor(s, rng, d)
         data = quantize(x.reshape(-1, s.ne[0]), t)
-        w.add_tensor(s.name, data if data.dtype == np.uint8 else data.reshape(x.shape),
-                     raw_dtype=t if data.dtype == np.uint8 else None)
+        if data.dtype == np.uint8:      # the writer reads ggml's shape off the byte shape
+            w.add_tensor(s.name, data.reshape(x.shape[:-1] + (-1,)), raw_dtype=t)
+        else:
+            w.add_tensor(s.name, data.reshape(x.shape))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

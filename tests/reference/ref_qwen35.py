@@ -1,4 +1,5 @@
-"""Float64 reference forward for ``qwen35`` (Gated DeltaNet hybrid, gated attention, MTP).
+"""Float64 reference forward for ``qwen35`` (Gated DeltaNet hybrid, gated attention, MTP) and
+``qwen3next`` (the same trunk with grouped value heads, a packed ``ssm_ba`` and an MoE FFN).
 
 Straight from the reference notes:
 * layer i is Gated DeltaNet iff (i + 1) % full_attention_interval != 0, for i < n_layer;
@@ -10,6 +11,11 @@ Straight from the reference notes:
   rotary on the first rope.dimension_count dims; GQA; output * sigmoid(gate); attn_output;
 * blocks: h += mixer(attn_norm h); h += FFN(post_attention_norm h); output_norm; output (tied if
   output.weight is absent);
+* qwen3next (llama.cpp's qwen3next graph): b and a come from one ``ssm_ba`` projection whose
+  outputs are, per key head g, [b of value heads g*r .. g*r+r-1 | a of them] (r = Hv/Hk); value
+  head j reads key head j // r; the FFN is a mixture of experts: p = softmax(ffn_gate_inp x), the
+  expert_used_count largest p renormalised to sum 1, each expert a SwiGLU (ffn_{gate,up,down}_exps),
+  plus the shared SwiGLU expert (ffn_*_shexp) times sigmoid(ffn_gate_inp_shexp . x);
 * MTP step: x = eh_proj [enorm(embed t) ; hnorm(h_prev)], one full-attention block with its own
   KV cache and FFN, hidden = RMSNorm(x; shared_head_norm, else output_norm), logits = head(hidden).
 """
@@ -39,8 +45,8 @@ class MTPCache:
 class RefQwen35:
     def __init__(self, path: str | Path):
         W = self.W = GGUFWeights(path)
-        if W.arch != "qwen35":
-            raise ValueError(f"RefQwen35 handles qwen35, not {W.arch}")
+        if W.arch not in ("qwen35", "qwen3next"):
+            raise ValueError(f"RefQwen35 handles qwen35 and qwen3next, not {W.arch}")
         self.n_embd = W.arch_meta("embedding_length")
         self.n_mtp = W.arch_meta("nextn_predict_layers", 0)
         self.n_layer = W.arch_meta("block_count") - self.n_mtp
@@ -56,6 +62,8 @@ class RefQwen35:
         self.hk = W.arch_meta("ssm.group_count")
         self.hv = W.arch_meta("ssm.time_step_rank")
         assert W.arch_meta("ssm.inner_size") == self.hv * self.d
+        self.grouped_heads = W.arch == "qwen3next"
+        self.n_expert_used = W.arch_meta("expert_used_count", 0)
 
     def is_recurrent(self, il: int) -> bool:
         return il < self.n_layer and (il + 1) % self.interval != 0
@@ -69,11 +77,17 @@ class RefQwen35:
         key_dim = hk * d
         qkv = x @ W(f"{p}.attn_qkv.weight").T                       # [T, conv_dim]
         z = (x @ W(f"{p}.attn_gate.weight").T).reshape(T, hv, d)
-        beta = sigmoid(x @ W(f"{p}.ssm_beta.weight").T)              # [T, hv]
-        alpha = x @ W(f"{p}.ssm_alpha.weight").T
+        if W.has(f"{p}.ssm_ba.weight"):
+            r = hv // hk
+            ba = (x @ W(f"{p}.ssm_ba.weight").T).reshape(T, hk, 2 * r)
+            b, alpha = ba[..., :r].reshape(T, hv), ba[..., r:].reshape(T, hv)
+        else:
+            b, alpha = x @ W(f"{p}.ssm_beta.weight").T, x @ W(f"{p}.ssm_alpha.weight").T
+        beta = sigmoid(b)                                            # [T, hv]
         g = W(f"{p}.ssm_a") * softplus(alpha + W(f"{p}.ssm_dt.bias"))   # [T, hv], <= 0
         conv_w = W(f"{p}.ssm_conv1d.weight")                         # [conv_dim, K]
-        key_head = np.arange(hv) % hk                                # tiled V-head order
+        # qwen35: tiled V-head order; qwen3next: grouped
+        key_head = np.arange(hv) // (hv // hk) if self.grouped_heads else np.arange(hv) % hk
         out = np.empty((T, hv, d))
         for t in range(T):
             window = np.concatenate([st.conv, qkv[t:t + 1]], axis=0)  # [K, conv_dim]
@@ -108,10 +122,27 @@ class RefQwen35:
         o = attend(q, k, v, positions, cache) * sigmoid(gate)
         return o.reshape(T, self.n_head * hd) @ W(f"{p}.attn_output.weight").T
 
+    def _moe_ffn(self, p: str, x: np.ndarray) -> np.ndarray:
+        W, k = self.W, self.n_expert_used
+        logits = x @ W(f"{p}.ffn_gate_inp.weight").T                 # [T, n_expert]
+        probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+        probs /= probs.sum(axis=1, keepdims=True)
+        gate, up, down = (W(f"{p}.ffn_{n}_exps.weight") for n in ("gate", "up", "down"))
+        out = np.zeros_like(x)
+        for t in range(x.shape[0]):
+            chosen = np.argsort(-probs[t], kind="stable")[:k]
+            weights = probs[t, chosen] / probs[t, chosen].sum()
+            for e, wt in zip(chosen, weights):
+                out[t] += wt * (down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])))
+        shared = (silu(x @ W(f"{p}.ffn_gate_shexp.weight").T) * (x @ W(f"{p}.ffn_up_shexp.weight").T)
+                  ) @ W(f"{p}.ffn_down_shexp.weight").T
+        return out + shared * sigmoid(x @ W(f"{p}.ffn_gate_inp_shexp.weight"))[:, None]
+
     def _block(self, il: int, h: np.ndarray, mixer) -> np.ndarray:
         W, p = self.W, f"blk.{il}"
         h = h + mixer(rms_norm(h, W(f"{p}.attn_norm.weight"), self.eps))
-        return h + swiglu_ffn(W, p, rms_norm(h, W(f"{p}.post_attention_norm.weight"), self.eps))
+        x = rms_norm(h, W(f"{p}.post_attention_norm.weight"), self.eps)
+        return h + (self._moe_ffn(p, x) if W.has(f"{p}.ffn_gate_inp.weight") else swiglu_ffn(W, p, x))
 
     # ------------------------------------------------------------ trunk
 
