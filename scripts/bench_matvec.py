@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+"""Benchmark cpu_kernels.matvec against this machine's memory read bandwidth and a torch baseline.
+
+    python scripts/bench_matvec.py [--quick] [--json PATH] [--threads N]
+
+1. Read bandwidth: a parallel Numba streaming sum over a 1 GiB float32 array, best of 3.
+2. For each type, FFN shape and k in {1, 2, 3, 4, 8}: median time of `matvec` on random valid
+   blocks. "cold": every call reads a different copy of the matrix, copies spanning 512 MiB, more
+   than the last-level cache, as a real decode step streams weights from DRAM. "hot": the same
+   copy every call (it may sit in cache: the kernel's compute-bound speed). Reported per row:
+   weight GB/s (bytes of quantized weights / time), % of the measured bandwidth, multiply-adds/s,
+   and per-token cost relative to k=1 ((ms_k / k) / ms_1). Times are medians (minimums also go to
+   the JSON: on a shared machine the minimum shows the kernel, the median the neighbours).
+3. torch baseline: the matrix dequantized once to float32, then `torch.matmul(x, W.T)`.
+4. First matvec call in a fresh process with a warm Numba cache (import + call).
+
+--quick: Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 on the Qwen3.6-27B FFN shapes only (< 3 minutes on 2 threads).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numba
+import numpy as np
+import torch
+from gguf.constants import GGMLQuantizationType as T
+from gguf.quants import dequantize
+from numba import njit, prange
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from cpu_kernels.formats import SUPPORTED_TYPES, format_of  # noqa: E402
+from cpu_kernels.matvec import matvec  # noqa: E402
+from cpu_kernels.matvec_testdata import F16_FIELDS  # noqa: E402
+
+# (label, rows, cols): rows = outputs, cols = inputs; FFN up/gate (n_embd -> n_ff) and down.
+SHAPES = [
+    ("qwen3.6-27b up", 17408, 5120), ("qwen3.6-27b down", 5120, 17408),
+    ("smollm2-135m up", 1536, 576), ("smollm2-135m down", 576, 1536),
+    ("gemma3-270m up", 2048, 640), ("gemma3-270m down", 640, 2048),
+]
+QUICK_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q4_0)
+KS = (1, 2, 3, 4, 8)
+POOL_BYTES = 512 << 20
+
+
+@njit(parallel=True, nogil=True, fastmath=True, cache=True)
+def _stream_sum(a, n_parts):
+    partial = np.zeros(n_parts, np.float32)
+    for p in prange(n_parts):
+        seg = a[p * a.size // n_parts:(p + 1) * a.size // n_parts]
+        s = np.float32(0.0)
+        for i in range(seg.size):
+            s += seg[i]
+        partial[p] = s
+    return partial.sum()
+
+
+def read_bandwidth_gbps(n_bytes: int = 1 << 30, repeats: int = 3) -> float:
+    a = np.ones(n_bytes // 4, np.float32)
+    n_parts = 4 * numba.get_num_threads()
+    _stream_sum(a, n_parts)
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        _stream_sum(a, n_parts)
+        best = min(best, time.perf_counter() - t0)
+    return a.nbytes / best / 1e9
+
+
+class WeightPool:
+    """POOL_BYTES of random bytes; per type the float16 fields of every block are made finite."""
+
+    def __init__(self, rng: np.random.Generator):
+        self.bytes = rng.integers(0, 256, POOL_BYTES, dtype=np.uint8)
+        self.rng = rng
+        self.qtype = None
+
+    def matrices(self, qtype: int, rows: int, cols: int) -> list[np.ndarray]:
+        fmt = format_of(qtype)
+        nbytes = rows * fmt.row_bytes(cols)
+        if qtype != self.qtype:
+            self._fill(qtype, fmt)
+            self.qtype = qtype
+        n = max(1, self.bytes.size // nbytes)
+        return [self.bytes[i * nbytes:(i + 1) * nbytes].reshape(rows, -1) for i in range(n)]
+
+    def _fill(self, qtype, fmt) -> None:
+        if qtype in (T.F32, T.F16, T.BF16):
+            itemsize = 4 if qtype == T.F32 else 2
+            values = self.rng.standard_normal(self.bytes.size // itemsize).astype(np.float32)
+            if qtype == T.F16:
+                values = values.astype(np.float16)
+            elif qtype == T.BF16:
+                values = (values.view(np.uint32) >> 16).astype(np.uint16)
+            self.bytes[:] = values.view(np.uint8)
+        else:
+            blocks = self.bytes[: self.bytes.size // fmt.block_bytes * fmt.block_bytes].reshape(-1, fmt.block_bytes)
+            for off in F16_FIELDS[T(qtype)]:
+                scale = self.rng.uniform(1e-3, 2e-2, blocks.shape[0]).astype(np.float16)
+                blocks[:, off:off + 2] = scale.view(np.uint8).reshape(-1, 2)
+
+
+def time_ms(fn, repeats: int) -> tuple[float, float]:
+    """(median, min) wall time of fn(i) for i < repeats, in ms."""
+    times = []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3, min(times) * 1e3
+
+
+def first_call_seconds() -> float:
+    """Import + first matvec in a fresh interpreter (after this process filled the cache)."""
+    code = ("import time; t = time.perf_counter(); import numpy as np; "
+            "from cpu_kernels.matvec import matvec; "
+            "matvec(np.zeros((4, 144), np.uint8), 12, np.ones((1, 256), np.float32)); "
+            "print(time.perf_counter() - t)")
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="5 main types, 27B shapes, fewer repeats")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--threads", type=int, default=numba.config.NUMBA_NUM_THREADS)
+    args = ap.parse_args()
+    numba.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
+
+    types = QUICK_TYPES if args.quick else [T(t) for t in SUPPORTED_TYPES]
+    shapes = SHAPES[:2] if args.quick else SHAPES
+    repeats = 5 if args.quick else 9
+    rng = np.random.default_rng(0)
+
+    bw = read_bandwidth_gbps()
+    print(f"threads {args.threads}; read bandwidth (parallel streaming sum, 1 GiB, best of 3): {bw:.1f} GB/s")
+    pool = WeightPool(rng)
+    rows_out = []
+    hdr = f"{'type':7} {'shape':18} {'k':>2} {'cold ms':>8} {'GB/s':>6} {'%bw':>5} {'GMAC/s':>7} {'tok/k1':>6} " \
+          f"{'hot ms':>7} {'torch ms':>8}"
+    print(hdr)
+    for qtype in types:
+        for label, rows, cols in shapes:
+            mats = pool.matrices(qtype, rows, cols)
+            w_hot = mats[0]
+            w_f32 = torch.from_numpy(dequantize(w_hot, qtype).astype(np.float32))
+            base_ms = None
+            for k in KS:
+                x = rng.standard_normal((k, cols)).astype(np.float32)
+                out = np.empty((k, rows), np.float32)
+                matvec(w_hot, qtype, x, out)          # compile / warm up
+                cold, cold_min = time_ms(lambda i: matvec(mats[(i * 7 + 1) % len(mats)], qtype, x, out), repeats)
+                hot, hot_min = time_ms(lambda i: matvec(w_hot, qtype, x, out), repeats)
+                xt = torch.from_numpy(x)
+                torch.matmul(xt, w_f32.T)
+                torch_ms, _ = time_ms(lambda i: torch.matmul(xt, w_f32.T), repeats)
+                base_ms = base_ms or cold
+                gbps = w_hot.nbytes / cold / 1e6
+                row = {
+                    "type": T(qtype).name, "shape": label, "rows": rows, "cols": cols, "k": k,
+                    "ms": round(cold, 4), "weight_gbps": round(gbps, 2), "pct_of_bw": round(100 * gbps / bw, 1),
+                    "per_token_vs_k1": round(cold / k / base_ms, 3),
+                    "gmacs": round(rows * cols * k / cold / 1e6, 2),
+                    "ms_min": round(cold_min, 4), "ms_hot": round(hot, 4), "ms_hot_min": round(hot_min, 4), "weight_gbps_hot": round(w_hot.nbytes / hot / 1e6, 2),
+                    "torch_ms": round(torch_ms, 4), "weight_bytes": int(w_hot.nbytes),
+                }
+                rows_out.append(row)
+                print(f"{row['type']:7} {label:18} {k:>2} {cold:8.2f} {gbps:6.1f} {row['pct_of_bw']:5.1f} "
+                      f"{row['gmacs']:7.1f} {row['per_token_vs_k1']:6.2f} {hot:7.2f} {torch_ms:8.2f}", flush=True)
+            del w_f32
+    first = first_call_seconds()
+    print(f"first matvec call in a fresh process, warm cache (import + call): {first:.2f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"read_bw_gbps": round(bw, 2), "threads": args.threads, "quick": args.quick,
+                       "first_call_warm_cache_s": round(first, 3), "rows": rows_out}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
