@@ -35,6 +35,7 @@ class AttentionSpec:
     window: int = 0             # sliding window (0: full causal)
     qk_norm: bool = False       # RMSNorm of q and k per head (qwen3, gemma3, qwen35)
     gated: bool = False         # qwen35: attn_q holds [q_h | gate_h] per head; out *= sigmoid(gate)
+    first_pos: int = 0          # the cache holds no keys before this position (MTP: 1)
 
 
 def rope_scale(f: GGUFFile) -> float:
@@ -93,7 +94,7 @@ class Attention:
         k = apply_rotary(k, table, positions)
         state.kv.write(self.cache_index, pos_list[0], k, v)
         o = attend(q, state.kv.k[self.cache_index], state.kv.v[self.cache_index], pos_list,
-                   s.scale, s.window).reshape(n, s.n_head * s.head_dim_v)
+                   s.scale, s.window, s.first_pos).reshape(n, s.n_head * s.head_dim_v)
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return self.wo(o)

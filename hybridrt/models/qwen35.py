@@ -3,9 +3,11 @@ layer every `full_attention_interval` layers, and an optional MTP (NextN) head a
 
 Layer i is full attention iff (i + 1) % interval == 0. The converter stored every RMSNorm weight
 with +1 folded in (except ssm_norm) and `ssm_a` as -exp(A_log), so no offsets appear here.
+qwen3next files always carry a mixture-of-experts FFN (llama.cpp refuses them without experts).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -14,8 +16,11 @@ import torch.nn.functional as F
 
 from gpu_kernels.delta_net import causal_conv, delta_rule
 from gpu_kernels.norms import l2_norm, rms_norm
+from gpu_kernels.pointwise import per_token
 
-from ..backends import WeightBinder
+from cpu_kernels.dequant import dequantize
+
+from ..backends import CpuGluFFN, CpuQuantLinear, DeviceLinear, GluFFN, WeightBinder
 from ..errors import UserError
 from ..gguf_file import GGUFFile
 from ..kv_cache import CACHE_DTYPES, KVCache
@@ -85,8 +90,8 @@ class GatedDeltaNet:
         qkv = self.w_qkv(x)
         z = self.w_gate(x).view(n, s.n_v_heads, s.head_dim)
         b, a = self._beta_alpha(x)
-        beta = torch.sigmoid(b)
-        log_decay = self.ssm_a * F.softplus(a + self.dt_bias)
+        beta = per_token(torch.sigmoid, b)
+        log_decay = self.ssm_a * per_token(F.softplus, a + self.dt_bias)
 
         conv_state = state.conv[self.index]
         mixed, history = causal_conv(qkv, conv_state, self.conv_w)
@@ -107,8 +112,54 @@ class GatedDeltaNet:
             ring.conv_hist[self.index, :history.shape[0]].copy_(history)
             snapshots = ring.S[self.index]
         o = delta_rule(q, k, v, log_decay, beta, state.S[self.index], snapshots)
-        y = rms_norm(o, self.norm, s.eps) * F.silu(z)
+        y = rms_norm(o, self.norm, s.eps) * per_token(F.silu, z)
         return self.w_out(y.reshape(n, s.value_dim))
+
+
+def _glu(gate, up, down, act: str = "silu"):
+    if all(isinstance(m, CpuQuantLinear) for m in (gate, up, down)):
+        return CpuGluFFN(gate, up, down, act)
+    return GluFFN(gate, up, down, act)
+
+
+def _expert_linear(w: WeightBinder, name: str, expert: int):
+    """Expert `expert` of a 3-D {n_in, n_out, n_expert} tensor: its n_out rows are contiguous."""
+    info = w.gguf.tensors[name]
+    n_in, n_out = info.shape[0], info.shape[1]
+    raw = w.gguf.tensor_bytes(name)[expert * n_out:(expert + 1) * n_out]
+    if w.where(name) == "cpu":
+        return CpuQuantLinear(raw, info.qtype, n_in, n_out, f"{name}[{expert}]")
+    weight = torch.from_numpy(dequantize(raw, info.qtype, n_in))
+    return DeviceLinear(weight.to(w.device, w.device_dtype), f"{name}[{expert}]")
+
+
+class MoEFFN:
+    """qwen3next's FFN: p = softmax(router x); the n_used most probable SwiGLU experts, weighted by
+    their p renormalised to sum 1; plus a shared SwiGLU expert scaled by sigmoid(shared_gate . x).
+
+    Tokens are grouped by expert (each expert's weights are read once per batch), and every token
+    sums its experts in ascending id order, so its output does not depend on the batch."""
+
+    def __init__(self, w: WeightBinder, prefix: str, n_used: int):
+        self.n_used = n_used
+        self.router = w.linear(f"{prefix}.ffn_gate_inp.weight")
+        self.experts = [_glu(*(_expert_linear(w, f"{prefix}.ffn_{m}_exps.weight", e)
+                               for m in ("gate", "up", "down")))
+                        for e in range(self.router.n_out)]
+        self.shared = _glu(*(w.linear(f"{prefix}.ffn_{m}_shexp.weight") for m in ("gate", "up", "down")))
+        self.shared_gate = w.linear(f"{prefix}.ffn_gate_inp_shexp.weight")     # one output row
+        self.nbytes = sum(e.nbytes for e in self.experts) + self.shared.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        probs = per_token(lambda r: torch.softmax(r, dim=-1), self.router(x))
+        top_p, top_e = torch.topk(probs, self.n_used, dim=-1)
+        weights = top_p / top_p.sum(-1, keepdim=True)
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        for e, expert in enumerate(self.experts):
+            rows, slot = (top_e == e).nonzero(as_tuple=True)
+            if rows.numel():
+                out.index_add_(0, rows, expert(x[rows]) * weights[rows, slot, None])
+        return out + self.shared(x) * per_token(torch.sigmoid, self.shared_gate(x))
 
 
 class Qwen35(Model):
@@ -134,6 +185,7 @@ class Qwen35(Model):
                                 head_dim=d_state, conv_kernel=int(g("ssm.conv_kernel")), eps=self.eps,
                                 tiled_heads=self.tiled_heads)
         split_ba = binder.has("blk.0.ssm_ba.weight")
+        n_used = int(g("expert_used_count", 0) or 0)
         self.layers, n_attn, n_gdn = [], 0, 0
         for i in range(self.n_layer):
             p = f"blk.{i}"
@@ -141,8 +193,10 @@ class Qwen35(Model):
                 mixer, n_attn = Attention(binder, p, self.attn_spec, cache_index=n_attn), n_attn + 1
             else:
                 mixer, n_gdn = GatedDeltaNet(binder, p, self.gdn_spec, n_gdn, split_ba), n_gdn + 1
+            ffn = MoEFFN(binder, p, n_used) if binder.has(f"{p}.ffn_gate_inp.weight") \
+                else binder.glu_ffn(p, act="silu")
             self.layers.append((binder.dense(f"{p}.attn_norm.weight"), mixer,
-                                binder.dense(f"{p}.post_attention_norm.weight"), binder.glu_ffn(p, act="silu")))
+                                binder.dense(f"{p}.post_attention_norm.weight"), ffn))
         self.n_attention_layers, self.n_gdn_layers = n_attn, n_gdn
         self.mtp = MTPHead(binder, self) if self.n_nextn else None
 
@@ -211,7 +265,9 @@ class MTPHead:
         self.enorm = w.dense(f"{p}.nextn.enorm.weight")
         self.hnorm = w.dense(f"{p}.nextn.hnorm.weight")
         self.attn_norm = w.dense(f"{p}.attn_norm.weight")
-        self.attn = Attention(w, p, model.attn_spec, cache_index=0)
+        # the MTP block's first input pairs token 1 with the trunk hidden of position 0, so its
+        # cache starts at position 1
+        self.attn = Attention(w, p, dataclasses.replace(model.attn_spec, first_pos=1), cache_index=0)
         self.ffn_norm = w.dense(f"{p}.post_attention_norm.weight")
         self.ffn = w.glu_ffn(p, act="silu")
         self.head_norm = w.dense(f"{p}.nextn.shared_head_norm.weight") \
