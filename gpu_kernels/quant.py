@@ -1,12 +1,13 @@
 """GGUF block formats decoded with plain torch tensor ops, on whatever device holds the bytes.
 
-Each decoder takes the raw blocks of a tensor as a uint8 (n_blocks, block_bytes) tensor and returns
-float32 (n_blocks, block_elems). The arithmetic is float32 and follows gguf-py's numpy reference
+Each decoder reads the raw blocks of a tensor as a uint8 (n_blocks, block_bytes) tensor and fills
+a float32 (n_blocks, block_elems) one. The arithmetic is float32 and follows gguf-py's numpy reference
 operation by operation (scale products first, then one multiply and one add/subtract, never a
 fused multiply-add), so the values are bitwise those of `gguf.quants.dequantize` (a NaN stays a
 NaN but its payload is not kept). Everything is whole-tensor: views, shifts, masks and gathers over
 all blocks at once, no loop over blocks. The scaling runs in place on the one float32 tensor each
-decoder makes, so a tile's working set is that tensor plus a few byte-sized ones.
+decoder fills (the caller's output when it is float32), so a tile's working set beyond it is a
+few byte-sized tensors.
 """
 from __future__ import annotations
 
@@ -51,66 +52,79 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.stack((qs & 15, qs >> 4), dim=-2)
 
 
-def _shifts(device: torch.device, start: int, stop: int, step: int) -> torch.Tensor:
-    # built on the device (no host-to-device copy); shapes broadcast against a (..., k, 1) axis
-    return torch.arange(start, stop, step, dtype=torch.uint8, device=device).view(-1, 1)
+def _put_nibbles(dst: torch.Tensor, qs: torch.Tensor) -> None:
+    """Low then high nibbles of qs (..., m) converted straight into dst (..., 2, m)."""
+    dst.select(-2, 0).copy_(qs & 15)
+    dst.select(-2, 1).copy_(qs >> 4)
+
+
+def _fields(packed: torch.Tensor, width: int, dim: int = -2) -> torch.Tensor:
+    """(..., m) bytes -> their 8/width bit fields of `width` bits, lowest first, stacked at `dim`.
+    (One op per field with a scalar shift: much faster than a broadcast tensor shift on the CPU.)"""
+    mask = (1 << width) - 1
+    return torch.stack([(packed >> s) & mask for s in range(0, 8, width)], dim=dim)
 
 
 def _bits(packed: torch.Tensor) -> torch.Tensor:
     """(..., m) bytes -> (..., 8, m): bit b of byte j at [..., b, j]."""
-    return (packed.unsqueeze(-2) >> _shifts(packed.device, 0, 8, 1)) & 1
+    return _fields(packed, 1)
 
 
-def _q4_0(b: torch.Tensor) -> torch.Tensor:
-    q = _nibbles(b[:, 2:18]).reshape(-1, 32).float()
-    return q.sub_(8).mul_(_f16(b, 0))
+# Each decoder fills dst, float32 (n_blocks, block_elems), from b, uint8 (n_blocks, block_bytes):
+# the integer levels are converted straight into dst and scaled there, in place.
+
+def _q4_0(b: torch.Tensor, dst: torch.Tensor) -> None:
+    _put_nibbles(dst.view(-1, 2, 16), b[:, 2:18])
+    dst.sub_(8).mul_(_f16(b, 0))
 
 
-def _q4_1(b: torch.Tensor) -> torch.Tensor:
-    q = _nibbles(b[:, 4:20]).reshape(-1, 32).float()
-    return q.mul_(_f16(b, 0)).add_(_f16(b, 2))
+def _q4_1(b: torch.Tensor, dst: torch.Tensor) -> None:
+    _put_nibbles(dst.view(-1, 2, 16), b[:, 4:20])
+    dst.mul_(_f16(b, 0)).add_(_f16(b, 2))
 
 
-def _q5_low_high(b: torch.Tensor, qh_off: int) -> torch.Tensor:
+def _q5_levels(b: torch.Tensor, qh_off: int) -> torch.Tensor:
     """5-bit values of a Q5_0/Q5_1 block: nibble | (bit j of the little-endian u32 qh) << 4."""
-    high = _bits(b[:, qh_off:qh_off + 4]).transpose(1, 2).reshape(-1, 32)   # bit j = byte j/8, bit j%8
-    low = _nibbles(b[:, qh_off + 4:qh_off + 20]).reshape(-1, 32)
+    high = _fields(b[:, qh_off:qh_off + 4], 1, dim=-1).view(-1, 32)   # bit j = byte j/8, bit j%8
+    low = _nibbles(b[:, qh_off + 4:qh_off + 20]).view(-1, 32)
     return low | (high << 4)
 
 
-def _q5_0(b: torch.Tensor) -> torch.Tensor:
-    return _q5_low_high(b, 2).float().sub_(16).mul_(_f16(b, 0))
+def _q5_0(b: torch.Tensor, dst: torch.Tensor) -> None:
+    dst.copy_(_q5_levels(b, 2))
+    dst.sub_(16).mul_(_f16(b, 0))
 
 
-def _q5_1(b: torch.Tensor) -> torch.Tensor:
-    return _q5_low_high(b, 4).float().mul_(_f16(b, 0)).add_(_f16(b, 2))
+def _q5_1(b: torch.Tensor, dst: torch.Tensor) -> None:
+    dst.copy_(_q5_levels(b, 4))
+    dst.mul_(_f16(b, 0)).add_(_f16(b, 2))
 
 
-def _q8_0(b: torch.Tensor) -> torch.Tensor:
-    return b[:, 2:34].view(torch.int8).float().mul_(_f16(b, 0))
+def _q8_0(b: torch.Tensor, dst: torch.Tensor) -> None:
+    dst.copy_(b[:, 2:34].view(torch.int8))
+    dst.mul_(_f16(b, 0))
 
 
-def _q2_k(b: torch.Tensor) -> torch.Tensor:
+def _q2_k(b: torch.Tensor, dst: torch.Tensor) -> None:
     scales = b[:, 0:16]
     dl = (_f16(b, 80) * (scales & 15).float()).unsqueeze(-1)          # (n, 16, 1)
     ml = (_f16(b, 82) * (scales >> 4).float()).unsqueeze(-1)
     # each 32-byte half of qs holds 4 crumbs per byte: 128 weights, in 8 groups of 16
-    qs = b[:, 16:80].reshape(-1, 2, 1, 32) >> _shifts(b.device, 0, 8, 2)
-    q = (qs & 3).reshape(-1, 16, 16).float()
-    return q.mul_(dl).sub_(ml).view(-1, QK_K)
+    dst.view(-1, 2, 4, 32).copy_(_fields(b[:, 16:80].view(-1, 2, 32), 2))
+    dst.view(-1, 16, 16).mul_(dl).sub_(ml)
 
 
-def _q3_k(b: torch.Tensor) -> torch.Tensor:
+def _q3_k(b: torch.Tensor, dst: torch.Tensor) -> None:
     sc = b[:, 96:108]
-    low = _nibbles(sc[:, 0:8]).reshape(-1, 16)
-    high = ((sc[:, 8:12].unsqueeze(-2) >> _shifts(b.device, 0, 8, 2)) & 3).reshape(-1, 16)
-    scales = ((low | (high << 4)).to(torch.int16) - 32).float()
+    low = _nibbles(sc[:, 0:8]).view(-1, 16)
+    high = _fields(sc[:, 8:12], 2).view(-1, 16)
+    scales = ((low | (high << 4)).view(torch.int8) - 32).float()
     dl = (_f16(b, 108) * scales).unsqueeze(-1)                         # (n, 16, 1)
-    ql = ((b[:, 32:96].reshape(-1, 2, 1, 32) >> _shifts(b.device, 0, 8, 2)) & 3).reshape(-1, 16, 16)
-    # hmask bit set means "no -4 offset"
-    hm = (_bits(b[:, 0:32]) ^ 1).reshape(-1, 16, 16)
-    q = (ql.to(torch.int16) - (hm.to(torch.int16) << 2)).float()
-    return q.mul_(dl).view(-1, QK_K)
+    ql = _fields(b[:, 32:96].view(-1, 2, 32), 2)
+    # a clear hmask bit means "minus 4"
+    minus4 = ((_bits(b[:, 0:32]) ^ 1) << 2).view(-1, 2, 4, 32)
+    dst.view(-1, 2, 4, 32).copy_(ql.view(torch.int8) - minus4.view(torch.int8))
+    dst.view(-1, 16, 16).mul_(dl)
 
 
 def _k_scale_min(sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,49 +135,51 @@ def _k_scale_min(sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scale.float(), mins.float()
 
 
-def _q4_k(b: torch.Tensor) -> torch.Tensor:
+def _q4_k(b: torch.Tensor, dst: torch.Tensor) -> None:
     scale, mins = _k_scale_min(b[:, 4:16])
     d = (_f16(b, 0) * scale).unsqueeze(-1)                              # (n, 8, 1)
     dm = (_f16(b, 2) * mins).unsqueeze(-1)
-    q = _nibbles(b[:, 16:144].reshape(-1, 4, 32)).reshape(-1, 8, 32).float()
-    return q.mul_(d).sub_(dm).view(-1, QK_K)
+    _put_nibbles(dst.view(-1, 4, 2, 32), b[:, 16:144].view(-1, 4, 32))
+    dst.view(-1, 8, 32).mul_(d).sub_(dm)
 
 
-def _q5_k(b: torch.Tensor) -> torch.Tensor:
+def _q5_k(b: torch.Tensor, dst: torch.Tensor) -> None:
     scale, mins = _k_scale_min(b[:, 4:16])
     d = (_f16(b, 0) * scale).unsqueeze(-1)
     dm = (_f16(b, 2) * mins).unsqueeze(-1)
-    low = _nibbles(b[:, 48:176].reshape(-1, 4, 32)).reshape(-1, 8, 32)
+    low = _nibbles(b[:, 48:176].view(-1, 4, 32)).view(-1, 8, 32)
     high = _bits(b[:, 16:48])                                           # sub-block j takes bit j
-    q = (low | (high << 4)).float()
-    return q.mul_(d).sub_(dm).view(-1, QK_K)
+    dst.view(-1, 8, 32).copy_(low | (high << 4))
+    dst.view(-1, 8, 32).mul_(d).sub_(dm)
 
 
-def _q6_k(b: torch.Tensor) -> torch.Tensor:
+def _q6_k(b: torch.Tensor, dst: torch.Tensor) -> None:
     d = (_f16(b, 208) * b[:, 192:208].view(torch.int8).float()).unsqueeze(-1)   # (n, 16, 1)
-    low = _nibbles(b[:, 0:128].reshape(-1, 2, 64)).reshape(-1, 8, 32)
-    high = ((b[:, 128:192].reshape(-1, 2, 1, 32) >> _shifts(b.device, 0, 8, 2)) & 3).reshape(-1, 8, 32)
-    q = ((low | (high << 4)).to(torch.int16) - 32).reshape(-1, 16, 16).float()
-    return q.mul_(d).view(-1, QK_K)
+    low = _nibbles(b[:, 0:128].view(-1, 2, 64)).view(-1, 8, 32)
+    high = _fields(b[:, 128:192].view(-1, 2, 32), 2).view(-1, 8, 32)
+    dst.view(-1, 8, 32).copy_((low | (high << 4)).view(torch.int8) - 32)
+    dst.view(-1, 16, 16).mul_(d)
 
 
-def _iq4_levels(device: torch.device) -> torch.Tensor:
-    return torch.tensor(IQ4_LEVELS, dtype=torch.float32, device=device)
+def _iq4_lookup(idx: torch.Tensor, dst: torch.Tensor) -> None:
+    """dst (flat) = the IQ4 level of each 4-bit index."""
+    levels = torch.tensor(IQ4_LEVELS, dtype=torch.float32, device=idx.device)
+    torch.index_select(levels, 0, idx.reshape(-1).int(), out=dst.view(-1))
 
 
-def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
-    idx = _nibbles(b[:, 2:18]).reshape(-1, 32).long()
-    return _iq4_levels(b.device)[idx].mul_(_f16(b, 0))
+def _iq4_nl(b: torch.Tensor, dst: torch.Tensor) -> None:
+    _iq4_lookup(_nibbles(b[:, 2:18]), dst)
+    dst.mul_(_f16(b, 0))
 
 
-def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+def _iq4_xs(b: torch.Tensor, dst: torch.Tensor) -> None:
     low = _nibbles(b[:, 4:8]).transpose(1, 2).reshape(-1, 8)           # sub-block 2i low, 2i+1 high
     sh = b[:, 2].to(torch.int32) | (b[:, 3].to(torch.int32) << 8)       # u16 scales_h, little-endian
     high = (sh.unsqueeze(-1) >> torch.arange(0, 16, 2, dtype=torch.int32, device=b.device)) & 3
     scales = ((low.to(torch.int32) | (high << 4)) - 32).float()
     dl = (_f16(b, 0) * scales).unsqueeze(-1)                            # (n, 8, 1)
-    idx = _nibbles(b[:, 8:136].reshape(-1, 8, 16)).reshape(-1, 8, 32).long()
-    return _iq4_levels(b.device)[idx].mul_(dl).view(-1, QK_K)
+    _iq4_lookup(_nibbles(b[:, 8:136].view(-1, 8, 16)), dst)
+    dst.view(-1, 8, 32).mul_(dl)
 
 
 _DECODERS = {
@@ -193,11 +209,17 @@ def dequantize_torch(raw: torch.Tensor, qtype: int, n_cols: int, dtype: torch.dt
         raise ValueError(f"{type_name(qtype)}: {raw.shape[1]} bytes per row do not hold {n_cols} columns")
     raw = raw.contiguous()
     n_rows = raw.shape[0]
+    if out is not None and (tuple(out.shape) != (n_rows, n_cols) or out.dtype != dtype):
+        raise ValueError(f"out must be {dtype} {(n_rows, n_cols)}, got {out.dtype} {tuple(out.shape)}")
+    direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
+    values = out if direct else torch.empty(n_rows, n_cols, dtype=torch.float32, device=raw.device)
     if qtype in _FLOATS:
-        values = raw.view(_FLOATS[T(qtype)])
+        values.copy_(raw.view(_FLOATS[T(qtype)]))
     else:
         elems, nbytes = block_shape(qtype)
-        values = _DECODERS[T(qtype)](raw.view(-1, nbytes)).view(n_rows, n_cols)
+        _DECODERS[T(qtype)](raw.view(-1, nbytes), values.view(-1, elems))
     if out is None:
-        return values.to(dtype, copy=True)     # never an alias of `raw`, even for F32
-    return out.copy_(values)
+        return values if dtype == torch.float32 else values.to(dtype)
+    if not direct:
+        out.copy_(values)
+    return out
