@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .pointwise import per_token
+
 
 def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [k, C] new inputs, conv_state [K-1, C] previous inputs, weight [C, K] depthwise kernel.
@@ -19,7 +21,7 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor)
     out = xs[0:n] * weight[:, 0]
     for j in range(1, width):
         out = out + xs[j:j + n] * weight[:, j]
-    return F.silu(out), xs
+    return per_token(F.silu, out), xs
 
 
 def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
@@ -32,9 +34,8 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: tor
     Returns o [n, H, d_v]."""
     n = q.shape[0]
     out = torch.empty_like(v)
-    decay = torch.exp(log_decay)
     for t in range(n):
-        state.mul_(decay[t][:, None, None])
+        state.mul_(torch.exp(log_decay[t])[:, None, None])     # one token's decays: batch-stable bits
         kv_mem = torch.bmm(k[t].unsqueeze(1), state).squeeze(1)            # S^T k: [H, d_v]
         u = beta[t][:, None] * (v[t] - kv_mem)
         state.add_(k[t].unsqueeze(2) * u.unsqueeze(1))                      # k u^T

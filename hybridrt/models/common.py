@@ -8,6 +8,7 @@ import torch
 
 from gpu_kernels.attention import attend
 from gpu_kernels.norms import rms_norm
+from gpu_kernels.pointwise import per_token
 from gpu_kernels.rotary import RotaryTable, apply_rotary, rotary_table
 
 from ..backends import WeightBinder
@@ -96,5 +97,5 @@ class Attention:
         o = attend(q, state.kv.k[self.cache_index], state.kv.v[self.cache_index], pos_list,
                    s.scale, s.window, s.first_pos).reshape(n, s.n_head * s.head_dim_v)
         if gate is not None:
-            o = o * torch.sigmoid(gate)
+            o = o * per_token(torch.sigmoid, gate)
         return self.wo(o)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from gpu_kernels.delta_net import causal_conv, delta_rule
 from gpu_kernels.norms import l2_norm, rms_norm
+from gpu_kernels.pointwise import per_token
 
 from cpu_kernels.dequant import dequantize
 
@@ -88,8 +89,8 @@ class GatedDeltaNet:
         qkv = self.w_qkv(x)
         z = self.w_gate(x).view(n, s.n_v_heads, s.head_dim)
         b, a = self._beta_alpha(x)
-        beta = torch.sigmoid(b)
-        log_decay = self.ssm_a * F.softplus(a + self.dt_bias)
+        beta = per_token(torch.sigmoid, b)
+        log_decay = self.ssm_a * per_token(F.softplus, a + self.dt_bias)
 
         conv_state = state.conv[self.index]
         mixed, history = causal_conv(qkv, conv_state, self.conv_w)
@@ -110,7 +111,7 @@ class GatedDeltaNet:
             ring.conv_hist[self.index, :history.shape[0]].copy_(history)
             snapshots = ring.S[self.index]
         o = delta_rule(q, k, v, log_decay, beta, state.S[self.index], snapshots)
-        y = rms_norm(o, self.norm, s.eps) * F.silu(z)
+        y = rms_norm(o, self.norm, s.eps) * per_token(F.silu, z)
         return self.w_out(y.reshape(n, s.value_dim))
 
 
@@ -149,7 +150,7 @@ class MoEFFN:
         self.nbytes = sum(e.nbytes for e in self.experts) + self.shared.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(self.router(x), dim=-1)
+        probs = per_token(lambda r: torch.softmax(r, dim=-1), self.router(x))
         top_p, top_e = torch.topk(probs, self.n_used, dim=-1)
         weights = top_p / top_p.sum(-1, keepdim=True)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
@@ -157,7 +158,7 @@ class MoEFFN:
             rows, slot = (top_e == e).nonzero(as_tuple=True)
             if rows.numel():
                 out.index_add_(0, rows, expert(x[rows]) * weights[rows, slot, None])
-        return out + self.shared(x) * torch.sigmoid(self.shared_gate(x))
+        return out + self.shared(x) * per_token(torch.sigmoid, self.shared_gate(x))
 
 
 class Qwen35(Model):
