@@ -1,0 +1,133 @@
+"""Every architecture's forward on tiny synthetic GGUFs against the float64 references.
+
+For llama, qwen3, gemma3, qwen35 (trunk) and qwen3next: hybridrt's teacher-forced logits over 40
+positions must match the float64 numpy forward of tests/reference on the same weights (F32 files,
+and q8_0 files whose dequantized weights both sides share) to a relative error of 1e-4; and a
+token's logits must be bitwise the same whether it is evaluated alone or inside a batch of 2..8
+(greedy speculative decoding rests on it). The references themselves are checked against llama.cpp
+in test_oracle_models.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import MODEL_ARCH_NAMES, MODEL_TENSORS, TENSOR_NAMES
+
+import make_model
+from hybridrt.loader import load_model
+from reference import reference_for
+
+ARCHS = ("llama", "qwen3", "gemma3", "qwen35", "qwen3next")
+N_POS = 40
+MAX_REL = 1e-4
+
+
+def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    """||got - ref|| over the spread of the reference logits (their per-row mean removed)."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref - ref.mean(-1, keepdims=True)))
+
+
+@pytest.fixture(scope="module")
+def tiny_file(tmp_path_factory):
+    built: dict[tuple[str, str], object] = {}
+    root = tmp_path_factory.mktemp("tiny-models")
+
+    def get(arch: str, mix: str):
+        if (arch, mix) not in built:
+            built[arch, mix] = make_model.write_model(root / f"{arch}-{mix}.gguf", arch, mix=mix,
+                                                      seed=5)
+        return built[arch, mix]
+    return get
+
+
+def tokens_for(model, n: int, seed: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, model.n_vocab, n)]
+
+
+@pytest.mark.parametrize("mix", ["f32", "q8_0"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_match_float64_reference(tiny_file, arch, mix):
+    path = tiny_file(arch, mix)
+    model = load_model(path)
+    tokens = tokens_for(model, N_POS, seed=10 * ARCHS.index(arch) + (mix == "q8_0"))
+    got = model.session(64).eval(tokens).numpy()
+    ref = reference_for(path).forward(tokens)
+    assert got.shape == ref.shape == (N_POS, model.n_vocab)
+    err = rel_err(got, ref)
+    assert err <= MAX_REL, f"{arch} {mix}: relative error {err:.3g}"
+    assert np.mean(got.argmax(-1) == ref.argmax(-1)) >= 0.99
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_token_logits_do_not_depend_on_the_batch(tiny_file, arch):
+    model = load_model(tiny_file(arch, "q8_0"))
+    tokens = tokens_for(model, 22, seed=21)
+    prompt, follow = tokens[:6], tokens[6:]
+    alone = model.session(64, k_max=8)
+    alone.eval(prompt, logits="none")
+    singles = torch.cat([alone.eval([t]) for t in follow])
+    for k in range(2, 9):
+        s = model.session(64, k_max=8)
+        s.eval(prompt, logits="none")
+        batched = torch.cat([s.eval(follow[i:i + k]) for i in range(0, len(follow), k)])
+        assert torch.equal(batched, singles), f"{arch}: batch of {k} changes a token's logits"
+
+
+def test_the_bound_sees_a_sliding_window_off_by_one(tiny_file):
+    """Negative control: gemma3's local layers seeing one key too many is far outside 1e-4."""
+    from hybridrt.models.common import Attention
+
+    path = tiny_file("gemma3", "f32")
+    model = load_model(path)
+    tokens = tokens_for(model, N_POS, seed=3)
+    ref = reference_for(path).forward(tokens)
+    local = [m for layer in model.layers for m in layer if isinstance(m, Attention) and m.spec.window]
+    assert local
+    for attn in local:
+        attn.spec = dataclasses.replace(attn.spec, window=attn.spec.window + 1)
+    got = model.session(64).eval(tokens).numpy()
+    assert rel_err(got, ref) > 1e-2
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tiny_layout_uses_only_llama_cpp_tensor_names(tiny_file, arch):
+    """Every tensor of a tiny file is one gguf-py lists for the architecture (the names llama.cpp's
+    loader looks up)."""
+    from hybridrt.gguf_file import GGUFFile
+
+    arch_enum = next(a for a, name in MODEL_ARCH_NAMES.items() if name == arch)
+    gguf = GGUFFile(tiny_file(arch, "q8_0"))
+    n_blocks = int(gguf.get("block_count"))
+    known: set[str] = set()
+    for t in MODEL_TENSORS[arch_enum]:
+        pattern = TENSOR_NAMES[t]
+        known.update(pattern.format(bid=i) for i in range(n_blocks)) if "{bid}" in pattern \
+            else known.add(pattern)
+    for name in gguf.tensors:
+        base = name.rsplit(".", 1)[0] if name.endswith((".weight", ".bias")) else name
+        assert base in known, f"{arch}: {name} is not a {arch} tensor"
+
+
+def test_gemma3_tiny_exercises_local_and_global_layers_and_the_window(tiny_file):
+    from hybridrt.gguf_file import GGUFFile
+
+    g = GGUFFile(tiny_file("gemma3", "f32"))
+    n_layer, window = int(g.get("block_count")), int(g.get("attention.sliding_window"))
+    assert n_layer >= 7 and 0 < window < N_POS          # layer 5 global, the others local
+    assert int(g.get("attention.key_length")) != int(g.get("embedding_length")) // int(g.get("attention.head_count"))
+    assert "output.weight" not in g.tensors             # tied head
+
+
+def test_qwen3next_tiny_has_packed_beta_alpha_and_experts(tiny_file):
+    from hybridrt.gguf_file import GGUFFile
+
+    g = GGUFFile(tiny_file("qwen3next", "f32"))
+    hv, hk = int(g.get("ssm.time_step_rank")), int(g.get("ssm.group_count"))
+    assert hv > hk and g.tensors["blk.0.ssm_ba.weight"].shape == (int(g.get("embedding_length")), 2 * hv)
+    assert "blk.0.ssm_beta.weight" not in g.tensors and "blk.0.ffn_gate.weight" not in g.tensors
+    assert int(g.get("expert_used_count")) < int(g.get("expert_count"))
+    assert g.tensors["blk.0.ffn_up_exps.weight"].shape[2] == int(g.get("expert_count"))
