@@ -20,6 +20,11 @@ from .quant import QUANTIZED_TYPES, dequantize_torch, row_bytes, type_name
 TILE_ELEMS = 1 << 24    # weights per dequantized tile: 32 MiB in float16, ~3300 rows of a 5120-wide matrix
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    # "cuda" (the current device, as a binder names it) and "cuda:0" (where tensors land) agree
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
 class TileScratch:
     """The dequantization tile shared by every QuantLinear on one device with one compute dtype.
 
@@ -64,7 +69,7 @@ class QuantLinear:
         self.device, self.compute_dtype = raw.device, compute_dtype
         self.tile_rows = min(n_out, tile_rows or max(1, TILE_ELEMS // n_in))
         self.scratch = scratch if scratch is not None else TileScratch(raw.device, compute_dtype)
-        if self.scratch.device != self.device or self.scratch.dtype != compute_dtype:
+        if not _same_device(self.scratch.device, self.device) or self.scratch.dtype != compute_dtype:
             raise ValueError(f"{name or 'QuantLinear'}: scratch is {self.scratch.dtype} on {self.scratch.device}, "
                              f"weights need {compute_dtype} on {self.device}")
         self.scratch.reserve(self.tile_rows * n_in)
