@@ -2,7 +2,8 @@
 
 A layer never asks where its weights are: it calls the object bound here. `CpuQuantLinear` keeps
 the quantized bytes in the mmap'd file and runs the k-input matvec (one weight pass for all k
-rows); `DeviceLinear` holds a dequantized copy on the trunk device (a GPU when there is one).
+rows); on the trunk device (a GPU when there is one) `QuantLinear` holds the GGUF bytes and
+dequantizes tile by tile, `DeviceLinear` holds float weights (F32/F16/BF16 tensors).
 Moving a tensor between the two is a placement decision, not a change to model code.
 """
 from __future__ import annotations
@@ -16,6 +17,8 @@ from cpu_kernels.formats import format_of
 from cpu_kernels.matvec import matvec
 from gpu_kernels.attention import ROWWISE_MAX
 from gpu_kernels.linear import linear_rows
+from gpu_kernels.qlinear import QuantLinear, TileScratch
+from gpu_kernels.quant import QUANTIZED_TYPES
 
 from .gguf_file import GGUFFile
 
@@ -46,7 +49,7 @@ class CpuQuantLinear:
 
 
 class DeviceLinear:
-    """A dequantized copy of W on the trunk device; small batches run row by row (bit-stable)."""
+    """A float W on the trunk device; small batches run row by row (bit-stable)."""
 
     def __init__(self, weight: torch.Tensor, name: str = ""):
         self.weight, self.name = weight, name
@@ -107,8 +110,9 @@ class Embedding:
 class WeightBinder:
     """Binds each tensor of a GGUF to a backend, following a per-tensor device map.
 
-    `tensor_devices` maps tensor names to "cpu" (quantized, mmap) or "device" (dequantized onto
-    `device`); names absent from it go to `default`. With no GPU everything defaults to "cpu".
+    `tensor_devices` maps tensor names to "cpu" (quantized, mmap) or "device" (a copy on `device`:
+    quantized types keep their GGUF bytes, float types become `device_dtype`); names absent from it
+    go to `default`. With no GPU everything defaults to "cpu".
     """
 
     def __init__(self, gguf: GGUFFile, device: torch.device, tensor_devices: dict[str, str] | None = None,
@@ -116,6 +120,7 @@ class WeightBinder:
         self.gguf, self.device = gguf, device
         self.tensor_devices = tensor_devices or {}
         self.default, self.device_dtype = default, device_dtype
+        self.scratch = TileScratch(device, device_dtype)    # one dequantization tile for all QuantLinears
 
     def has(self, name: str) -> bool:
         return name in self.gguf.tensors
@@ -135,7 +140,11 @@ class WeightBinder:
         n_in, n_out = info.shape[0], info.n_rows
         if self.where(name) == "cpu":
             return CpuQuantLinear(self.gguf.tensor_bytes(name), info.qtype, n_in, n_out, name)
-        weight = torch.from_numpy(dequantize(self.gguf.tensor_bytes(name), info.qtype, n_in))
+        raw = self.gguf.tensor_bytes(name)
+        if info.qtype in QUANTIZED_TYPES:
+            on_device = torch.from_numpy(raw.copy()).to(self.device)
+            return QuantLinear(on_device, info.qtype, n_in, n_out, self.device_dtype, name, self.scratch)
+        weight = torch.from_numpy(dequantize(raw, info.qtype, n_in))
         return DeviceLinear(weight.to(self.device, self.device_dtype), name)
 
     def glu_ffn(self, prefix: str, act: str):
