@@ -27,7 +27,8 @@ def run(
     prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text."),
     file: Optional[Path] = typer.Option(None, "-f", "--file", help="Read the prompt from a file."),
     n_predict: int = typer.Option(256, "-n", "--n-predict", help="Tokens to generate (-1: until end of generation or full context)."),
-    ctx_size: int = typer.Option(4096, "-c", "--ctx-size", help="Context size (capped at the model's)."),
+    ctx_size: Optional[int] = typer.Option(None, "-c", "--ctx-size", show_default=False,
+                                           help="Context size (default: 4096 or the model's, if smaller; 0: the model's)."),
     temp: float = typer.Option(0.8, "--temp", help="Temperature; 0 is greedy."),
     top_k: int = typer.Option(40, "--top-k", help="Top-k sampling (0: off)."),
     top_p: float = typer.Option(0.95, "--top-p", help="Top-p sampling (1.0: off)."),
@@ -58,6 +59,10 @@ def run(
     if chat:
         text = m.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
     ids = m.tokenize(text, add_special=True, parse_special=chat)
+    if ctx_size is None:
+        ctx_size = min(4096, m.n_ctx_train)
+    if ctx_size > m.n_ctx_train:
+        raise UserError(f"-c {ctx_size} is larger than the model's training context {m.n_ctx_train}")
     n_ctx = min(ctx_size, m.n_ctx_train) if ctx_size > 0 else m.n_ctx_train
     if len(ids) >= n_ctx:
         raise UserError(f"prompt is {len(ids)} tokens, the context is {n_ctx} (raise -c or shorten the prompt)")
