@@ -4,9 +4,12 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Optional
 
 import typer
+
+from .errors import UserError
 
 MODEL_HELP = "GGUF path or a known name (gemma3-270m, smollm2-135m); default gemma3-270m"
 
@@ -41,6 +44,56 @@ def bench_plain(m, n_prompt: int, n_gen: int, reps: int, seed: int = 0) -> tuple
     return best_pp, best_tg
 
 
+@dataclass
+class SpecBenchResult:
+    model: str
+    spec_type: str
+    n_max: int
+    prompt: str
+    force: str
+    n_prompt: int
+    n_gen: int
+    plain_tps: float
+    spec_tps: float
+    speedup: float
+    identical: bool           # greedy: the speculative tokens equal the plain ones
+    spec: dict
+
+
+def bench_speculative(m, prompt_ids: list[int], n_gen: int, reps: int, spec_type: str, n_max: int,
+                      draft_model=None, force: str = "none", prompt_name: str = "") -> SpecBenchResult:
+    """Plain greedy decoding and speculative decoding of the same prompt, best of reps each."""
+    from .generate import generate
+    from .sampling import SamplerConfig
+    from .speculative.draft_forced import ForcedSource
+    from .speculative.loop import SpecConfig, speculative_generate
+    from .speculative.sources import build_source
+
+    greedy = SamplerConfig(temp=0.0)
+    spec = SpecConfig(n_max=n_max)
+    n_ctx = len(prompt_ids) + n_gen + n_max + 8
+    best_plain = best_spec = 0.0
+    ref: list[int] = []
+    spec_stats = None
+    for _ in range(reps):
+        ref, stats = generate(m, m.session(n_ctx, k_max=spec.k_max), prompt_ids, n_gen, greedy, stop_ids=set())
+        best_plain = max(best_plain, stats.decode_tps)
+    identical = True
+    for _ in range(reps):
+        session = m.session(n_ctx, k_max=spec.k_max)
+        source = build_source(spec_type, session, greedy, spec, draft_model)
+        if force != "none":
+            source = ForcedSource(source, ref, len(prompt_ids), m.n_vocab, corrupt=1.0 if force == "reject" else 0.0)
+        out, stats = speculative_generate(m, session, prompt_ids, n_gen, greedy, source, spec, stop_ids=set())
+        identical &= out == ref
+        if stats.decode_tps > best_spec:
+            best_spec, spec_stats = stats.decode_tps, stats.spec
+    return SpecBenchResult(model=m.gguf.path, spec_type=spec_type, n_max=n_max, prompt=prompt_name, force=force,
+                           n_prompt=len(prompt_ids), n_gen=n_gen, plain_tps=best_plain, spec_tps=best_spec,
+                           speedup=best_spec / best_plain if best_plain else 0.0, identical=identical,
+                           spec=spec_stats.to_dict())
+
+
 def bench(
     model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_HELP),
     n_prompt: int = typer.Option(128, "-p", "--n-prompt", help="Prompt tokens to process."),
@@ -48,13 +101,24 @@ def bench(
     reps: int = typer.Option(2, "-r", "--repetitions", help="Repetitions (best is reported)."),
     threads: Optional[int] = typer.Option(None, "-t", "--threads", help="CPU threads."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    spec_type: Optional[str] = typer.Option(None, "--spec-type", help="Compare plain and speculative decoding: draft-mtp, draft-simple, ngram-simple."),
+    draft_n_max: int = typer.Option(3, "--spec-draft-n-max", "--draft-max", help="Most draft tokens per step."),
+    model_draft: Optional[str] = typer.Option(None, "-md", "--model-draft", help="Draft model for draft-simple."),
+    prompt_file: Optional[Path] = typer.Option(None, "-f", "--file", help="Speculative bench: prompt text file."),
+    spec_prompt: str = typer.Option("echo", "--spec-prompt", help="Speculative bench built-in prompt: echo (lookup pays) or adversarial (it cannot); 'random' uses -p random tokens."),
+    spec_force: str = typer.Option("none", "--spec-force", help="Replace drafts by the target's own continuation (accept) or wrong tokens (reject) to measure step cost vs k."),
 ):
-    """Prompt and decode tokens/s, plus achieved weight bandwidth (bytes per token x tokens/s)."""
+    """Prompt and decode tokens/s, plus achieved weight bandwidth (bytes per token x tokens/s).
+    With --spec-type: plain and speculative decoding of the same prompt, and their speed ratio."""
     import torch
 
     from .loader import load_model
 
     m = load_model(model, threads=threads)
+    if spec_type is not None:
+        _bench_spec(m, spec_type, draft_n_max, model_draft, prompt_file, spec_prompt, spec_force, n_prompt, n_gen,
+                    reps, as_json)
+        return
     # one short warm-up so JIT compilation and page faults are not timed
     warm = m.session(16)
     warm.eval([1, 2, 3, 4], logits="last")
@@ -74,3 +138,46 @@ def bench(
     table.add_row(name, str(result.threads), f"pp{n_prompt}", f"{pp:.1f}", "")
     table.add_row(name, str(result.threads), f"tg{n_gen}", f"{tg:.1f}", f"{result.weight_gbps:.1f}")
     Console().print(table)
+
+
+def _bench_spec(m, spec_type, n_max, model_draft, prompt_file, spec_prompt, force, n_prompt, n_gen, reps, as_json):
+    import torch
+
+    from .cli_run import read_prompt
+    from .loader import load_model
+    from .speculative.bench_prompts import BUILTIN_PROMPTS
+
+    if force not in ("none", "accept", "reject"):
+        raise UserError(f"--spec-force must be none, accept or reject, not {force}")
+    if prompt_file is not None:
+        name, ids = prompt_file.name, m.tokenize(read_prompt(None, prompt_file))
+    elif spec_prompt == "random":
+        gen = torch.Generator().manual_seed(0)
+        name, ids = "random", torch.randint(1000 % m.n_vocab, m.n_vocab - 1, (n_prompt,), generator=gen).tolist()
+    elif spec_prompt in BUILTIN_PROMPTS:
+        name, ids = spec_prompt, m.tokenize(BUILTIN_PROMPTS[spec_prompt])
+    else:
+        raise UserError(f"--spec-prompt must be one of {', '.join([*BUILTIN_PROMPTS, 'random'])}")
+    draft = load_model(model_draft) if model_draft else None
+    warm = m.session(16, k_max=n_max + 1)
+    warm.eval([1, 2], logits="last")
+    warm.eval(list(range(3, 3 + n_max + 1)), logits="all")
+    r = bench_speculative(m, ids, n_gen, reps, spec_type, n_max, draft, force, name)
+    if as_json:
+        print(json.dumps(asdict(r), indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    s = r.spec
+    table = Table("model", "spec", "N", "prompt", "force", "plain t/s", "spec t/s", "speedup", "accept",
+                  "tok/step", "same output", title="hybridrt bench: speculative vs plain (greedy)")
+    table.add_row(m.gguf.path.rsplit("/", 1)[-1], r.spec_type, str(n_max), r.prompt, r.force, f"{r.plain_tps:.1f}",
+                  f"{r.spec_tps:.1f}", f"{r.speedup:.2f}x", f"{100 * s['acceptance_rate']:.0f}%",
+                  f"{s['tokens_per_step']:.2f}", "yes" if r.identical else "NO")
+    Console().print(table)
+    total = s["draft_s"] + s["verify_s"] + s["other_s"]
+    if total:
+        print(f"time split: draft {100 * s['draft_s'] / total:.0f}% / verify {100 * s['verify_s'] / total:.0f}% / "
+              f"other {100 * s['other_s'] / total:.0f}%; verify ms/step {1e3 * s['verify_s'] / max(1, s['steps']):.1f}; "
+              f"accepted-per-step histogram {s['histogram']}")

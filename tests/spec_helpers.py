@@ -1,11 +1,13 @@
-"""Shared by the speculative-decoding tests and benchmarks: a same-vocabulary draft derived from a
-real model, and built-in prompts where prompt lookup does and does not pay."""
+"""Shared by the speculative-decoding tests: a same-vocabulary draft derived from a real model, and
+the built-in bench prompts where prompt lookup does and does not pay."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import gguf
 import numpy as np
+
+from hybridrt.speculative.bench_prompts import ADVERSARIAL_PROMPT, ECHO_PROMPT  # noqa: F401
 
 
 def write_truncated_draft(src: str | Path, dst: str | Path, n_layers: int) -> Path:
@@ -35,23 +37,3 @@ def write_truncated_draft(src: str | Path, dst: str | Path, n_layers: int) -> Pa
     w.write_tensors_to_file()
     w.close()
     return Path(dst)
-
-
-# Text that is mostly a copy of itself: prompt lookup should accept long runs.
-ECHO_PROMPT = (
-    "Copy the following list exactly, three times.\n"
-    "List: red apple, green pear, yellow banana, purple grape, orange mango, brown coconut, "
-    "pink peach, white onion, black olive, blue berry.\n"
-    "Copy 1: red apple, green pear, yellow banana, purple grape, orange mango, brown coconut, "
-    "pink peach, white onion, black olive, blue berry.\n"
-    "Copy 2: red apple, green pear, yellow banana, purple grape, orange mango, brown coconut, "
-    "pink peach, white onion, black olive, blue berry.\n"
-    "Copy 3: red apple, green"
-)
-
-# Free text with many repeated short n-grams whose continuations differ: lookups hit, drafts fail.
-ADVERSARIAL_PROMPT = (
-    "Write a short original story. In the town, the baker sold bread; in the town, the smith "
-    "made nails; in the town, the child found a cat; in the town, the river froze; in the "
-    "town, the mayor"
-)

@@ -1,0 +1,23 @@
+"""Built-in prompts for `hybridrt bench --spec-prompt`: one where prompt lookup pays, one where it
+cannot (the floor)."""
+
+# Text that is mostly a copy of itself: prompt lookup should accept long runs.
+ECHO_PROMPT = (
+    "Copy the following list exactly, three times.\n"
+    "List: red apple, green pear, yellow banana, purple grape, orange mango, brown coconut, "
+    "pink peach, white onion, black olive, blue berry.\n"
+    "Copy 1: red apple, green pear, yellow banana, purple grape, orange mango, brown coconut, "
+    "pink peach, white onion, black olive, blue berry.\n"
+    "Copy 2: red apple, green pear, yellow banana, purple grape, orange mango, brown coconut, "
+    "pink peach, white onion, black olive, blue berry.\n"
+    "Copy 3: red apple, green"
+)
+
+# Free text with many repeated short n-grams whose continuations differ: lookups hit, drafts fail.
+ADVERSARIAL_PROMPT = (
+    "Write a short original story. In the town, the baker sold bread; in the town, the smith "
+    "made nails; in the town, the child found a cat; in the town, the river froze; in the "
+    "town, the mayor"
+)
+
+BUILTIN_PROMPTS = {"echo": ECHO_PROMPT, "adversarial": ADVERSARIAL_PROMPT}
