@@ -7,6 +7,7 @@ qwen3next files always carry a mixture-of-experts FFN (llama.cpp refuses them wi
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -264,7 +265,9 @@ class MTPHead:
         self.enorm = w.dense(f"{p}.nextn.enorm.weight")
         self.hnorm = w.dense(f"{p}.nextn.hnorm.weight")
         self.attn_norm = w.dense(f"{p}.attn_norm.weight")
-        self.attn = Attention(w, p, model.attn_spec, cache_index=0)
+        # the MTP block's first input pairs token 1 with the trunk hidden of position 0, so its
+        # cache starts at position 1
+        self.attn = Attention(w, p, dataclasses.replace(model.attn_spec, first_pos=1), cache_index=0)
         self.ffn_norm = w.dense(f"{p}.post_attention_norm.weight")
         self.ffn = w.glu_ffn(p, act="silu")
         self.head_norm = w.dense(f"{p}.nextn.shared_head_norm.weight") \
