@@ -58,6 +58,7 @@ def test_logits_match_float64_reference(tiny_file, arch, mix):
     ref = reference_for(path).forward(tokens)
     assert got.shape == ref.shape == (N_POS, model.n_vocab)
     err = rel_err(got, ref)
+    print(f"\n{arch} {mix}: relative error {err:.3g} over {N_POS} positions")
     assert err <= MAX_REL, f"{arch} {mix}: relative error {err:.3g}"
     assert np.mean(got.argmax(-1) == ref.argmax(-1)) >= 0.99
 
