@@ -147,6 +147,27 @@ class WeightBinder:
         weight = torch.from_numpy(dequantize(raw, info.qtype, n_in))
         return DeviceLinear(weight.to(self.device, self.device_dtype), name)
 
+    def stacked_linear(self, names: list[str]):
+        """One backend for several matrices that read the same input (q, k, v), their rows stacked
+        into one copy, so a step makes one matvec call instead of three; or None when their
+        placement, type or input width differ. Row r of the result is bitwise what the separate
+        matrix gives (rows are independent in every kernel). Returns (linear, row counts)."""
+        infos = [self.gguf.tensors[n] for n in names]
+        if len({self.where(n) for n in names}) != 1 or len({(i.qtype, i.shape[0]) for i in infos}) != 1:
+            return None
+        raw = np.concatenate([self.gguf.tensor_bytes(n) for n in names])
+        qtype, n_in, n_out = infos[0].qtype, infos[0].shape[0], raw.shape[0]
+        name = "+".join(names)
+        if self.where(names[0]) == "cpu":
+            linear = CpuQuantLinear(raw, qtype, n_in, n_out, name)
+        elif qtype in QUANTIZED_TYPES:
+            linear = QuantLinear(torch.from_numpy(raw).to(self.device), qtype, n_in, n_out,
+                                 self.device_dtype, name, self.scratch)
+        else:
+            weight = torch.from_numpy(dequantize(raw, qtype, n_in))
+            linear = DeviceLinear(weight.to(self.device, self.device_dtype), name)
+        return linear, [i.n_rows for i in infos]
+
     def glu_ffn(self, prefix: str, act: str):
         names = [f"{prefix}.ffn_gate.weight", f"{prefix}.ffn_up.weight", f"{prefix}.ffn_down.weight"]
         places = {self.where(n) for n in names}

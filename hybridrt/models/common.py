@@ -67,9 +67,13 @@ class Attention:
 
     def __init__(self, w: WeightBinder, prefix: str, spec: AttentionSpec, cache_index: int):
         self.spec, self.cache_index = spec, cache_index
-        self.wq = w.linear(f"{prefix}.attn_q.weight")
-        self.wk = w.linear(f"{prefix}.attn_k.weight")
-        self.wv = w.linear(f"{prefix}.attn_v.weight")
+        names = [f"{prefix}.attn_q.weight", f"{prefix}.attn_k.weight", f"{prefix}.attn_v.weight"]
+        stacked = w.stacked_linear(names)
+        if stacked is not None:
+            self.wqkv, self.qkv_rows = stacked
+        else:
+            self.wqkv = None
+            self.wq, self.wk, self.wv = (w.linear(n) for n in names)
         self.wo = w.linear(f"{prefix}.attn_output.weight")
         if spec.qk_norm:
             self.q_norm = w.dense(f"{prefix}.attn_q_norm.weight")
@@ -78,15 +82,18 @@ class Attention:
     def __call__(self, x: torch.Tensor, state: ModelState, positions: torch.Tensor,
                  pos_list: list[int]) -> torch.Tensor:
         s, n = self.spec, x.shape[0]
-        q = self.wq(x)
+        if self.wqkv is not None:
+            q, k, v = torch.split(self.wqkv(x), self.qkv_rows, dim=-1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
         gate = None
         if s.gated:
-            q = q.view(n, s.n_head, 2 * s.head_dim)
+            q = q.reshape(n, s.n_head, 2 * s.head_dim)
             q, gate = q[..., :s.head_dim], q[..., s.head_dim:].reshape(n, s.n_head * s.head_dim)
         else:
-            q = q.view(n, s.n_head, s.head_dim)
-        k = self.wk(x).view(n, s.n_kv, s.head_dim)
-        v = self.wv(x).view(n, s.n_kv, s.head_dim_v)
+            q = q.reshape(n, s.n_head, s.head_dim)
+        k = k.reshape(n, s.n_kv, s.head_dim)
+        v = v.reshape(n, s.n_kv, s.head_dim_v)
         if s.qk_norm:
             q = rms_norm(q, self.q_norm, s.eps)
             k = rms_norm(k, self.k_norm, s.eps)
