@@ -110,7 +110,7 @@ def bench(
 ):
     """Prompt and decode tokens/s, plus achieved weight bandwidth (bytes per token x tokens/s).
     With --spec-type: plain and speculative decoding of the same prompt, and their speed ratio."""
-    import torch
+    import numba
 
     from .loader import load_model
 
@@ -124,7 +124,7 @@ def bench(
     warm.eval([1, 2, 3, 4], logits="last")
     t0 = time.perf_counter()
     pp, tg = bench_plain(m, n_prompt, n_gen, reps)
-    result = BenchResult(model=m.gguf.path, n_prompt=n_prompt, n_gen=n_gen, threads=torch.get_num_threads(),
+    result = BenchResult(model=m.gguf.path, n_prompt=n_prompt, n_gen=n_gen, threads=numba.get_num_threads(),
                          pp_tps=pp, tg_tps=tg, weight_bytes_per_token=m.weight_bytes_per_token,
                          weight_gbps=m.weight_bytes_per_token * tg / 1e9)
     if as_json:

@@ -14,7 +14,6 @@ import torch
 
 from ..errors import UserError
 from ..models.base import Model
-from ..session import Session
 from .draft import Draft, DraftPicker
 
 EAGER_TOKENS = 64    # a prompt is evaluated as it is observed (counted as prompt time)
