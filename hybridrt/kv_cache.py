@@ -3,7 +3,17 @@ from __future__ import annotations
 
 import torch
 
+from .errors import UserError
+
 CACHE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def cache_dtype(name: str) -> torch.dtype:
+    try:
+        return CACHE_DTYPES[name]
+    except KeyError:
+        # q8_0 is plannable (`hybridrt plan -ctk q8_0`) but the runtime cache keeps float rows
+        raise UserError(f"unsupported KV cache type '{name}' (supported: {', '.join(CACHE_DTYPES)})") from None
 
 
 class KVCache:

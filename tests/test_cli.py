@@ -41,6 +41,7 @@ def test_run_errors_are_one_line():
     one_line_error(cli("run", "-m", "smollm2-135m", "-p", "hi", "-c", "100000"), "training context")
     one_line_error(cli("run", "-m", "no-such-model", "-p", "hi"), "unknown model 'no-such-model'")
     one_line_error(cli("run", "-m", "smollm2-135m"), "no prompt")
+    one_line_error(cli("run", "-m", "smollm2-135m", "-p", "hi", "--cache-type-k", "q4_9"), "KV cache type 'q4_9'")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from gpu_kernels.norms import rms_norm
 
 from ..backends import WeightBinder
 from ..gguf_file import GGUFFile
-from ..kv_cache import CACHE_DTYPES, KVCache
+from ..kv_cache import KVCache, cache_dtype
 from .common import ModelState
 
 
@@ -56,7 +56,7 @@ class Model:
     # --- state -------------------------------------------------------------------------------
     def new_state(self, n_ctx: int, cache_type: str = "f32", k_max: int = 4) -> ModelState:
         kv = KVCache(self.n_attention_layers, n_ctx, self.n_kv, self.head_dim, self.head_dim_v,
-                     CACHE_DTYPES[cache_type], self.device)
+                     cache_dtype(cache_type), self.device)
         return ModelState(n_ctx=n_ctx, kv=kv)
 
     def truncate_state(self, state: ModelState, n: int) -> None:

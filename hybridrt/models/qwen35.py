@@ -23,7 +23,7 @@ from cpu_kernels.dequant import dequantize
 from ..backends import CpuGluFFN, CpuQuantLinear, DeviceLinear, GluFFN, WeightBinder
 from ..errors import UserError
 from ..gguf_file import GGUFFile
-from ..kv_cache import CACHE_DTYPES, KVCache
+from ..kv_cache import KVCache, cache_dtype
 from ..snapshot_ring import SnapshotRing
 from .base import Model
 from .common import Attention, AttentionSpec, ModelState, RopeSpec, rope_scale
@@ -204,7 +204,7 @@ class Qwen35(Model):
     def new_state(self, n_ctx: int, cache_type: str = "f32", k_max: int = 4) -> HybridState:
         s, dev = self.gdn_spec, self.device
         kv = KVCache(self.n_attention_layers, n_ctx, self.n_kv, self.head_dim, self.head_dim_v,
-                     CACHE_DTYPES[cache_type], dev)
+                     cache_dtype(cache_type), dev)
         rows = s.conv_kernel - 1
         state = HybridState(
             n_ctx=n_ctx, kv=kv,
@@ -214,7 +214,7 @@ class Qwen35(Model):
                               (s.n_v_heads, s.head_dim, s.head_dim), dev),
         )
         if self.mtp is not None:
-            state.mtp_kv = KVCache(1, n_ctx, self.n_kv, self.head_dim, self.head_dim_v, CACHE_DTYPES[cache_type], dev)
+            state.mtp_kv = KVCache(1, n_ctx, self.n_kv, self.head_dim, self.head_dim_v, cache_dtype(cache_type), dev)
         return state
 
     def truncate_state(self, state: HybridState, n: int) -> None:
