@@ -58,7 +58,7 @@ def generate(model: Model, session: Session, prompt_ids: list[int], n_predict: i
 
     out: list[int] = []
     t0 = time.perf_counter()
-    while True:
+    while n_predict != 0:
         token = sample_token(logits, sampler, gen)
         if token in stop_ids:
             stats.stopped_by = "eog"
@@ -73,6 +73,8 @@ def generate(model: Model, session: Session, prompt_ids: list[int], n_predict: i
             stats.stopped_by = "context"
             break
         logits = session.eval([token], logits="last", out=logits_buf)[0]
+    else:
+        stats.stopped_by = "n_predict"     # -n 0: the prompt is evaluated, nothing is generated
     stats.decode_s = time.perf_counter() - t0
     # the first token came from the prompt's logits; decode speed counts the forwards after it
     stats.n_decode = max(0, len(out) - 1) if stats.stopped_by != "eog" else len(out)

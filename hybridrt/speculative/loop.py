@@ -91,6 +91,9 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
     out: list[int] = []
     t_start = time.perf_counter()
     while True:
+        if n_predict == 0:
+            stats.stopped_by = "n_predict"
+            break
         if certain in stop_ids:
             stats.stopped_by = "eog"
             break
