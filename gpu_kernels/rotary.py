@@ -28,13 +28,25 @@ def rotary_table(n_ctx: int, n_rot: int, base: float, neox: bool, scale: float =
     return RotaryTable(angles.cos().float().to(device), angles.sin().float().to(device), n_rot, neox)
 
 
-def apply_rotary(x: torch.Tensor, table: RotaryTable, positions: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim]; positions: [tokens] int64. Returns a new tensor."""
-    n_rot, half = table.n_rot, table.n_rot // 2
-    cos = table.cos[positions].unsqueeze(1)   # [tokens, 1, half]
-    sin = table.sin[positions].unsqueeze(1)
+@dataclass
+class RotaryRows:
+    """cos/sin of a run of positions, gathered once per forward and shared by every layer."""
+    cos: torch.Tensor   # [tokens, 1, n_rot/2]
+    sin: torch.Tensor
+    n_rot: int
+    neox: bool
+
+
+def rotary_rows(table: RotaryTable, start: int, n: int) -> RotaryRows:
+    return RotaryRows(table.cos[start:start + n].unsqueeze(1), table.sin[start:start + n].unsqueeze(1),
+                      table.n_rot, table.neox)
+
+
+def apply_rotary(x: torch.Tensor, rows: RotaryRows) -> torch.Tensor:
+    """x: [tokens, heads, head_dim] at the positions `rows` was gathered for. Returns a new tensor."""
+    n_rot, half, cos, sin = rows.n_rot, rows.n_rot // 2, rows.cos, rows.sin
     rot, rest = x[..., :n_rot], x[..., n_rot:]
-    if table.neox:
+    if rows.neox:
         a, b = rot[..., :half], rot[..., half:]
         out = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
     else:

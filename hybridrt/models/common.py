@@ -9,7 +9,7 @@ import torch
 from gpu_kernels.attention import attend
 from gpu_kernels.norms import rms_norm
 from gpu_kernels.pointwise import per_token
-from gpu_kernels.rotary import RotaryTable, apply_rotary, rotary_table
+from gpu_kernels.rotary import RotaryRows, RotaryTable, apply_rotary, rotary_rows, rotary_table
 
 from ..backends import WeightBinder
 from ..gguf_file import GGUFFile
@@ -52,6 +52,7 @@ class ModelState:
     n_ctx: int
     kv: KVCache
     rope: dict[RopeSpec, RotaryTable] = field(default_factory=dict)
+    rope_rows: dict[RopeSpec, tuple[int, int, RotaryRows]] = field(default_factory=dict)   # last run per spec
     extra: dict = field(default_factory=dict)    # architecture-specific state (recurrent, MTP)
 
     def rotary(self, spec: RopeSpec, device) -> RotaryTable:
@@ -60,6 +61,14 @@ class ModelState:
             table = rotary_table(self.n_ctx, spec.n_rot, spec.base, spec.neox, spec.scale, device)
             self.rope[spec] = table
         return table
+
+    def rotary_at(self, spec: RopeSpec, start: int, n: int, device) -> RotaryRows:
+        """cos/sin rows of positions [start, start + n), reused by every layer of one forward."""
+        last = self.rope_rows.get(spec)
+        if last is None or last[:2] != (start, n):
+            last = (start, n, rotary_rows(self.rotary(spec, device), start, n))
+            self.rope_rows[spec] = last
+        return last[2]
 
 
 class Attention:
@@ -79,8 +88,7 @@ class Attention:
             self.q_norm = w.dense(f"{prefix}.attn_q_norm.weight")
             self.k_norm = w.dense(f"{prefix}.attn_k_norm.weight")
 
-    def __call__(self, x: torch.Tensor, state: ModelState, positions: torch.Tensor,
-                 pos_list: list[int]) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, state: ModelState, pos_list: list[int]) -> torch.Tensor:
         s, n = self.spec, x.shape[0]
         if self.wqkv is not None:
             q, k, v = torch.split(self.wqkv(x), self.qkv_rows, dim=-1)
@@ -97,9 +105,9 @@ class Attention:
         if s.qk_norm:
             q = rms_norm(q, self.q_norm, s.eps)
             k = rms_norm(k, self.k_norm, s.eps)
-        table = state.rotary(s.rope, x.device)
-        q = apply_rotary(q, table, positions)
-        k = apply_rotary(k, table, positions)
+        rows = state.rotary_at(s.rope, pos_list[0], n, x.device)
+        q = apply_rotary(q, rows)
+        k = apply_rotary(k, rows)
         state.kv.write(self.cache_index, pos_list[0], k, v)
         o = attend(q, state.kv.k[self.cache_index], state.kv.v[self.cache_index], pos_list,
                    s.scale, s.window, s.first_pos).reshape(n, s.n_head * s.head_dim_v)

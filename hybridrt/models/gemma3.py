@@ -59,11 +59,10 @@ class Gemma3(Model):
 
     def forward(self, state, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
         pos_list = list(range(start_pos, start_pos + tokens.shape[0]))
-        positions = torch.tensor(pos_list, device=self.device)
         h = self.embed(tokens)
         eps = self.eps
         for attn_norm, attn, post_attn_norm, ffn_norm, ffn, post_ffn_norm in self.layers:
-            a = attn(rms_norm(h, attn_norm, eps), state, positions, pos_list)
+            a = attn(rms_norm(h, attn_norm, eps), state, pos_list)
             h = h + rms_norm(a, post_attn_norm, eps)
             f = ffn(rms_norm(h, ffn_norm, eps))
             h = h + rms_norm(f, post_ffn_norm, eps)

@@ -46,10 +46,9 @@ class Llama(Model):
 
     def forward(self, state, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
         pos_list = list(range(start_pos, start_pos + tokens.shape[0]))
-        positions = torch.tensor(pos_list, device=self.device)
         h = self.embed(tokens)
         for attn_norm, attn, ffn_norm, ffn in self.layers:
-            h = h + attn(rms_norm(h, attn_norm, self.eps), state, positions, pos_list)
+            h = h + attn(rms_norm(h, attn_norm, self.eps), state, pos_list)
             h = h + ffn(rms_norm(h, ffn_norm, self.eps))
         return self.final_norm(h)
 

@@ -233,13 +233,12 @@ class Qwen35(Model):
     def forward(self, state: HybridState, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
         n = tokens.shape[0]
         pos_list = list(range(start_pos, start_pos + n))
-        positions = torch.tensor(pos_list, device=self.device)
         capture = state.ring.begin(start_pos, n)
         h = self.embed(tokens)
         for attn_norm, mixer, ffn_norm, ffn in self.layers:
             x = rms_norm(h, attn_norm, self.eps)
             if isinstance(mixer, Attention):
-                h = h + mixer(x, state, positions, pos_list)
+                h = h + mixer(x, state, pos_list)
             else:
                 h = h + mixer(x, state, capture)
             h = h + ffn(rms_norm(h, ffn_norm, self.eps))
@@ -284,12 +283,11 @@ class MTPHead:
         Returns (logits [n, V] or None, the MTP output hidden [n, n_embd] for chaining)."""
         n = tokens.shape[0]
         pos_list = list(range(start_pos, start_pos + n))
-        positions = torch.tensor(pos_list, device=self.model.device)
         e = rms_norm(self.embed(tokens), self.enorm, self.eps)
         hn = rms_norm(hidden, self.hnorm, self.eps)
         x = self.eh_proj(torch.cat((e, hn), dim=-1))
-        mtp_state = ModelState(n_ctx=state.n_ctx, kv=state.mtp_kv, rope=state.rope)
-        x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), mtp_state, positions, pos_list)
+        mtp_state = ModelState(n_ctx=state.n_ctx, kv=state.mtp_kv, rope=state.rope, rope_rows=state.rope_rows)
+        x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), mtp_state, pos_list)
         x = x + self.ffn(rms_norm(x, self.ffn_norm, self.eps))
         normed = rms_norm(x, self.head_norm, self.eps)
         return (self.head(normed, out=out) if logits else None), normed
