@@ -17,7 +17,8 @@ import torch
 from .attention import ROWWISE_MAX
 from .quant import QUANTIZED_TYPES, dequantize_torch, row_bytes, type_name
 
-TILE_ELEMS = 1 << 24    # weights per dequantized tile: 32 MiB in float16, ~3300 rows of a 5120-wide matrix
+TILE_ELEMS = 1 << 22    # weights per dequantized tile: 8 MiB in float16, ~820 rows of a 5120-wide matrix
+# (large enough to keep a GPU GEMV busy, small enough that the planner's budget barely notices it)
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

@@ -156,17 +156,24 @@ def _mib(n: int) -> str:
     return f"{n / MiB:,.1f} MiB"
 
 
+# gpu_kernels.qlinear.TILE_ELEMS, restated because placement imports no torch code
+# (tests/test_placement.py checks that the two agree)
+DEQUANT_TILE_ELEMS = 1 << 22
+
+
 def scratch_bytes(profile: ModelProfile, k: int, n_ctx: int) -> int:
     """Activation and logits buffers for a k-token batch, an upper estimate of the torch path:
     per token the residual, normed input, mixer and FFN outputs (4 x n_embd), two mixer projection
     outputs, gate/up/product of the FFN (3 x n_ff); float32 logits for all k rows; and attention's
     working set for one layer: its K and V over the context widened to float32 plus the scores of
-    k query rows (the row-by-row kernel widens one row's keys at a time)."""
+    k query rows (the row-by-row kernel widens one row's keys at a time); and the tile that
+    GPU-resident quantized weights are dequantized into before their matmul (one shared tile of
+    DEQUANT_TILE_ELEMS weights in f16, plus its float32 working copy)."""
     per_token = F32 * (4 * profile.n_embd + 2 * profile.mixer_width + 3 * profile.n_ff)
     logits = F32 * k * profile.n_vocab
     attention = max((n_ctx * (s.kv_f32_bytes_per_token() + F32 * k * s.n_head) for s in profile.attention_shapes),
                     default=0)
-    return k * per_token + logits + attention
+    return k * per_token + logits + attention + DEQUANT_TILE_ELEMS * (2 + F32)
 
 
 def _check(profile: ModelProfile, opt: PlanOptions) -> None:

@@ -335,3 +335,10 @@ def test_cpu_bandwidth_probe_is_quick():
     assert 1e8 < bw < 1e13
     # CPU seconds (robust on a shared machine): the work is fixed, 64 MiB filled and 5 x 64 MiB summed
     assert time.process_time() - t0 < 1.0
+
+
+def test_dequant_tile_matches_gpu_kernels():
+    from gpu_kernels.qlinear import TILE_ELEMS
+    from placement.plan import DEQUANT_TILE_ELEMS
+
+    assert DEQUANT_TILE_ELEMS == TILE_ELEMS
