@@ -19,9 +19,6 @@ class Model:
 
     arch = ""
     n_attention_layers: int      # KV cache layers
-    n_kv: int
-    head_dim: int
-    head_dim_v: int
 
     def __init__(self, gguf: GGUFFile, binder: WeightBinder):
         self.gguf, self.binder, self.device = gguf, binder, binder.device
@@ -29,6 +26,11 @@ class Model:
         self.n_layer = int(gguf.get("block_count")) - int(gguf.get("nextn_predict_layers", 0) or 0)
         self.eps = float(gguf.get("attention.layer_norm_rms_epsilon", 1e-6))
         self.n_ctx_train = int(gguf.get("context_length", 4096))
+        # attention shape (every architecture here has attention layers; KV caches are sized from it)
+        self.n_head = int(gguf.get("attention.head_count"))
+        self.n_kv = int(gguf.get("attention.head_count_kv", self.n_head))
+        self.head_dim = int(gguf.get("attention.key_length", self.n_embd // self.n_head))
+        self.head_dim_v = int(gguf.get("attention.value_length", self.head_dim))
         self.tok_embd = binder.embedding("token_embd.weight")
         self.output_norm = binder.dense("output_norm.weight")
         head = "output.weight" if binder.has("output.weight") else "token_embd.weight"

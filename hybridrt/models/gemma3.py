@@ -27,10 +27,6 @@ class Gemma3(Model):
 
     def __init__(self, gguf: GGUFFile, binder: WeightBinder):
         super().__init__(gguf, binder)
-        n_head = int(gguf.get("attention.head_count"))
-        self.n_kv = int(gguf.get("attention.head_count_kv", n_head))
-        self.head_dim = int(gguf.get("attention.key_length", self.n_embd // n_head))
-        self.head_dim_v = int(gguf.get("attention.value_length", self.head_dim))
         self.n_attention_layers = self.n_layer
         window = int(gguf.get("attention.sliding_window", 0) or 0)
         n_rot = int(gguf.get("rope.dimension_count", self.head_dim))
@@ -40,7 +36,7 @@ class Gemma3(Model):
         self.layers = []
         for i in range(self.n_layer):
             is_local = window > 0 and i % SWA_PATTERN < SWA_PATTERN - 1
-            spec = AttentionSpec(n_head=n_head, n_kv=self.n_kv, head_dim=self.head_dim,
+            spec = AttentionSpec(n_head=self.n_head, n_kv=self.n_kv, head_dim=self.head_dim,
                                  head_dim_v=self.head_dim_v, scale=1.0 / math.sqrt(self.head_dim),
                                  eps=self.eps, rope=local_rope if is_local else global_rope,
                                  window=window if is_local else 0, qk_norm=True)

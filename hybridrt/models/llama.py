@@ -23,15 +23,11 @@ class Llama(Model):
 
     def __init__(self, gguf: GGUFFile, binder: WeightBinder):
         super().__init__(gguf, binder)
-        n_head = int(gguf.get("attention.head_count"))
-        self.n_kv = int(gguf.get("attention.head_count_kv", n_head))
-        self.head_dim = int(gguf.get("attention.key_length", self.n_embd // n_head))
-        self.head_dim_v = int(gguf.get("attention.value_length", self.head_dim))
         self.n_attention_layers = self.n_layer
         rope = RopeSpec(n_rot=int(gguf.get("rope.dimension_count", self.head_dim)),
                         base=float(gguf.get("rope.freq_base", 10000.0)), neox=self.neox,
                         scale=rope_scale(gguf))
-        spec = AttentionSpec(n_head=n_head, n_kv=self.n_kv, head_dim=self.head_dim,
+        spec = AttentionSpec(n_head=self.n_head, n_kv=self.n_kv, head_dim=self.head_dim,
                              head_dim_v=self.head_dim_v, scale=1.0 / math.sqrt(self.head_dim),
                              eps=self.eps, rope=rope, qk_norm=self.qk_norm)
         self.layers = []

@@ -171,13 +171,9 @@ class Qwen35(Model):
         g = gguf.get
         self.n_nextn = int(g("nextn_predict_layers", 0) or 0)
         interval = int(g("full_attention_interval", 4))
-        n_head = int(g("attention.head_count"))
-        self.n_kv = int(g("attention.head_count_kv", n_head))
-        self.head_dim = int(g("attention.key_length", self.n_embd // n_head))
-        self.head_dim_v = int(g("attention.value_length", self.head_dim))
         rope = RopeSpec(n_rot=int(g("rope.dimension_count", self.head_dim)),
                         base=float(g("rope.freq_base", 1e7)), neox=True, scale=rope_scale(gguf))
-        self.attn_spec = AttentionSpec(n_head=n_head, n_kv=self.n_kv, head_dim=self.head_dim,
+        self.attn_spec = AttentionSpec(n_head=self.n_head, n_kv=self.n_kv, head_dim=self.head_dim,
                                        head_dim_v=self.head_dim_v, scale=1.0 / math.sqrt(self.head_dim),
                                        eps=self.eps, rope=rope, qk_norm=True, gated=True)
         d_state = int(g("ssm.state_size"))
