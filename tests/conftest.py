@@ -42,3 +42,18 @@ def tiny_llama(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory) -> Path:
     return _build(tmp_path_factory, "tiny-qwen3", "qwen3")
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """Pin torch and Numba to one thread for a module, then restore them. Tiny models gain nothing
+    from parallel kernels, and on the shared 2-core machine two spinning pools stall each other."""
+    import numba
+    import torch
+
+    before = torch.get_num_threads(), numba.get_num_threads()
+    torch.set_num_threads(1)
+    numba.set_num_threads(1)
+    yield
+    torch.set_num_threads(before[0])
+    numba.set_num_threads(before[1])

@@ -15,13 +15,8 @@ from tests.real_models import GEMMA3, SMOLLM2, require
 ALL = [T(q) for q in SUPPORTED_TYPES]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The machine is shared: torch's thread pool stalls badly when its 2 cores are busy."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 FLOATS = (T.F32, T.F16, T.BF16)
 
 # Byte offsets of the float16 scales inside one block of each quantized type.

@@ -20,16 +20,7 @@ QTYPES = [T(q) for q in QUANTIZED_TYPES]
 N_IN, N_OUT = 512, 300          # 300 rows in tiles of 64: four full tiles and a ragged one
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The machine is shared: torch's and Numba's thread pools stall badly when its 2 cores are busy."""
-    import numba
-
-    before = torch.get_num_threads(), numba.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before[0])
-    numba.set_num_threads(before[1])
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def make(qtype, seed=0, n_in=N_IN, n_out=N_OUT, **kw):

@@ -44,17 +44,7 @@ def spec_run(model, ids, source_of, n_max, n=N_GEN, sampler=GREEDY, stop_ids=fro
     return out, stats, session, source
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: parallel kernels only add synchronisation, and the CPU is shared."""
-    import numba
-
-    threads = torch.get_num_threads(), numba.get_num_threads()
-    torch.set_num_threads(1)
-    numba.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads[0])
-    numba.set_num_threads(threads[1])
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")

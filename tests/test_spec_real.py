@@ -5,7 +5,6 @@ accepting more often than "sample the target and accept on equality" on the same
 from __future__ import annotations
 
 import pytest
-import torch
 
 from hybridrt.generate import generate
 from hybridrt.loader import load_model
@@ -20,16 +19,7 @@ GREEDY = SamplerConfig(temp=0.0)
 N_GEN = 32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    import numba
-
-    threads = torch.get_num_threads(), numba.get_num_threads()
-    torch.set_num_threads(1)
-    numba.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads[0])
-    numba.set_num_threads(threads[1])
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 class Case:
