@@ -7,10 +7,16 @@ is an F32 file with seed 0; build other mixes/seeds in a test with ``make_model.
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+# Triton kernels run interpreted on CPU tensors when there is no GPU. Triton reads this when a
+# kernel is decorated, so it must be set before any gpu_kernels module is imported.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 if str(SCRIPTS) not in sys.path:
@@ -57,3 +63,15 @@ def single_thread():
     yield
     torch.set_num_threads(before[0])
     numba.set_num_threads(before[1])
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` need a real GPU: skipped here, run by scripts/gpu_check.sh on one."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
