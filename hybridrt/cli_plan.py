@@ -102,7 +102,9 @@ def _print_report(p: Plan, host: dict, sources: dict) -> None:
     console.print(table)
     n_gpu, n_cpu = len(p.ffn_gpu_layers), len(p.ffn_cpu_layers)
     console.print(f"FFN on GPU: {layer_ranges(p.ffn_gpu_layers) or 'none'} ({n_gpu} layers), "
-                  f"CPU: {layer_ranges(p.ffn_cpu_layers) or 'none'} ({n_cpu} layers)")
+                  f"CPU: {layer_ranges(p.ffn_cpu_layers) or 'none'} ({n_cpu} layers)"
+                  + (f"; layer {p.ffn_split.layer} split, {p.ffn_split.gpu_units}/{p.ffn_split.n_ff} units "
+                     f"({_mib(p.ffn_split.gpu_bytes)} MiB) on the GPU" if p.ffn_split else ""))
     for why in p.not_fitted:
         console.print(f"[yellow]did not fit:[/yellow] {why}")
     ram = (f"host RAM: {_size(host['cpu_side_bytes'])} of CPU-side weights (mmap'd) vs "

@@ -30,12 +30,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
 
+from .options import GiB, MiB, SPEC_TYPES, PlanOptions
 from .profile import CACHE_TYPES, F32, ModelProfile
-from .speed import SpeedEstimate, estimate_speed
+from .speed import FfnSplit, SpeedEstimate, estimate_speed
 
-MiB = 1 << 20
-GiB = 1 << 30
-SPEC_TYPES = ("none", "draft-mtp", "draft-simple", "ngram-simple")
 CTX_STEP = 256          # context suggestions are rounded down to this
 
 
@@ -46,37 +44,6 @@ class PlanError(ValueError):
     def __init__(self, message: str, min_vram_bytes: int | None = None):
         super().__init__(message)
         self.min_vram_bytes = min_vram_bytes
-
-
-@dataclass(frozen=True)
-class PlanOptions:
-    vram_bytes: int = 12 * GiB
-    margin_bytes: int = 512 * MiB
-    n_ctx: int = 4096
-    cache_type_k: str = "f16"
-    cache_type_v: str = "f16"
-    spec_type: str = "none"
-    spec_draft_n_max: int = 3
-    draft: ModelProfile | None = None   # the draft model's profile (spec_type draft-simple)
-    accept_rate: float = 0.8            # per-draft acceptance probability
-    gpu_bw: float = 500e9               # bytes/s
-    cpu_bw: float = 40e9                # bytes/s
-    k_max: int | None = None            # largest batch evaluated at once; None: N + 1 (a verify batch)
-    decode_depth: int | None = None     # context depth the speed is predicted at; None: n_ctx // 2
-    layer_overhead_s: float = 30e-6     # per layer per step: kernel launches and Python dispatch
-    handoff_overhead_s: float = 20e-6   # per CPU FFN layer per step: two small copies and a sync
-
-    @property
-    def n_draft(self) -> int:
-        return 0 if self.spec_type == "none" else self.spec_draft_n_max
-
-    @property
-    def batch(self) -> int:
-        return self.k_max if self.k_max is not None else self.n_draft + 1
-
-    @property
-    def depth(self) -> int:
-        return self.decode_depth if self.decode_depth is not None else self.n_ctx // 2
 
 
 @dataclass(frozen=True)
@@ -101,6 +68,7 @@ class Plan:
     not_fitted: list[str]
     speed: SpeedEstimate
     notes: list[str] = field(default_factory=list)
+    ffn_split: FfnSplit | None = None   # the boundary layer, part on the GPU (in ffn_cpu_layers too)
 
     @property
     def gpu_bytes(self) -> int:
@@ -135,6 +103,7 @@ class Plan:
             "ffn_cpu_layers": self.ffn_cpu_layers,
             "not_fitted": self.not_fitted,
             "speed": asdict(self.speed),
+            "ffn_split": asdict(self.ffn_split) if self.ffn_split else None,
             "tensor_device": self.tensor_device,
             "notes": self.notes,
         }
@@ -356,6 +325,29 @@ def _does_not_fit(profile: ModelProfile, opt: PlanOptions, need: int) -> PlanErr
     return PlanError(msg, min_vram_bytes=need)
 
 
+def split_granule(n_ff: int) -> int:
+    """Intermediate units per split step: whole quant blocks of ffn_down's rows (256 for K-quants,
+    32 for the legacy types; a row of n_ff not a multiple of 256 cannot be a K-quant)."""
+    return 256 if n_ff % 256 == 0 else 32 if n_ff % 32 == 0 else 0
+
+
+def _split_boundary(profile: ModelProfile, ffn: dict[int, int], on_cpu: list[int], left: int) -> FfnSplit | None:
+    """Spend the VRAM left after whole layers on the first CPU layer's leading units. Only a dense
+    FFN splits this way (an expert layer would split by experts, not units)."""
+    if not on_cpu or profile.n_expert:
+        return None
+    layer, n_ff = on_cpu[0], profile.n_ff
+    granule = split_granule(n_ff)
+    if not granule or n_ff <= granule:
+        return None
+    per_granule = ffn[layer] * granule / n_ff      # every FFN tensor is linear in the unit count
+    units = min(int(left // per_granule), n_ff // granule - 1) * granule
+    if units <= 0:
+        return None
+    gpu = int(ffn[layer] * units / n_ff)
+    return FfnSplit(layer=layer, n_ff=n_ff, gpu_units=units, gpu_bytes=gpu, cpu_bytes=ffn[layer] - gpu)
+
+
 def plan(profile: ModelProfile, options: PlanOptions) -> Plan:
     _check(profile, options)
     lines, device = _fixed_lines(profile, options)
@@ -376,17 +368,23 @@ def plan(profile: ModelProfile, options: PlanOptions) -> Plan:
         if t.role == "ffn" and t.layer < profile.n_layer:
             device[t.name] = "gpu" if t.layer in gpu_set else "cpu"
 
-    gpu_ffn = sum(ffn[i] for i in on_gpu)
-    cpu_ffn = sum(ffn[i] for i in on_cpu)
-    lines.append(Line(4, "ffn", "FFN layers", gpu_ffn, cpu_ffn,
-                      detail=f"GPU: {layer_ranges(on_gpu) or 'none'} ({len(on_gpu)} layers), "
-                             f"CPU: {layer_ranges(on_cpu) or 'none'} ({len(on_cpu)} layers)"))
+    split = _split_boundary(profile, ffn, on_cpu, left) if options.split_ffn else None
+    split_gpu = split.gpu_bytes if split else 0
+    gpu_ffn = sum(ffn[i] for i in on_gpu) + split_gpu
+    cpu_ffn = sum(ffn[i] for i in on_cpu) - split_gpu
+    detail = (f"GPU: {layer_ranges(on_gpu) or 'none'} ({len(on_gpu)} layers), "
+              f"CPU: {layer_ranges(on_cpu) or 'none'} ({len(on_cpu)} layers)")
+    if split:
+        detail += f"; layer {split.layer} split: {split.gpu_units} of {split.n_ff} units on the GPU"
+    lines.append(Line(4, "ffn", "FFN layers", gpu_ffn, cpu_ffn, detail=detail))
     not_fitted = []
     if on_cpu:
         smallest = min(ffn[i] for i in on_cpu)
         not_fitted.append(
-            f"FFN layers {layer_ranges(on_cpu)} ({len(on_cpu)} layers, {_mib(cpu_ffn)}) run on the CPU: "
-            f"{_mib(left)} of VRAM was left and the smallest of them needs {_mib(smallest)}")
-    speed = estimate_speed(profile, options, device, on_cpu)
+            f"FFN layers {layer_ranges(on_cpu)} ({len(on_cpu)} layers, {_mib(cpu_ffn + split_gpu)}) run on the CPU: "
+            f"{_mib(left)} of VRAM was left and the smallest of them needs {_mib(smallest)}"
+            + (f"; {_mib(split_gpu)} of it holds the first {split.gpu_units} units of layer {split.layer}, "
+               "which runs on both at once" if split else ""))
+    speed = estimate_speed(profile, options, device, on_cpu, split)
     return Plan(profile.name, profile.arch, options, lines, device, on_gpu, on_cpu, not_fitted, speed,
-                notes=list(profile.notes))
+                notes=list(profile.notes), ffn_split=split)

@@ -9,7 +9,8 @@ with bytes_gpu = GPU weights + KV read (k query rows, each over the context at t
 bit-stable attention runs row by row) + recurrent state read and written once, plus one write per
 snapshot; bytes_cpu = CPU FFN weights once per step (+ k embedding rows). Routed-expert tensors are
 read in the share k tokens touch: 1 - (1 - used/experts)^k, for independent routing.
-GPU and CPU work is serial (each CPU FFN layer waits for its layer's attention), so times add.
+GPU and CPU work is serial (each CPU FFN layer waits for its layer's attention), so times add, except
+in the split boundary layer, whose GPU and CPU halves run at the same time.
 
 Speculative step: one verify of k = N + 1 tokens writing N snapshots, plus N draft steps, plus (MTP)
 one pass of the MTP block over the accepted tokens to rewrite its KV from trunk hidden states.
@@ -18,12 +19,21 @@ Tokens per step = 1 + a + a^2 + ... + a^N for a per-draft acceptance a.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from .options import PlanOptions
 from .profile import ModelProfile
 
-if TYPE_CHECKING:
-    from .plan import PlanOptions
+
+@dataclass(frozen=True)
+class FfnSplit:
+    """The boundary FFN layer split by intermediate units: units [0, gpu_units) run on the GPU,
+    [gpu_units, n_ff) on the CPU, both halves at the same time; the layer's output is the sum of the
+    two halves' down projections (each half is a complete SwiGLU over its own units)."""
+    layer: int
+    n_ff: int
+    gpu_units: int          # a multiple of the granule (the quant block of ffn_down's rows)
+    gpu_bytes: int
+    cpu_bytes: int
 
 
 @dataclass(frozen=True)
@@ -59,7 +69,7 @@ def _read_fraction(profile: ModelProfile, expert: bool, k: int) -> float:
 
 
 def _trunk_step(profile: ModelProfile, opt: PlanOptions, device: dict[str, str], n_cpu_ffn: int,
-                k: int, snapshots: int) -> tuple[float, int, int]:
+                k: int, snapshots: int, split: FfnSplit | None = None) -> tuple[float, int, int]:
     gpu = cpu = 0.0
     for t in profile.tensors:
         if profile.in_mtp(t):
@@ -74,7 +84,12 @@ def _trunk_step(profile: ModelProfile, opt: PlanOptions, device: dict[str, str],
             cpu += share
     gpu += k * opt.depth * profile.kv_bytes_per_token(opt.cache_type_k, opt.cache_type_v)
     gpu += (2 + snapshots) * profile.recurrent_state_bytes
-    seconds = (gpu / opt.gpu_bw + cpu / opt.cpu_bw
+    overlap = 0.0
+    if split is not None:       # its tensors are "cpu" above; move the GPU half and credit the overlap
+        gpu += split.gpu_bytes
+        cpu -= split.gpu_bytes
+        overlap = min(split.gpu_bytes / opt.gpu_bw, split.cpu_bytes / opt.cpu_bw)
+    seconds = (gpu / opt.gpu_bw + cpu / opt.cpu_bw - overlap
                + profile.n_layer * opt.layer_overhead_s + n_cpu_ffn * opt.handoff_overhead_s)
     return seconds, int(gpu), int(cpu)
 
@@ -98,9 +113,9 @@ def _draft_token(profile: ModelProfile, opt: PlanOptions, device: dict[str, str]
 
 
 def estimate_speed(profile: ModelProfile, opt: PlanOptions, device: dict[str, str],
-                   cpu_ffn_layers: list[int]) -> SpeedEstimate:
+                   cpu_ffn_layers: list[int], split: FfnSplit | None = None) -> SpeedEstimate:
     n_cpu = len(cpu_ffn_layers)
-    plain_s, plain_gpu, plain_cpu = _trunk_step(profile, opt, device, n_cpu, 1, 0)
+    plain_s, plain_gpu, plain_cpu = _trunk_step(profile, opt, device, n_cpu, 1, 0, split)
     assumptions = [
         f"GPU {opt.gpu_bw / 1e9:.0f} GB/s, CPU {opt.cpu_bw / 1e9:.1f} GB/s; every weight read once per step",
         f"KV read at a context depth of {opt.depth:,} tokens",
@@ -113,7 +128,7 @@ def estimate_speed(profile: ModelProfile, opt: PlanOptions, device: dict[str, st
     if opt.spec_type == "none":
         return SpeedEstimate(**common, assumptions=tuple(assumptions))
     n = opt.n_draft
-    verify_s, verify_gpu, verify_cpu = _trunk_step(profile, opt, device, n_cpu, n + 1, n)
+    verify_s, verify_gpu, verify_cpu = _trunk_step(profile, opt, device, n_cpu, n + 1, n, split)
     draft_s, rewrite_s = _draft_token(profile, opt, device)
     step_s = verify_s + n * draft_s + rewrite_s
     per_step = expected_tokens_per_step(opt.accept_rate, n)

@@ -162,7 +162,8 @@ def test_tokens_per_step():
 def test_speed_reads_cpu_ffn_once_per_verify_step():
     prof = synthetic_profile()
     opt = PlanOptions(vram_bytes=1024 * MiB, margin_bytes=64 * MiB, n_ctx=4096, spec_type="draft-mtp",
-                      spec_draft_n_max=3, gpu_bw=400e9, cpu_bw=20e9, layer_overhead_s=0, handoff_overhead_s=0)
+                      spec_draft_n_max=3, gpu_bw=400e9, cpu_bw=20e9, layer_overhead_s=0, handoff_overhead_s=0,
+                      split_ffn=False)
     fixed = fixed_gpu(plan(prof, opt))
     p = plan(prof, PlanOptions(**{**opt.__dict__, "vram_bytes": fixed + 25 * MiB}))
     s = p.speed
@@ -342,3 +343,28 @@ def test_dequant_tile_matches_gpu_kernels():
     from placement.plan import DEQUANT_TILE_ELEMS
 
     assert DEQUANT_TILE_ELEMS == TILE_ELEMS
+
+
+def test_leftover_vram_splits_the_boundary_layer_by_units():
+    """What is left after whole FFN layers buys the first CPU layer's leading units, in granules of
+    ffn_down's quant block; the speed model credits the two halves running at the same time."""
+    prof = synthetic_profile()
+    opt = PlanOptions(vram_bytes=1024 * MiB, margin_bytes=64 * MiB, n_ctx=4096, gpu_bw=400e9, cpu_bw=20e9)
+    fixed = fixed_gpu(plan(prof, opt))
+    layer = prof.ffn_layer_bytes()[2]
+    granule_bytes = layer * 256 // prof.n_ff
+    budget = fixed + 20 * MiB + 2 * granule_bytes + granule_bytes // 2      # two layers, 2.5 granules
+    p = plan(prof, PlanOptions(**{**opt.__dict__, "vram_bytes": budget}))
+    whole = plan(prof, PlanOptions(**{**opt.__dict__, "vram_bytes": budget, "split_ffn": False}))
+    assert p.ffn_gpu_layers == whole.ffn_gpu_layers == [0, 1]
+    s = p.ffn_split
+    assert (s.layer, s.n_ff, s.gpu_units) == (2, prof.n_ff, 512)
+    assert s.gpu_bytes == layer // 2 and s.cpu_bytes == layer - layer // 2
+    assert p.line("ffn").gpu_bytes == whole.line("ffn").gpu_bytes + s.gpu_bytes
+    assert p.free_bytes == whole.free_bytes - s.gpu_bytes < granule_bytes
+    assert whole.ffn_split is None and p.to_dict()["ffn_split"]["gpu_units"] == 512
+    overlap = min(s.gpu_bytes / 400e9, s.cpu_bytes / 20e9)
+    moved = s.gpu_bytes / 20e9 - s.gpu_bytes / 400e9
+    assert p.speed.plain_step_s == pytest.approx(whole.speed.plain_step_s - moved - overlap)
+    # never the whole layer (it would have been placed whole), never an expert layer
+    assert plan(prof, PlanOptions(**{**opt.__dict__, "vram_bytes": fixed + 20 * MiB + 10})).ffn_split is None

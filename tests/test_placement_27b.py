@@ -61,8 +61,9 @@ def test_12gib_32k_three_drafts(q36):
         by_device[p.tensor_device[t.name]] += t.nbytes
     assert sum(by_device.values()) == q36.total_bytes and by_device["unused"] == 0
     weight_keys = {"draft_weights", "attention_weights", "gdn_weights", "norms", "output_head", "other_weights", "ffn"}
-    assert sum(line.gpu_bytes for line in p.lines if line.key in weight_keys) == by_device["gpu"]
-    assert p.cpu_bytes == by_device["cpu"] == sum(line.cpu_bytes for line in p.lines)
+    split_gpu = p.ffn_split.gpu_bytes if p.ffn_split else 0      # its tensors are "cpu" (the mmap half)
+    assert sum(line.gpu_bytes for line in p.lines if line.key in weight_keys) == by_device["gpu"] + split_gpu
+    assert p.cpu_bytes == by_device["cpu"] - split_gpu == sum(line.cpu_bytes for line in p.lines)
     assert p.gpu_bytes == sum(line.gpu_bytes for line in p.lines)
     # within the budget, the margin kept free
     assert p.gpu_bytes - OPT.margin_bytes <= OPT.vram_bytes - OPT.margin_bytes

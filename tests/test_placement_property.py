@@ -7,7 +7,7 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from placement import MiB, PlanError, PlanOptions, plan
+from placement import MiB, PlanError, PlanOptions, plan, split_granule
 from tests.test_placement import synthetic_profile
 
 STAGE_OF = {"overhead": 1, "gdn_snapshot_ring": 2, "draft_kv": 2, "draft_weights": 2, "draft_state": 2,
@@ -55,9 +55,18 @@ def test_plan_respects_budget_and_order(case):
     assert [line for line in p.lines if line.stage < 4] == [line for line in roomy.lines if line.stage < 4]
     ffn = prof.ffn_layer_bytes()
     assert sorted(p.ffn_gpu_layers + p.ffn_cpu_layers) == list(ffn)
-    assert p.line("ffn").gpu_bytes == sum(ffn[i] for i in p.ffn_gpu_layers)
+    split = p.ffn_split
+    split_gpu = split.gpu_bytes if split else 0
+    assert p.line("ffn").gpu_bytes == sum(ffn[i] for i in p.ffn_gpu_layers) + split_gpu
+    assert p.line("ffn").cpu_bytes == sum(ffn[i] for i in p.ffn_cpu_layers) - split_gpu
     if p.ffn_cpu_layers:                          # a layer is on the CPU only because it did not fit
         assert p.free_bytes < min(ffn[i] for i in p.ffn_cpu_layers)
+    if split:                                     # the boundary layer takes what is left, in whole granules
+        granule = split_granule(split.n_ff)
+        assert split.layer == p.ffn_cpu_layers[0] and not prof.n_expert
+        assert 0 < split.gpu_units < split.n_ff and split.gpu_units % granule == 0
+        assert split.gpu_bytes + split.cpu_bytes == ffn[split.layer]
+        assert p.free_bytes < ffn[split.layer] * granule / split.n_ff
     assert p.speed.plain_tok_s > 0
     if opt.spec_type != "none":
         assert p.speed.spec_tok_s > 0

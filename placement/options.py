@@ -1,0 +1,43 @@
+"""Everything a plan is computed from, as one frozen data class (shared by the planner and the
+speed model, so neither imports the other's module for it)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .profile import ModelProfile
+
+MiB = 1 << 20
+GiB = 1 << 30
+SPEC_TYPES = ("none", "draft-mtp", "draft-simple", "ngram-simple")
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    vram_bytes: int = 12 * GiB
+    margin_bytes: int = 512 * MiB
+    n_ctx: int = 4096
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    spec_type: str = "none"
+    spec_draft_n_max: int = 3
+    draft: ModelProfile | None = None   # the draft model's profile (spec_type draft-simple)
+    accept_rate: float = 0.8            # per-draft acceptance probability
+    gpu_bw: float = 500e9               # bytes/s
+    cpu_bw: float = 40e9                # bytes/s
+    k_max: int | None = None            # largest batch evaluated at once; None: N + 1 (a verify batch)
+    decode_depth: int | None = None     # context depth the speed is predicted at; None: n_ctx // 2
+    layer_overhead_s: float = 30e-6     # per layer per step: kernel launches and Python dispatch
+    handoff_overhead_s: float = 20e-6   # per CPU FFN layer per step: two small copies and a sync
+    split_ffn: bool = True              # give the VRAM left after whole layers to part of the next one
+
+    @property
+    def n_draft(self) -> int:
+        return 0 if self.spec_type == "none" else self.spec_draft_n_max
+
+    @property
+    def batch(self) -> int:
+        return self.k_max if self.k_max is not None else self.n_draft + 1
+
+    @property
+    def depth(self) -> int:
+        return self.decode_depth if self.decode_depth is not None else self.n_ctx // 2
