@@ -4,6 +4,11 @@ Greedy speculative decoding needs a token's result to be bitwise the same whethe
 alone or inside a k-token verify batch. A batched kernel picks different blockings for different k,
 so small batches (decode and verify) go row by row: every row runs the same ops on the same shapes
 as a lone decode step would. Long batches (prompt processing) use one masked SDPA call.
+
+A cache is a float tensor [n_ctx, n_kv, d] or q8_0 blocks (`hybridrt.kv_cache.Q8Rows`: an object
+with `.shape` and uint8 `.blocks` [n_ctx, n_kv, d / 32, 34]). One call reads every key/value row
+it needs as float32 once (a cast, or a q8_0 dequantization: both elementwise, so a row's floats do
+not depend on how many rows are read with it) and each query row then slices its own range.
 """
 from __future__ import annotations
 
@@ -11,6 +16,38 @@ import torch
 import torch.nn.functional as F
 
 ROWWISE_MAX = 32   # batches up to this many tokens take the bit-stable row-by-row path
+Q8_0_BLOCK, Q8_0_BYTES = 32, 34     # ggml's block_q8_0: f16 scale + 32 int8
+
+
+def q8_0_quantize(x: torch.Tensor) -> torch.Tensor:
+    """[..., d] values -> uint8 [..., d / 32, 34] q8_0 blocks, bytes identical to gguf-py's
+    (and so ggml's) quantizer: d = amax / 127 in float32, q = round-half-away(x * (1 / d))."""
+    xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // Q8_0_BLOCK, Q8_0_BLOCK)
+    d = xb.abs().amax(dim=-1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    a = xb * inv
+    # gguf-py's np_roundf: floor(|a|) + floor(2 * frac), which rounds 0.49999997 down where
+    # floor(|a| + 0.5) would not
+    mag = torch.floor(a.abs())
+    q = torch.sign(a) * (mag + torch.floor(2 * (a.abs() - mag)))
+    out = torch.empty(*xb.shape[:-1], Q8_0_BYTES, dtype=torch.uint8, device=x.device)
+    out[..., :2] = d.half().view(torch.uint8)
+    out[..., 2:] = q.to(torch.int8).view(torch.uint8)
+    return out
+
+
+def q8_0_dequantize(blocks: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., nb, 34] q8_0 blocks -> float32 [..., nb * 32] (gguf-py's q * d, bitwise)."""
+    d = blocks[..., :2].view(torch.float16).float()
+    q = blocks[..., 2:].view(torch.int8).float()
+    return (q * d).flatten(-2)
+
+
+def _float_rows(cache, lo: int, hi: int) -> torch.Tensor:
+    """Cache rows [lo, hi) as float32 [hi - lo, n_kv, d]."""
+    if isinstance(cache, torch.Tensor):
+        return cache[lo:hi].float()
+    return q8_0_dequantize(cache.blocks[lo:hi])
 
 
 def _window_start(pos: int, window: int, first: int) -> int:
@@ -20,27 +57,28 @@ def _window_start(pos: int, window: int, first: int) -> int:
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: list[int],
            scale: float, window: int = 0, first: int = 0) -> torch.Tensor:
-    """q: [k, n_head, d]; caches: [n_ctx, n_kv, d] already holding the new rows at `positions`
+    """q: [k, n_head, d]; caches: [n_ctx, n_kv, d] (float or q8_0) already holding the new rows at `positions`
     (ascending, contiguous); keys before position `first` do not exist (an MTP block's cache starts
     at position 1). Returns [k, n_head, d_v] float32."""
     n_tok, n_head, d = q.shape
     n_kv, d_v = k_cache.shape[1], v_cache.shape[2]
     group = n_head // n_kv
+    base, last = _window_start(positions[0], window, first), positions[-1]
+    all_keys = _float_rows(k_cache, base, last + 1)
+    all_vals = _float_rows(v_cache, base, last + 1)
     if n_tok <= ROWWISE_MAX:
         out = torch.empty(n_tok, n_head, d_v, dtype=torch.float32, device=q.device)
         for i, pos in enumerate(positions):
-            lo = _window_start(pos, window, first)
-            keys = k_cache[lo:pos + 1].float().permute(1, 2, 0)     # [n_kv, d, T]
-            vals = v_cache[lo:pos + 1].float().permute(1, 0, 2)     # [n_kv, T, d_v]
+            lo = _window_start(pos, window, first) - base
+            keys = all_keys[lo:pos + 1 - base].permute(1, 2, 0)     # [n_kv, d, T]
+            vals = all_vals[lo:pos + 1 - base].permute(1, 0, 2)     # [n_kv, T, d_v]
             qi = q[i].float().view(n_kv, group, d)
             probs = torch.softmax(torch.matmul(qi, keys) * scale, dim=-1)
             out[i] = torch.matmul(probs, vals).view(n_head, d_v)
         return out
-    last = positions[-1]
-    lo = _window_start(positions[0], window, first)
-    keys = k_cache[lo:last + 1].float().permute(1, 0, 2)            # [n_kv, T, d]
-    vals = v_cache[lo:last + 1].float().permute(1, 0, 2)
-    key_pos = torch.arange(lo, last + 1, device=q.device)
+    keys = all_keys.permute(1, 0, 2)                                # [n_kv, T, d]
+    vals = all_vals.permute(1, 0, 2)
+    key_pos = torch.arange(base, last + 1, device=q.device)
     query_pos = torch.tensor(positions, device=q.device).unsqueeze(1)
     visible = key_pos.unsqueeze(0) <= query_pos
     if window > 0:
