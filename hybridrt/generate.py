@@ -24,7 +24,7 @@ class GenerationStats:
     prompt_s: float = 0.0
     n_decode: int = 0            # tokens produced after the first one (llama.cpp's "eval" count)
     decode_s: float = 0.0
-    stopped_by: str = ""         # "eog", "n_predict" or "context"
+    stopped_by: str = ""         # "eog", "n_predict", "context" or "callback" (on_token said stop)
     extra: dict = field(default_factory=dict)
     spec: "SpecStats | None" = None     # set by the speculative loop
 
@@ -46,7 +46,9 @@ def generate(model: Model, session: Session, prompt_ids: list[int], n_predict: i
              sampler: SamplerConfig, on_token: Callable[[int], None] | None = None,
              stop_ids: set[int] | None = None) -> tuple[list[int], GenerationStats]:
     """Generate up to n_predict tokens (n_predict < 0: until an end-of-generation token or the
-    context is full). Stop tokens are not included in the output."""
+    context is full). Stop tokens are not included in the output. `on_token` sees each token as
+    it is produced; a true return value stops generation there (a server's stop string or a
+    client that went away)."""
     stop_ids = model.tokenizer.eog_ids if stop_ids is None else stop_ids
     gen = make_generator(sampler.seed)
     stats = GenerationStats(n_prompt=len(prompt_ids))
@@ -64,8 +66,9 @@ def generate(model: Model, session: Session, prompt_ids: list[int], n_predict: i
             stats.stopped_by = "eog"
             break
         out.append(token)
-        if on_token:
-            on_token(token)
+        if on_token is not None and on_token(token):
+            stats.stopped_by = "callback"
+            break
         if 0 <= n_predict <= len(out):
             stats.stopped_by = "n_predict"
             break

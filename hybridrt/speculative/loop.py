@@ -70,8 +70,9 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
                          gen: torch.Generator | None = None) -> tuple[list[int], GenerationStats]:
     """Generate up to n_predict tokens (< 0: until a stop token or a full context) with drafts
     from `source` (None: plain decoding through the same loop). Output and stopping rules are
-    those of `generate.generate`; at temp 0 the tokens are identical to it. `source` must be
-    fresh (it follows this one sequence) and `session.k_max` at least spec.k_max."""
+    those of `generate.generate` (a true return from `on_token` stops there too); at temp 0 the
+    tokens are identical to it. `source` must be fresh (it follows this one sequence) and
+    `session.k_max` at least spec.k_max."""
     stop_ids = model.tokenizer.eog_ids if stop_ids is None else stop_ids
     if session.k_max < spec.k_max:
         raise UserError(f"the session's k_max {session.k_max} is below --spec-draft-n-max + 1 = {spec.k_max}")
@@ -98,8 +99,9 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
             stats.stopped_by = "eog"
             break
         out.append(certain)
-        if on_token:
-            on_token(certain)
+        if on_token is not None and on_token(certain):
+            stats.stopped_by = "callback"
+            break
         if 0 <= n_predict <= len(out):
             stats.stopped_by = "n_predict"
             break
@@ -130,8 +132,9 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
                 break
             out.append(token)
             n_emit += 1
-            if on_token:
-                on_token(token)
+            if on_token is not None and on_token(token):
+                stats.stopped_by = "callback"
+                break
             if 0 <= n_predict <= len(out):
                 stats.stopped_by = "n_predict"
                 break
