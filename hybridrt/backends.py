@@ -17,9 +17,11 @@ from cpu_kernels.formats import format_of
 from cpu_kernels.matvec import matvec
 from gpu_kernels.attention import ROWWISE_MAX
 from gpu_kernels.linear import linear_rows
+from gpu_kernels.pointwise import per_token
 from gpu_kernels.qlinear import QuantLinear, TileScratch
 from gpu_kernels.quant import QUANTIZED_TYPES
 
+from .executor import Executor, HostFFN, SplitFFN, TracedBackend
 from .gguf_file import GGUFFile
 
 
@@ -88,8 +90,8 @@ class GluFFN:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         g = self.gate(x)
-        g = torch.nn.functional.silu(g) if self.act == "silu" else \
-            torch.nn.functional.gelu(g, approximate="tanh")
+        g = per_token(torch.nn.functional.silu, g) if self.act == "silu" else \
+            per_token(lambda t: torch.nn.functional.gelu(t, approximate="tanh"), g)
         return self.down(g * self.up(x))
 
 
@@ -107,19 +109,36 @@ class Embedding:
         return rows.to(self.device)
 
 
+def _ffn_units(raw: np.ndarray, qtype: int, n_cols: int, lo: int, hi: int) -> np.ndarray:
+    """Columns [lo, hi) of every row of a quantized matrix (ffn_down's slice of intermediate units),
+    as a contiguous copy; lo and hi fall on block boundaries."""
+    elems, nbytes = format_of(qtype).block_elems, format_of(qtype).block_bytes
+    if lo % elems or hi % elems or n_cols % elems:
+        raise ValueError(f"split at units {lo}:{hi} is not on a {elems}-weight block boundary")
+    return np.ascontiguousarray(raw[:, lo // elems * nbytes:hi // elems * nbytes])
+
+
 class WeightBinder:
     """Binds each tensor of a GGUF to a backend, following a per-tensor device map.
 
     `tensor_devices` maps tensor names to "cpu" (quantized, mmap) or "device" (a copy on `device`:
     quantized types keep their GGUF bytes, float types become `device_dtype`); names absent from it
     go to `default`. With no GPU everything defaults to "cpu".
+
+    With an `executor` (a plan is being executed), FFN layers left on the CPU are bound as
+    `HostFFN` (their rows cross to the host and back), `split` = (layer, units) binds that layer's
+    first `units` intermediate units on the device and the rest on the CPU, and with tracing on,
+    device backends report their calls to the trace.
     """
 
     def __init__(self, gguf: GGUFFile, device: torch.device, tensor_devices: dict[str, str] | None = None,
-                 default: str = "cpu", device_dtype: torch.dtype = torch.float32):
+                 default: str = "cpu", device_dtype: torch.dtype = torch.float32,
+                 executor: Executor | None = None, split: tuple[int, int] | None = None):
         self.gguf, self.device = gguf, device
         self.tensor_devices = tensor_devices or {}
         self.default, self.device_dtype = default, device_dtype
+        self.executor, self.split = executor, split
+        self.trace = executor.trace if executor is not None else None
         self.scratch = TileScratch(device, device_dtype)    # one dequantization tile for all QuantLinears
 
     def has(self, name: str) -> bool:
@@ -140,12 +159,18 @@ class WeightBinder:
         n_in, n_out = info.shape[0], info.n_rows
         if self.where(name) == "cpu":
             return CpuQuantLinear(self.gguf.tensor_bytes(name), info.qtype, n_in, n_out, name)
-        raw = self.gguf.tensor_bytes(name)
-        if info.qtype in QUANTIZED_TYPES:
-            on_device = torch.from_numpy(raw.copy()).to(self.device)
-            return QuantLinear(on_device, info.qtype, n_in, n_out, self.device_dtype, name, self.scratch)
-        weight = torch.from_numpy(dequantize(raw, info.qtype, n_in))
-        return DeviceLinear(weight.to(self.device, self.device_dtype), name)
+        return self._device_linear(self.gguf.tensor_bytes(name), info.qtype, n_in, n_out, name)
+
+    def _device_linear(self, raw: np.ndarray, qtype: int, n_in: int, n_out: int, name: str):
+        """A copy of raw (rows, row_bytes) on the device: GGUF blocks for quantized types, floats
+        for the rest."""
+        if qtype in QUANTIZED_TYPES:
+            on_device = torch.from_numpy(np.array(raw)).to(self.device)    # a copy: the mmap is read-only
+            linear = QuantLinear(on_device, qtype, n_in, n_out, self.device_dtype, name, self.scratch)
+        else:
+            weight = torch.from_numpy(dequantize(raw, qtype, n_in))
+            linear = DeviceLinear(weight.to(self.device, self.device_dtype), name)
+        return linear if self.trace is None else TracedBackend(linear, self.trace, name)
 
     def stacked_linear(self, names: list[str]):
         """One backend for several matrices that read the same input (q, k, v), their rows stacked
@@ -160,21 +185,36 @@ class WeightBinder:
         name = "+".join(names)
         if self.where(names[0]) == "cpu":
             linear = CpuQuantLinear(raw, qtype, n_in, n_out, name)
-        elif qtype in QUANTIZED_TYPES:
-            linear = QuantLinear(torch.from_numpy(raw).to(self.device), qtype, n_in, n_out,
-                                 self.device_dtype, name, self.scratch)
         else:
-            weight = torch.from_numpy(dequantize(raw, qtype, n_in))
-            linear = DeviceLinear(weight.to(self.device, self.device_dtype), name)
+            linear = self._device_linear(raw, qtype, n_in, n_out, name)
         return linear, [i.n_rows for i in infos]
 
     def glu_ffn(self, prefix: str, act: str):
         names = [f"{prefix}.ffn_gate.weight", f"{prefix}.ffn_up.weight", f"{prefix}.ffn_down.weight"]
         places = {self.where(n) for n in names}
+        if self.split is not None and prefix == f"blk.{self.split[0]}" and places == {"cpu"}:
+            return self._split_ffn(prefix, names, act, self.split[1])
         gate, up, down = (self.linear(n) for n in names)
         if places == {"cpu"}:
-            return CpuGluFFN(gate, up, down, act)
+            ffn = CpuGluFFN(gate, up, down, act)
+            return ffn if self.executor is None else HostFFN(ffn, self.executor, prefix)
         return GluFFN(gate, up, down, act)
+
+    def _split_ffn(self, prefix: str, names: list[str], act: str, units: int) -> SplitFFN:
+        """Units [0, units) of the layer on the device, [units, n_ff) in host memory (gate and up
+        rows are plain row slices of the mmap; ffn_down's column slices are copied)."""
+        (g, u, d), raws = (self.gguf.tensors[n] for n in names), [self.gguf.tensor_bytes(n) for n in names]
+        n_embd, n_ff = g.shape[0], g.n_rows
+        dev = GluFFN(self._device_linear(raws[0][:units], g.qtype, n_embd, units, f"{names[0]}[:{units}]"),
+                     self._device_linear(raws[1][:units], u.qtype, n_embd, units, f"{names[1]}[:{units}]"),
+                     self._device_linear(_ffn_units(raws[2], d.qtype, n_ff, 0, units), d.qtype, units, n_embd,
+                                         f"{names[2]}[:, :{units}]"), act)
+        rest = n_ff - units
+        host = CpuGluFFN(CpuQuantLinear(raws[0][units:], g.qtype, n_embd, rest, f"{names[0]}[{units}:]"),
+                         CpuQuantLinear(raws[1][units:], u.qtype, n_embd, rest, f"{names[1]}[{units}:]"),
+                         CpuQuantLinear(_ffn_units(raws[2], d.qtype, n_ff, units, n_ff), d.qtype, rest, n_embd,
+                                        f"{names[2]}[:, {units}:]"), act)
+        return SplitFFN(dev, HostFFN(host, self.executor, f"{prefix} [{units}:]"), self.executor, prefix)
 
     def embedding(self, name: str) -> Embedding:
         return Embedding(self.gguf, name, self.device)

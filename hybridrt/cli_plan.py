@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -18,20 +17,9 @@ from placement import (DEFAULT_GPU_BW, SPEC_TYPES, GiB, MiB, Plan, PlanError, Pl
 from placement import plan as make_plan
 
 from .errors import UserError
+from .place import parse_size
 
 DEFAULT_VRAM = 12 * GiB
-_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "m": MiB, "mib": MiB, "g": GiB, "gib": GiB, "t": 1 << 40,
-          "tib": 1 << 40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(text: str, what: str = "size") -> int:
-    """'12GiB', '12GB' (10^9), '12000MiB', '300MiB', '1073741824' -> bytes."""
-    m = _SIZE.match(text)
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise UserError(f"bad {what} '{text}': use a number of bytes or a size like 12GiB, 12GB, 300MiB")
-    return int(float(m.group(1)) * _UNITS[unit])
 
 
 @dataclass

@@ -22,6 +22,31 @@ def read_prompt(prompt: Optional[str], file: Optional[Path]) -> str:
     return prompt
 
 
+MAX_DRAFTS = 32     # a verify batch of more than 33 tokens leaves the bit-stable small-batch kernels
+
+
+def placement_options(model_path: str, vram: Optional[str], device: str, ctx_size: Optional[int],
+                      cache_type_k: str, cache_type_v: str, spec_type: Optional[str], draft_n_max: int,
+                      model_draft: Optional[str], margin: str):
+    """The plan request of `run` / `bench`: None (everything in the mmap, the trunk on `device`)
+    unless --vram is given or the device is a GPU (then the free VRAM is the budget)."""
+    from .place import PlacementRequest, parse_size
+    from .registry import resolve_model
+
+    if vram is None and not device.startswith("cuda"):
+        return None
+    return PlacementRequest(
+        vram_bytes=None if vram in (None, "auto") else parse_size(vram, "--vram"),
+        n_ctx=ctx_size or None, cache_type_k=cache_type_k, cache_type_v=cache_type_v, spec_type=spec_type,
+        spec_draft_n_max=draft_n_max, draft_path=str(resolve_model(model_draft)) if model_draft else None,
+        margin_bytes=parse_size(margin, "--margin"))
+
+
+def check_spec_flags(draft_n_max: int) -> None:
+    if not 1 <= draft_n_max <= MAX_DRAFTS:
+        raise UserError(f"--spec-draft-n-max must be within 1..{MAX_DRAFTS}, got {draft_n_max}")
+
+
 def run(
     model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_HELP + "; default gemma3-270m"),
     prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text."),
@@ -36,31 +61,46 @@ def run(
     seed: int = typer.Option(-1, "-s", "--seed", help="RNG seed (-1: random)."),
     chat: bool = typer.Option(False, "--chat", "-cnv", help="Wrap the prompt in the model's chat template."),
     threads: Optional[int] = typer.Option(None, "-t", "--threads", help="CPU threads (torch and Numba)."),
-    device: str = typer.Option("cpu", "--device", help="Trunk device: cpu or cuda."),
-    cache_type: str = typer.Option("f32", "--cache-type-k", help="KV cache type: f32, f16, bf16."),
+    device: str = typer.Option("cpu", "--device", help="Trunk device: cpu or cuda. With cuda (or --vram) the plan is executed: trunk and the FFN layers that fit on the device, the rest from the mmap on the CPU."),
+    vram: Optional[str] = typer.Option(None, "--vram", help="VRAM budget to plan for (12GiB, 700MiB, auto = free memory of the GPU). With --device cpu the CPU stands in for the GPU."),
+    margin: str = typer.Option("512MiB", "--margin", help="Planned fixed overhead: CUDA context, allocator slack, safety."),
+    cache_type_k: str = typer.Option("f16", "-ctk", "--cache-type-k", help="KV cache type for K: f16, f32, bf16, q8_0."),
+    cache_type_v: str = typer.Option("f16", "-ctv", "--cache-type-v", help="KV cache type for V: f16, f32, bf16, q8_0."),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome/Perfetto trace (device work, CPU FFN, transfers, draft, verify) to this file."),
     display_prompt: bool = typer.Option(True, "--display-prompt/--no-display-prompt", help="Echo the prompt before the output."),
     spec_type: Optional[str] = typer.Option(None, "--spec-type", help="Speculative drafts: none, draft-mtp, draft-simple, ngram-simple (default: draft-mtp when the model has an MTP head, else none)."),
     model_draft: Optional[str] = typer.Option(None, "-md", "--model-draft", help="Draft model for --spec-type draft-simple (same vocabulary)."),
-    draft_n_max: int = typer.Option(3, "--spec-draft-n-max", "--draft-max", help="Most draft tokens per step."),
+    draft_n_max: int = typer.Option(3, "--spec-draft-n-max", "--draft-max", help=f"Most draft tokens per step (1..{MAX_DRAFTS})."),
     draft_n_min: int = typer.Option(0, "--spec-draft-n-min", "--draft-min", help="Drop proposals shorter than this."),
     draft_p_min: float = typer.Option(0.0, "--spec-draft-p-min", "--draft-p-min", help="Stop model drafting below this top-1 probability."),
     ngram_n: int = typer.Option(4, "--spec-ngram-size-n", help="ngram-simple: longest n-gram to match (tried down to 2)."),
 ):
     """Generate text from a prompt (streams tokens; timings on stderr like llama.cpp)."""
     from .generate import generate
+    from .kv_cache import cache_dtype, kv_cache_type
     from .loader import load_model
+    from .place import placement_line
     from .sampling import SamplerConfig
     from .speculative.loop import SpecConfig, speculative_generate
     from .speculative.sources import build_source, default_spec_type
 
     text = read_prompt(prompt, file)
+    if not text:
+        raise UserError("empty prompt: pass some text with -p or -f")
+    check_spec_flags(draft_n_max)
     _check_device(device)
-    m = load_model(model, device=device, threads=threads)
+    cache_type = kv_cache_type(cache_type_k, cache_type_v)
+    cache_dtype(cache_type)         # an unknown type is one line now, not after loading
+    request = placement_options(model, vram, device, ctx_size, cache_type_k, cache_type_v, spec_type,
+                                draft_n_max, model_draft, margin)
+    m = load_model(model, device=device, threads=threads, placement=request, trace=trace is not None)
+    if m.plan is not None:
+        print(placement_line(m.plan, device), file=sys.stderr)
     if chat:
         text = m.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
     ids = m.tokenize(text, add_special=True, parse_special=chat)
     if ctx_size is None:
-        ctx_size = min(4096, m.n_ctx_train)
+        ctx_size = m.plan.options.n_ctx if m.plan is not None else min(4096, m.n_ctx_train)
     if ctx_size > m.n_ctx_train:
         raise UserError(f"-c {ctx_size} is larger than the model's training context {m.n_ctx_train}")
     n_ctx = min(ctx_size, m.n_ctx_train) if ctx_size > 0 else m.n_ctx_train
@@ -68,9 +108,11 @@ def run(
         raise UserError(f"prompt is {len(ids)} tokens, the context is {n_ctx} (raise -c or shorten the prompt)")
     sampler = SamplerConfig(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     spec = SpecConfig(n_max=draft_n_max, n_min=draft_n_min, p_min=draft_p_min)
+    if m.plan is not None:
+        spec_type = m.plan.options.spec_type
     spec_type = spec_type or ("draft-simple" if model_draft else default_spec_type(m))
     draft_model = load_model(model_draft, device=device) if model_draft else None
-    session = m.session(n_ctx, cache_type, k_max=spec.k_max)
+    session = m.session(n_ctx, cache_type, k_max=spec.k_max if spec_type != "none" else 1)
     source = build_source(spec_type, session, sampler, spec, draft_model, ngram_n_max=ngram_n, cache_type=cache_type)
     if display_prompt and not chat:
         sys.stdout.write(text)
@@ -83,7 +125,8 @@ def run(
     if source is None:
         _, stats = generate(m, session, ids, n_predict, sampler, on_token=emit)
     else:
-        _, stats = speculative_generate(m, session, ids, n_predict, sampler, source, spec, on_token=emit)
+        _, stats = speculative_generate(m, session, ids, n_predict, sampler, source, spec, on_token=emit,
+                                        trace=m.executor.trace)
     sys.stdout.write(stream.flush() + "\n")
     sys.stdout.flush()
     if stats.spec is not None:
@@ -91,6 +134,9 @@ def run(
     print(f"prompt eval: {stats.n_prompt} tokens in {stats.prompt_s * 1e3:.0f} ms ({stats.prompt_tps:.1f} t/s) | "
           f"decode: {stats.n_decode} tokens in {stats.decode_s * 1e3:.0f} ms ({stats.decode_tps:.1f} t/s)",
           file=sys.stderr)
+    if trace is not None:
+        m.executor.trace.write(trace)
+        print(f"trace: {trace} (open in ui.perfetto.dev)", file=sys.stderr)
 
 
 def _check_device(device: str) -> None:

@@ -5,11 +5,16 @@ import os
 
 import torch
 
+from .errors import UserError
+
 from .backends import WeightBinder
+from .executor import Executor
 from .gguf_file import GGUFFile
 from .models import check_arch, model_class
 from .models.base import Model
+from .place import PlacementRequest, parse_size, plan_for, split_of, tensor_devices as plan_devices
 from .registry import resolve_model
+from .trace import Tracer
 
 
 def set_threads(n: int | None, trunk_on_cpu: bool = True) -> None:
@@ -30,14 +35,41 @@ def set_threads(n: int | None, trunk_on_cpu: bool = True) -> None:
 
 
 def load_model(model: str | os.PathLike | None = None, device: str = "cpu",
-               tensor_devices: dict[str, str] | None = None, threads: int | None = None) -> Model:
-    """Load a GGUF model. `tensor_devices` maps tensor names to "cpu" (quantized, mmap) or
-    "device" (dequantized onto `device`), as a placement plan decides; by default every matrix
-    stays quantized on the CPU and the trunk math runs on `device`."""
+               tensor_devices: dict[str, str] | None = None, threads: int | None = None,
+               placement: PlacementRequest | None = None, vram: int | str | None = None,
+               trace: Tracer | bool | None = None) -> Model:
+    """Load a GGUF model.
+
+    With `placement` (or just `vram`: a byte count or a size like "12GiB"), the planner decides
+    where every tensor goes and the model is bound exactly as planned: the trunk, output head and
+    the FFN layers it fits on `device`, the boundary layer split, the rest left in the mmap and run
+    by the executor's CPU worker. `model.plan` holds the plan. A device of "cpu" stands in for a GPU
+    (device backends on CPU tensors), which is how the placed path is tested without one.
+    Without either, `tensor_devices` maps tensor names to "cpu" / "device" by hand, and by default
+    every matrix stays quantized in the mmap and the trunk math runs on `device`.
+    `trace`: a Tracer (or True for a new one) that records device work, CPU FFN layers and transfers."""
     dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is available (use --device cpu)")
     set_threads(threads, trunk_on_cpu=dev.type == "cpu")
-    gguf = GGUFFile(resolve_model(model))
+    path = resolve_model(model)
+    gguf = GGUFFile(path)
     check_arch(gguf.arch, gguf.path)
+    if vram is not None and placement is None:
+        placement = PlacementRequest(vram_bytes=_size(vram))
+    tracer = Tracer(dev) if trace is True else (trace or None)
+    plan = split = None
+    if placement is not None:
+        plan = plan_for(str(path), placement, dev, int(gguf.get("context_length", 4096)))
+        tensor_devices, split = plan_devices(plan), split_of(plan)
+    executor = Executor(dev, tracer)
     dtype = torch.float32 if dev.type == "cpu" else torch.float16
-    binder = WeightBinder(gguf, dev, tensor_devices, device_dtype=dtype)
-    return model_class(gguf.arch)(gguf, binder)
+    binder = WeightBinder(gguf, dev, tensor_devices, device_dtype=dtype,
+                          executor=executor if plan is not None else None, split=split)
+    m = model_class(gguf.arch)(gguf, binder)
+    m.executor, m.plan = executor, plan
+    return m
+
+
+def _size(vram: int | str) -> int:
+    return vram if isinstance(vram, int) else parse_size(vram, "vram")

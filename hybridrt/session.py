@@ -2,24 +2,42 @@
 serves prefill, decode and k-token verify alike."""
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from typing import Literal, Protocol, Sequence
 
 import torch
 
 from .errors import UserError
-from .models.base import Model
+from .executor import Executor
+from .kv_cache import kv_cache_type
 
 PROMPT_CHUNK = 512    # prompt tokens per forward (bounds the attention scratch, like llama.cpp's n_batch)
 
 
+class Evaluable(Protocol):
+    """What a session needs of a model (models.base.Model; kept structural so that this module and
+    the model base do not import each other)."""
+    n_ctx_train: int
+    executor: object
+    plan: object
+
+    def new_state(self, n_ctx: int, cache_type: str, k_max: int): ...
+    def forward(self, state, tokens: torch.Tensor, start_pos: int) -> torch.Tensor: ...
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor: ...
+    def truncate_state(self, state, n: int) -> None: ...
+
+
 class Session:
-    def __init__(self, model: Model, n_ctx: int | None = None, cache_type: str = "f32", k_max: int = 4):
-        n_ctx = n_ctx or min(model.n_ctx_train, 4096)
+    def __init__(self, model: Evaluable, n_ctx: int | None = None, cache_type: str = "f32", k_max: int = 4):
+        plan = model.plan
+        n_ctx = n_ctx or (plan.options.n_ctx if plan is not None else min(model.n_ctx_train, 4096))
         if n_ctx > model.n_ctx_train:
             raise UserError(f"context {n_ctx} is larger than the model's training context {model.n_ctx_train}")
         if n_ctx < 1:
             raise UserError(f"context must be positive, got {n_ctx}")
+        if plan is not None:
+            _check_against_plan(plan.options, n_ctx, cache_type, k_max)
         self.model, self.n_ctx = model, n_ctx
+        self.executor = model.executor or Executor(torch.device("cpu"))   # models built without the loader
         self.k_max = k_max      # largest verify batch whose per-token state can be rolled back
         self.state = model.new_state(n_ctx, cache_type, k_max)
         self.n_past = 0
@@ -47,7 +65,7 @@ class Session:
         chunks = []
         for lo in range(0, n, PROMPT_CHUNK):
             chunk = tok[lo:lo + PROMPT_CHUNK]
-            h = self.model.forward(self.state, chunk, start + lo)
+            h = self.executor.forward(self.model, self.state, chunk, start + lo)
             self.n_past = start + lo + chunk.shape[0]
             if logits == "all":
                 chunks.append(h)
@@ -65,3 +83,16 @@ class Session:
             raise ValueError(f"cannot truncate {self.n_past} tokens to {n}")
         self.model.truncate_state(self.state, n)
         self.n_past = n
+
+
+def _check_against_plan(options, n_ctx: int, cache_type: str, k_max: int) -> None:
+    """A session of a placed model must fit what its plan reserved on the device."""
+    if n_ctx > options.n_ctx:
+        raise UserError(f"a context of {n_ctx} is more than the plan reserved ({options.n_ctx}): "
+                        f"plan with -c {n_ctx}")
+    planned = kv_cache_type(options.cache_type_k, options.cache_type_v)
+    if cache_type != planned:
+        raise UserError(f"KV cache type {cache_type} differs from the plan's {planned}")
+    if k_max > options.batch:
+        raise UserError(f"verify batches of {k_max} tokens need more than the plan reserved "
+                        f"({options.batch}): plan with --spec-draft-n-max {k_max - 1}")

@@ -9,7 +9,8 @@ from gpu_kernels.norms import rms_norm
 
 from ..backends import WeightBinder
 from ..gguf_file import GGUFFile
-from ..kv_cache import KVCache, cache_dtype
+from ..kv_cache import KVCache, cache_dtype, kv_cache_type
+from ..session import Session
 from .common import ModelState
 
 
@@ -19,6 +20,9 @@ class Model:
 
     arch = ""
     n_attention_layers: int      # KV cache layers
+    # set by the loader, never read here: who runs a step (hybridrt.executor) and the plan it follows
+    executor = None
+    plan = None
 
     def __init__(self, gguf: GGUFFile, binder: WeightBinder):
         self.gguf, self.binder, self.device = gguf, binder, binder.device
@@ -50,9 +54,14 @@ class Model:
     def detokenize(self, ids) -> str:
         return self.tokenizer.decode(list(ids))
 
-    def session(self, n_ctx: int | None = None, cache_type: str = "f32", k_max: int = 4):
-        from ..session import Session
-
+    def session(self, n_ctx: int | None = None, cache_type: str | None = None, k_max: int | None = None) -> Session:
+        """A new sequence: its own KV cache (+ recurrent state and snapshot ring). The cache type and
+        the largest verify batch default to the plan's for a placed model, else f32 and 4."""
+        planned = self.plan.options if self.plan is not None else None
+        if cache_type is None:
+            cache_type = kv_cache_type(planned.cache_type_k, planned.cache_type_v) if planned else "f32"
+        if k_max is None:
+            k_max = planned.batch if planned else 4
         return Session(self, n_ctx, cache_type, k_max)
 
     # --- state -------------------------------------------------------------------------------

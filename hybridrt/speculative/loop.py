@@ -24,6 +24,7 @@ from ..generate import GenerationStats
 from ..models.base import Model
 from ..sampling import SamplerConfig, make_generator, sample_token
 from ..session import PROMPT_CHUNK, Session
+from ..trace import Tracer, maybe_span
 from .acceptance import SampledAcceptor, Verdict, accept_greedy
 from .draft import Draft, DraftSource
 from .stats import SpecStats
@@ -67,7 +68,7 @@ def prefill(session: Session, prompt_ids: list[int], source: DraftSource | None,
 def speculative_generate(model: Model, session: Session, prompt_ids: list[int], n_predict: int,
                          sampler: SamplerConfig, source: DraftSource | None, spec: SpecConfig = SpecConfig(),
                          on_token: Callable[[int], None] | None = None, stop_ids: set[int] | None = None,
-                         gen: torch.Generator | None = None) -> tuple[list[int], GenerationStats]:
+                         gen: torch.Generator | None = None, trace: Tracer | None = None) -> tuple[list[int], GenerationStats]:
     """Generate up to n_predict tokens (< 0: until a stop token or a full context) with drafts
     from `source` (None: plain decoding through the same loop). Output and stopping rules are
     those of `generate.generate` (a true return from `on_token` stops there too); at temp 0 the
@@ -115,11 +116,13 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
             room = min(room, n_predict - len(out))
 
         t0 = time.perf_counter()
-        draft = source.propose(certain, pos, room) if source is not None and room > 0 else no_draft
+        with maybe_span(trace, "draft", "spec"):
+            draft = source.propose(certain, pos, room) if source is not None and room > 0 else no_draft
         if len(draft) < max(spec.n_min, 1):
             draft = no_draft
         t1 = time.perf_counter()
-        logits = session.eval([certain] + draft.tokens, start_pos=pos, logits="all", out=logits_buf)
+        with maybe_span(trace, f"verify {1 + len(draft)}", "spec"):
+            logits = session.eval([certain] + draft.tokens, start_pos=pos, logits="all", out=logits_buf)
         t2 = time.perf_counter()
         verdict: Verdict = accept(logits, draft)
 

@@ -1,0 +1,152 @@
+"""The executor: runs a placed model step by step, and coordinates the device with the CPU.
+
+A plan puts the trunk (attention / GDN, norms, output head, KV) and some FFN layers on the device
+and leaves the other FFN layers quantized in the mmap. The model files do not know that: each layer
+calls the FFN backend it was bound to. Those that cross to the CPU are `HostFFN` (a whole layer in
+the mmap) and `SplitFFN` (the boundary layer, part on each side). This module owns what crossing
+needs: one CPU worker thread for the Numba kernels, the pinned host buffers activations cross in,
+stream-ordered copies with events instead of device-wide synchronizes, and the trace.
+
+What overlaps (see README, "What runs at the same time"):
+  1. the split layer: its device half is queued while the worker computes its CPU half; the layer
+     costs max(device half, CPU half) + one round trip of k x n_embd floats;
+  2. transfers are queued on the device stream behind the work that produces their input; the host
+     waits on that copy's event only (earlier device work keeps running), and the copy back is queued
+     ahead of the next layer's kernels without waiting for it: the host launches layer i + 1 while the
+     device is still copying layer i's FFN output in.
+Everything else is a chain (layer i + 1 needs layer i's output), so it does not overlap.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from .trace import Tracer, maybe_span
+
+
+class Executor:
+    def __init__(self, device: torch.device | str, trace: Tracer | None = None):
+        self.device = torch.device(device)
+        self.trace = trace
+        self.cuda = self.device.type == "cuda"
+        self._worker: ThreadPoolExecutor | None = None
+        self._host: dict[str, torch.Tensor] = {}     # one pair per crossing layer: no reuse hazards
+
+    # --- the step --------------------------------------------------------------------------------
+    def forward(self, model, state, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """One forward of `tokens` at `start_pos`: prefill chunk, decode step or verify batch."""
+        with maybe_span(self.trace, f"forward {tokens.shape[0]} @ {start_pos}", "step"):
+            return model.forward(state, tokens, start_pos)
+
+    # --- the CPU side --------------------------------------------------------------------------------
+    def submit(self, fn, *args) -> Future:
+        """Run fn on the CPU worker thread (Numba kernels release the GIL, so the main thread keeps
+        launching device work meanwhile)."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="hybridrt-cpu")
+        return self._worker.submit(fn, *args)
+
+    def host_buffer(self, key: str, rows: int, cols: int) -> torch.Tensor:
+        """A [rows, cols] float32 host buffer (pinned when the device is a GPU, so copies are DMA and
+        asynchronous), kept per key and grown on demand: decode and verify reuse the same memory."""
+        buf = self._host.get(key)
+        if buf is None or buf.shape[0] < rows or buf.shape[1] != cols:
+            buf = torch.empty(max(rows, 16), cols, dtype=torch.float32, pin_memory=self.cuda)
+            self._host[key] = buf
+        return buf[:rows]
+
+    def to_host(self, x: torch.Tensor, key: str):
+        """Queue the copy of device rows x into a host buffer; returns (buffer, event to wait on)."""
+        host = self.host_buffer(key, x.shape[0], x.shape[1])
+        if not self.cuda:
+            with maybe_span(self.trace, f"to host {key}", "transfer"):
+                host.copy_(x)
+            return host, None
+        event = torch.cuda.Event()
+        if self.trace is None:
+            host.copy_(x, non_blocking=True)
+        else:
+            with self.trace.device_span(f"to host {key}", "transfer"):
+                host.copy_(x, non_blocking=True)
+        event.record()
+        return host, event
+
+    def to_device(self, host: torch.Tensor, key: str) -> torch.Tensor:
+        """Queue the copy of host rows to the device (stream-ordered before the next kernels)."""
+        if not self.cuda:
+            with maybe_span(self.trace, f"to device {key}", "transfer"):
+                return host.clone()
+        if self.trace is None:
+            return host.to(self.device, non_blocking=True)
+        with self.trace.device_span(f"to device {key}", "transfer"):
+            return host.to(self.device, non_blocking=True)
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+
+class HostFFN:
+    """A whole FFN layer left in the mmap, called from a trunk on the device: the k x n_embd rows
+    go to a pinned host buffer, the fused k-input Numba FFN runs on the worker thread (each weight
+    block read once for all k rows), and the result is queued back to the device."""
+
+    def __init__(self, ffn, executor: Executor, name: str):
+        self.ffn, self.executor, self.name = ffn, executor, name
+        self.nbytes = ffn.nbytes
+        self.n_embd = ffn.down.n_out
+
+    def start(self, x: torch.Tensor) -> Future:
+        host_in, ready = self.executor.to_host(x, f"{self.name} in")
+        return self.executor.submit(self._run, host_in, ready)
+
+    def _run(self, host_in: torch.Tensor, ready) -> torch.Tensor:
+        if ready is not None:
+            ready.synchronize()     # this copy only: the device keeps working on what follows it
+        host_out = self.executor.host_buffer(f"{self.name} out", host_in.shape[0], self.n_embd)
+        with maybe_span(self.executor.trace, f"cpu ffn {self.name}", "cpu_ffn", rows=host_in.shape[0]):
+            host_out.copy_(self.ffn(host_in))
+        return host_out
+
+    def finish(self, pending: Future) -> torch.Tensor:
+        return self.executor.to_device(pending.result(), f"{self.name} out")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.finish(self.start(x))
+
+
+class SplitFFN:
+    """The boundary FFN layer: units [0, u) on the device, [u, n_ff) in the mmap. Each half is a
+    complete gated FFN over its own units, so the layer is their sum. The CPU half starts first;
+    the device half is queued while it runs; y = device half + CPU half, in that order for every
+    batch, so a token's result does not depend on the batch size."""
+
+    def __init__(self, device_half, host_half: HostFFN, executor: Executor, name: str):
+        self.device_half, self.host_half, self.executor, self.name = device_half, host_half, executor, name
+        self.nbytes = device_half.nbytes + host_half.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        pending = self.host_half.start(x)
+        trace = self.executor.trace
+        if trace is None:
+            y = self.device_half(x)
+        else:
+            with trace.device_span(f"device ffn {self.name} (split half)"):
+                y = self.device_half(x)
+        return y + self.host_half.finish(pending)
+
+
+class TracedBackend:
+    """A device backend whose calls appear in the trace (bound only when tracing)."""
+
+    def __init__(self, inner, trace: Tracer, name: str):
+        self.inner, self.trace, self.name = inner, trace, name
+        self.nbytes = inner.nbytes
+        self.n_out = getattr(inner, "n_out", None)
+        self.n_in = getattr(inner, "n_in", None)
+
+    def __call__(self, *args, **kwargs):
+        with self.trace.device_span(self.name):
+            return self.inner(*args, **kwargs)
