@@ -3,19 +3,52 @@
 Both run token by token with the same ops per token whatever the batch size, so a token's output
 is bitwise the same in a k-token verify batch as in a lone decode step; the recurrence can write
 its state after every token into a snapshot ring for rollback.
+
+On CUDA tensors, when Triton is installed, both run as one Triton kernel per call
+(`triton_delta_net`) instead of a few torch ops per token; CPU tensors keep the torch code, the
+exact baseline of the CPU runtime. `kernel="triton"|"torch"` forces a path ("auto" picks).
 """
 from __future__ import annotations
+
+import importlib.util
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from .pointwise import per_token
 
+Kernel = Literal["auto", "triton", "torch"]
 
-def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+
+def _use_triton(kernel: Kernel, t: torch.Tensor) -> bool:
+    if kernel not in ("auto", "triton", "torch"):
+        raise ValueError(f"kernel must be 'auto', 'triton' or 'torch', not {kernel!r}")
+    if kernel == "auto":
+        return t.is_cuda and importlib.util.find_spec("triton") is not None
+    return kernel == "triton"
+
+
+def _triton_kernels():
+    # imported on first use: the CPU runtime never pays for importing Triton
+    try:
+        from . import triton_delta_net
+    except ImportError as e:
+        raise RuntimeError(f"the Triton GDN kernels need triton: pip install 'hybridrt[gpu]' ({e})") from None
+    return triton_delta_net
+
+
+def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                *, kernel: Kernel = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """x [k, C] new inputs, conv_state [K-1, C] previous inputs, weight [C, K] depthwise kernel.
     out[t, c] = sum_j xs[t + j, c] * weight[c, j] over xs = [conv_state; x], then SiLU.
-    Returns (out [k, C], full input history [K-1+k, C]) — the caller slices conv states from it."""
+    Returns (out [k, C], full input history [K-1+k, C]) — the caller slices conv states from it.
+    conv_state is not modified."""
+    if _use_triton(kernel, x):
+        history = torch.empty(conv_state.shape[0] + x.shape[0], x.shape[1],
+                              dtype=torch.promote_types(x.dtype, conv_state.dtype), device=x.device)
+        out = _triton_kernels().causal_conv_triton(x, conv_state, weight, history, update_state=False)
+        return out, history
     n, width = x.shape[0], weight.shape[1]
     xs = torch.cat((conv_state, x), dim=0)
     out = xs[0:n] * weight[:, 0]
@@ -25,13 +58,16 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor)
 
 
 def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
-               beta: torch.Tensor, state: torch.Tensor, snapshots: torch.Tensor | None = None) -> torch.Tensor:
+               beta: torch.Tensor, state: torch.Tensor, snapshots: torch.Tensor | None = None,
+               *, kernel: Kernel = "auto") -> torch.Tensor:
     """Per value head h and token t (state S[h] is d_k x d_v, float32, updated in place):
         S = exp(g) S;  u = beta (v - S^T k);  S = S + k u^T;  o = S^T q
     q, k: [n, H, d_k] (already broadcast to value heads, normalised, q scaled); v: [n, H, d_v];
     log_decay g, beta: [n, H]. `snapshots` [>= n - 1, H, d_k, d_v] receives S after each token but the last
     (the last one is the live state itself).
     Returns o [n, H, d_v]."""
+    if _use_triton(kernel, state):
+        return _triton_kernels().delta_rule_triton(q, k, v, log_decay, beta, state, snapshots)
     n = q.shape[0]
     out = torch.empty_like(v)
     for t in range(n):
