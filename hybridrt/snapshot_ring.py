@@ -37,14 +37,14 @@ class SnapshotRing:
     def can_restore(self, n_keep: int) -> bool:
         return self.batch_start is not None and self.batch_start < n_keep <= self.batch_start + self.batch_len
 
-    def restore(self, n_keep: int, conv_state: list[torch.Tensor], S: list[torch.Tensor]) -> None:
-        """Put every layer's live state back to what it was after absolute position n_keep - 1."""
+    def restore(self, n_keep: int, conv_state: torch.Tensor, S: torch.Tensor) -> None:
+        """Put every layer's live state ([layers, ...] tensors) back to what it was after absolute
+        position n_keep - 1: two device-to-device copies for all layers, no host round trip."""
         m = n_keep - self.batch_start
         if m == self.batch_len:
             return
-        for layer in range(len(S)):
-            S[layer].copy_(self.S[layer, m - 1])
-            conv_state[layer].copy_(self.conv_hist[layer, m:m + self.conv_rows])
+        S.copy_(self.S[:, m - 1])
+        conv_state.copy_(self.conv_hist[:, m:m + self.conv_rows])
         self.batch_len = m
 
     @property

@@ -31,8 +31,10 @@ from .common import Attention, AttentionSpec, ModelState, RopeSpec, rope_scale
 
 @dataclass
 class HybridState(ModelState):
-    conv: list[torch.Tensor] = None        # per GDN layer [K-1, C]
-    S: list[torch.Tensor] = None           # per GDN layer [Hv, d_k, d_v]
+    conv_all: torch.Tensor = None          # [GDN layers, K-1, C]: one tensor, so a rollback is one copy
+    S_all: torch.Tensor = None             # [GDN layers, Hv, d_k, d_v]
+    conv: list[torch.Tensor] = None        # per GDN layer views of conv_all
+    S: list[torch.Tensor] = None           # per GDN layer views of S_all
     ring: SnapshotRing = None
     mtp_kv: KVCache | None = None
 
@@ -202,10 +204,11 @@ class Qwen35(Model):
         kv = KVCache(self.n_attention_layers, n_ctx, self.n_kv, self.head_dim, self.head_dim_v,
                      cache_dtype(cache_type), dev)
         rows = s.conv_kernel - 1
+        conv_all = torch.zeros(self.n_gdn_layers, rows, s.conv_channels, device=dev)
+        S_all = torch.zeros(self.n_gdn_layers, s.n_v_heads, s.head_dim, s.head_dim, device=dev)
         state = HybridState(
-            n_ctx=n_ctx, kv=kv,
-            conv=[torch.zeros(rows, s.conv_channels, device=dev) for _ in range(self.n_gdn_layers)],
-            S=[torch.zeros(s.n_v_heads, s.head_dim, s.head_dim, device=dev) for _ in range(self.n_gdn_layers)],
+            n_ctx=n_ctx, kv=kv, conv_all=conv_all, S_all=S_all,
+            conv=list(conv_all.unbind(0)), S=list(S_all.unbind(0)),
             ring=SnapshotRing(self.n_gdn_layers, k_max, rows, s.conv_channels,
                               (s.n_v_heads, s.head_dim, s.head_dim), dev),
         )
@@ -215,15 +218,15 @@ class Qwen35(Model):
 
     def truncate_state(self, state: HybridState, n: int) -> None:
         if n == 0:
-            for t in state.conv + state.S:
-                t.zero_()
+            state.conv_all.zero_()
+            state.S_all.zero_()
             state.ring.batch_start = None
             return
         if not state.ring.can_restore(n):
             raise UserError(f"{self.arch}: cannot roll the recurrent state back to {n} tokens: only positions "
                             f"after the first token of the last verify batch (up to k_max = "
                             f"{state.ring.k_max} tokens) are kept")
-        state.ring.restore(n, state.conv, state.S)
+        state.ring.restore(n, state.conv_all, state.S_all)
 
     # --- compute --------------------------------------------------------------------------------
     def forward(self, state: HybridState, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
