@@ -1,0 +1,88 @@
+"""`hybridrt serve`: an OpenAI-compatible HTTP server (see hybridrt/server), llama-server's flags."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .errors import UserError
+
+MODEL_HELP = "GGUF path or a known name (gemma3-270m, smollm2-135m); default gemma3-270m"
+INSTALL = "python3 -m pip install 'hybridrt[serve]'"
+
+
+def _server_stack():
+    try:
+        import starlette  # noqa: F401
+        import uvicorn
+    except ImportError:
+        raise UserError(f"hybridrt serve needs Starlette and uvicorn: {INSTALL}") from None
+    return uvicorn
+
+
+def serve(
+    model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_HELP),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(8080, "--port", help="Port to listen on."),
+    ctx_size: Optional[int] = typer.Option(None, "-c", "--ctx-size", show_default=False,
+                                           help="Context per session (default: 4096 or the model's, if smaller; 0: the model's)."),
+    cache_type_k: str = typer.Option("f32", "-ctk", "--cache-type-k", help="K cache type: f32, f16, bf16, q8_0."),
+    cache_type_v: Optional[str] = typer.Option(None, "-ctv", "--cache-type-v", show_default=False,
+                                               help="V cache type (default: the K type)."),
+    parallel: int = typer.Option(1, "-np", "--parallel", help="Sessions decoding at once (each has its own KV)."),
+    max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for a session; more get 503."),
+    threads: Optional[int] = typer.Option(None, "-t", "--threads", help="CPU threads for the kernels."),
+    spec_type: Optional[str] = typer.Option(None, "--spec-type", help="Speculative drafts: none, draft-mtp, draft-simple, ngram-simple (default: draft-mtp when the model has an MTP head, else none)."),
+    model_draft: Optional[str] = typer.Option(None, "-md", "--model-draft", help="Draft model for --spec-type draft-simple (same vocabulary)."),
+    draft_n_max: int = typer.Option(3, "--spec-draft-n-max", "--draft-max", help="Most draft tokens per step."),
+    draft_n_min: int = typer.Option(0, "--spec-draft-n-min", "--draft-min", help="Drop proposals shorter than this."),
+    draft_p_min: float = typer.Option(0.0, "--spec-draft-p-min", "--draft-p-min", help="Stop model drafting below this top-1 probability."),
+    ngram_n: int = typer.Option(4, "--spec-ngram-size-n", help="ngram-simple: longest n-gram to match (tried down to 2)."),
+    log_level: str = typer.Option("info", "--log-level", help="uvicorn log level (warning: no access log)."),
+):
+    """Serve the model over HTTP with OpenAI's API (/v1/chat/completions, /v1/completions, ...)."""
+    uvicorn = _server_stack()
+    from .kv_cache import cache_dtype, kv_cache_type
+    from .loader import load_model
+    from .registry import KNOWN_MODELS, resolve_model
+    from .sampling import SamplerConfig
+    from .server import ServeConfig, SessionPool, create_app
+    from .server.metrics import Metrics
+    from .server.schemas import ModelCard
+    from .speculative.loop import SpecConfig
+    from .speculative.sources import build_source, default_spec_type
+    from .warmup import announce_and_compile
+
+    if parallel < 1 or max_queue < 0:
+        raise UserError("--parallel must be >= 1 and --max-queue >= 0")
+    if not 0 < port < 65536:
+        raise UserError(f"--port {port} is not a TCP port")
+    cache_type = kv_cache_type(cache_type_k, cache_type_v or cache_type_k)
+    cache_dtype(cache_type)                     # an unknown type fails here, before loading
+    path = resolve_model(model)
+    announce_and_compile(path)
+    m = load_model(path, threads=threads)
+    if ctx_size is not None and ctx_size > m.n_ctx_train:
+        raise UserError(f"-c {ctx_size} is larger than the model's training context {m.n_ctx_train}")
+    n_ctx = m.n_ctx_train if ctx_size == 0 else ctx_size or min(4096, m.n_ctx_train)
+    spec = SpecConfig(n_max=draft_n_max, n_min=draft_n_min, p_min=draft_p_min)
+    spec_type = spec_type or ("draft-simple" if model_draft else default_spec_type(m))
+    draft_model = load_model(model_draft, threads=threads) if model_draft else None
+    cfg = ServeConfig(n_ctx=n_ctx, cache_type=cache_type, spec_type=spec_type, spec=spec, ngram_n=ngram_n,
+                      n_parallel=parallel, max_queue=max_queue)
+    metrics = Metrics(parallel)
+    pool = SessionPool(m, cfg, metrics, draft_model)
+    # a bad speculation setup is a start-up error, not a failure of every request
+    build_source(spec_type, pool.sessions[0], SamplerConfig(), spec, draft_model, ngram_n_max=ngram_n,
+                 cache_type=cache_type)
+    names = {str(path), os.path.basename(path), Path(path).stem} | ({model} if model else set())
+    served = model if model in KNOWN_MODELS else Path(path).stem
+    card = ModelCard(id=served, aliases=frozenset(names - {served}), n_ctx=n_ctx, created=int(time.time()))
+    print(f"hybridrt serve: {served} on http://{host}:{port}/v1 · {parallel} session(s) x {n_ctx} tokens, "
+          f"KV {cache_type}, spec {spec_type}" + (f" (n_max {spec.n_max})" if spec_type != "none" else ""),
+          file=sys.stderr, flush=True)
+    uvicorn.run(create_app(m, pool, card, metrics), host=host, port=port, log_level=log_level)

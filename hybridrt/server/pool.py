@@ -1,0 +1,179 @@
+"""The decoding sessions behind the server, and the queue that shares them out.
+
+`--parallel N` sessions are made once, at start-up, each with its own KV cache (and recurrent
+state, snapshot ring); the weights are one loaded model that all of them read. Each session has
+one worker thread that takes requests from a single bounded FIFO queue, so requests are served in
+arrival order by whichever session frees up first, and no more than N ever decode at once. The
+decoding runs in those threads (the quantized kernels and torch release the GIL), so the event
+loop only moves text.
+
+A request's tokens go back to its handler through `Job`: the worker pushes events onto an asyncio
+queue via `loop.call_soon_threadsafe`. A client that goes away sets `Job.cancelled`, and the
+worker's `on_token` answers "stop" at the next token, which ends `generate` /
+`speculative_generate` there and frees the session for the next request.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import sys
+import threading
+from dataclasses import dataclass, field
+
+from ..errors import UserError
+from ..generate import generate
+from ..models.base import Model
+from ..session import Session
+from ..speculative.loop import SpecConfig, speculative_generate
+from ..speculative.sources import build_source
+from .errors import bad_request, internal, queue_full
+from .metrics import Metrics
+from .schemas import GenRequest, GenResult
+from .stops import StopScanner
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    n_ctx: int
+    cache_type: str = "f32"
+    spec_type: str = "none"
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    ngram_n: int = 4
+    n_parallel: int = 1
+    max_queue: int = 64          # requests waiting for a session; one more is answered 503
+
+
+class Job:
+    """One request on its way through the pool. Events: ("text", str), ("done", GenResult),
+    ("error", APIError)."""
+
+    def __init__(self, request: GenRequest, loop: asyncio.AbstractEventLoop):
+        self.request = request
+        self.cancelled = threading.Event()
+        self._loop = loop
+        self._events: asyncio.Queue = asyncio.Queue()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def put(self, kind: str, payload) -> None:
+        """From the worker thread."""
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, (kind, payload))
+        except RuntimeError:      # the event loop is gone (server shutting down)
+            pass
+
+    async def get(self) -> tuple[str, object]:
+        return await self._events.get()
+
+
+class SessionPool:
+    def __init__(self, model: Model, cfg: ServeConfig, metrics: Metrics, draft_model: Model | None = None):
+        self.model, self.cfg, self.metrics, self.draft_model = model, cfg, metrics, draft_model
+        self.sessions = [model.session(cfg.n_ctx, cfg.cache_type, k_max=cfg.spec.k_max)
+                         for _ in range(cfg.n_parallel)]
+        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=cfg.max_queue)
+        self._lock = threading.Lock()
+        self._in_use = 0
+        self._threads: list[threading.Thread] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._threads = [threading.Thread(target=self._work, args=(s,), name=f"hybridrt-session-{i}", daemon=True)
+                         for i, s in enumerate(self.sessions)]
+        for t in self._threads:
+            t.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Cancel what is queued and running, then end the workers."""
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel()
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join(timeout)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def in_use(self) -> int:
+        with self._lock:
+            return self._in_use
+
+    @property
+    def waiting(self) -> int:
+        return self._queue.qsize()
+
+    def submit(self, job: Job) -> None:
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            raise queue_full(self._queue.qsize()) from None
+
+    # ------------------------------------------------------------------ workers
+    def _work(self, session: Session) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            if job.cancelled.is_set():      # its client left while it waited
+                continue
+            with self._lock:
+                self._in_use += 1
+            event: tuple[str, object]
+            try:
+                event = ("done", self._run(session, job))
+            except UserError as e:
+                event = ("error", bad_request(str(e)))
+            except Exception as e:      # noqa: BLE001 - one bad request must not end the worker
+                print(f"hybridrt serve: request failed: {type(e).__name__}: {e}", file=sys.stderr)
+                event = ("error", internal(e))
+            # free the session before the client hears "done", so a client that saw its answer
+            # never sees its session still counted in use
+            with self._lock:
+                self._in_use -= 1
+            job.put(*event)
+
+    def _run(self, session: Session, job: Job) -> GenResult:
+        req, cfg, model = job.request, self.cfg, self.model
+        decoder = model.tokenizer.stream()
+        scanner = StopScanner(req.stop)
+        pieces: list[str] = []
+        n_tokens = 0
+
+        def emit(text: str) -> None:
+            if text:
+                pieces.append(text)
+                if req.stream:
+                    job.put("text", text)
+
+        def on_token(token: int) -> bool:
+            nonlocal n_tokens
+            n_tokens += 1
+            if job.cancelled.is_set():
+                return True
+            emit(scanner.push(decoder.push(token)))
+            return scanner.stopped
+
+        # a fresh draft source per request: it follows one sequence (MTP and n-gram sources
+        # allocate nothing; a draft model's source makes its own draft session)
+        source = build_source(cfg.spec_type, session, req.sampler, cfg.spec, self.draft_model,
+                              ngram_n_max=cfg.ngram_n, cache_type=cfg.cache_type)
+        ids = list(req.prompt_ids)
+        if source is None:      # as `hybridrt run`: plain decoding without a source
+            _, stats = generate(model, session, ids, req.max_tokens, req.sampler, on_token=on_token)
+        else:
+            _, stats = speculative_generate(model, session, ids, req.max_tokens, req.sampler, source,
+                                            cfg.spec, on_token=on_token)
+        if not scanner.stopped:
+            emit(scanner.push(decoder.flush()))
+            emit(scanner.flush())
+        cancelled = job.cancelled.is_set()
+        self.metrics.generation(stats, n_tokens, cancelled)
+        finish = "stop" if scanner.stopped or stats.stopped_by == "eog" else "length"
+        return GenResult("".join(pieces), finish, stats, n_tokens)
+
