@@ -12,6 +12,7 @@ from typing import Optional
 import typer
 
 from cpu_kernels.formats import UnsupportedQuantType
+from gpu_kernels.triton_support import TritonMissing
 
 from .errors import UserError
 from .gguf_file import GGUFError
@@ -103,7 +104,7 @@ def _open(path):
 def main() -> None:
     try:
         app()
-    except (UserError, GGUFError, UnsupportedQuantType) as exc:
+    except (UserError, GGUFError, UnsupportedQuantType, TritonMissing) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:

@@ -1,0 +1,83 @@
+"""`hybridrt run` executing a plan, with the CPU standing in for the device (issue 10's acceptance):
+the placement line, the same tokens as the all-mmap run, and one-line errors."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from hybridrt.place import PlacementRequest
+from tests.real_models import SMOLLM2, require
+from tests.test_cli_errors import assert_one_line_error, run_cli
+from tests.test_placed_run import budget_for
+
+PROMPT = "The capital of France is"
+
+
+def test_smollm2_700mib_plan_prints_placement_and_same_tokens():
+    model = str(require(SMOLLM2))
+    common = ["run", "-m", model, "-c", "4096", "-p", PROMPT, "--temp", "0", "-n", "24"]
+    placed = run_cli(*common, "--vram", "700MiB", "--device", "cpu")
+    plain = run_cli(*common, "--device", "cpu")
+    assert placed.returncode == 0 and plain.returncode == 0, placed.stderr + plain.stderr
+    assert "placement: offloaded 14/30 FFN layers + 768/1536 units of layer 14 to cpu" in placed.stderr
+    assert "placement:" not in plain.stderr
+    assert placed.stdout == plain.stdout and len(placed.stdout) > len(PROMPT) + 10
+
+
+def test_tiny_qwen35_mtp_plan_with_three_drafts_same_tokens(tiny_qwen35_mtp, tmp_path):
+    base = PlacementRequest(n_ctx=256, spec_type="draft-mtp", spec_draft_n_max=3)
+    vram = budget_for(tiny_qwen35_mtp, base, 3, 2.5)
+    common = ["run", "-m", str(tiny_qwen35_mtp), "-c", "256", "-p", "hello world", "--temp", "0", "-n", "20"]
+    trace = tmp_path / "t.json"
+    placed = run_cli(*common, "--vram", str(vram), "--spec-draft-n-max", "3", "--trace", str(trace))
+    plain = run_cli(*common, "--spec-type", "none")
+    assert placed.returncode == 0 and plain.returncode == 0, placed.stderr + plain.stderr
+    assert "placement: offloaded 3/8 FFN layers + 64/128 units of layer 3" in placed.stderr
+    assert "draft-mtp" in placed.stderr                     # the speculative statistics line
+    assert placed.stdout == plain.stdout
+    cats = {e.get("cat") for e in json.loads(trace.read_text())["traceEvents"]}
+    assert {"spec", "device", "cpu_ffn", "transfer", "step"} <= cats
+
+
+def test_a_plan_that_cannot_fit_is_one_line():
+    r = run_cli("run", "-m", str(require(SMOLLM2)), "-p", PROMPT, "--vram", "300MiB")
+    assert_one_line_error(r, "does not fit", "needs at least")
+
+
+def test_device_cuda_without_a_gpu_is_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    r = run_cli("run", "-m", str(require(SMOLLM2)), "-p", PROMPT, "--device", "cuda")
+    assert_one_line_error(r, "no CUDA device")
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["-p", ""], "empty prompt"),
+    (["-p", "hi", "--spec-draft-n-max", "1000"], "--spec-draft-n-max must be within 1..32"),
+    (["-p", "hi", "--vram", "lots"], "bad --vram"),
+    (["-p", "hi", "-ctk", "q4_0"], "q4_0"),
+])
+def test_bad_run_flags_are_one_line(args, fragment):
+    assert_one_line_error(run_cli("run", "-m", str(require(SMOLLM2)), *args), fragment)
+
+
+def test_triton_missing_is_one_line(monkeypatch, capsys):
+    """When a kernel needs Triton and it is not installed, main() prints how to install it."""
+    import gpu_kernels.triton_support as ts
+    from hybridrt import cli
+
+    monkeypatch.setattr(ts, "have_triton", lambda: False)
+
+    def needs_triton(*a, **k):
+        ts.require_triton("the fused quantized matvec")
+
+    monkeypatch.setattr(cli, "app", needs_triton)
+    with pytest.raises(SystemExit) as exc:
+        cli.main()
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "pip install 'hybridrt[gpu]'" in err[0]

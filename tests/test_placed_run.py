@@ -1,0 +1,151 @@
+"""The plan executed, with the CPU standing in for the device (no GPU here): tensors the plan puts on
+the GPU are bound to the device backends (QuantLinear / DeviceLinear on CPU tensors), the FFN layers
+it leaves in the mmap run on the executor's worker thread (HostFFN), and the boundary layer runs
+split (SplitFFN). The result must be the all-mmap run's: same greedy tokens, logits within 1e-4
+relative, verify batches bitwise equal to single steps, speculative parity."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from hybridrt.backends import CpuGluFFN, DeviceLinear, GluFFN
+from hybridrt.executor import HostFFN, SplitFFN
+from hybridrt.generate import generate
+from hybridrt.loader import load_model
+from hybridrt.model_profile import load_profile
+from hybridrt.place import PlacementRequest, plan_for, placement_line
+from hybridrt.sampling import SamplerConfig
+from hybridrt.speculative.loop import SpecConfig, speculative_generate
+from hybridrt.speculative.sources import build_source
+from hybridrt.trace import Tracer
+from gpu_kernels.qlinear import QuantLinear
+from tests.real_models import SMOLLM2, require
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+MiB = 1 << 20
+GREEDY = SamplerConfig(temp=0.0)
+PROMPT = "The capital of France is a city that has many famous museums, such as"
+
+
+def budget_for(path, request: PlacementRequest, whole_layers: int, extra_granules: float) -> int:
+    """A VRAM budget that fits stages 1-3, `whole_layers` FFN layers and part of the next one."""
+    roomy = plan_for(str(path), dataclasses.replace(request, vram_bytes=1 << 40), "cpu")
+    fixed = sum(line.gpu_bytes for line in roomy.lines if line.stage < 4)
+    profile = load_profile(str(path))
+    ffn = profile.ffn_layer_bytes()
+    granule = 256 if profile.n_ff % 256 == 0 else 32
+    return int(fixed + sum(ffn[i] for i in range(whole_layers)) + extra_granules * ffn[whole_layers] * granule / profile.n_ff)
+
+
+def ffn_of(model, layer: int):
+    return model.layers[layer][3]
+
+
+@pytest.fixture(scope="module")
+def smollm2_placed():
+    """SmolLM2 with the issue's budget: 14 of 30 FFN layers on the device, layer 14 split."""
+    return load_model(require(SMOLLM2), placement=PlacementRequest(vram_bytes=700 * MiB, n_ctx=4096))
+
+
+@pytest.fixture(scope="module")
+def smollm2_mmap():
+    return load_model(require(SMOLLM2))
+
+
+def test_smollm2_binds_exactly_what_the_plan_says(smollm2_placed):
+    m, plan = smollm2_placed, smollm2_placed.plan
+    assert plan.ffn_gpu_layers == list(range(14)) and plan.ffn_split.layer == 14
+    for layer in range(30):
+        ffn = ffn_of(m, layer)
+        if layer in plan.ffn_gpu_layers:
+            assert isinstance(ffn, GluFFN) and all(isinstance(w, QuantLinear) for w in (ffn.gate, ffn.up, ffn.down))
+        elif layer == plan.ffn_split.layer:
+            assert isinstance(ffn, SplitFFN)
+            assert ffn.device_half.gate.n_out == plan.ffn_split.gpu_units
+            assert ffn.host_half.ffn.gate.n_out == 1536 - plan.ffn_split.gpu_units
+        else:
+            assert isinstance(ffn, HostFFN) and isinstance(ffn.ffn, CpuGluFFN)
+    attn = m.layers[0][1]
+    assert isinstance(attn.wqkv, QuantLinear) and isinstance(m.output, QuantLinear)
+    line = placement_line(plan, "cpu")
+    assert "offloaded 14/30 FFN layers + 768/1536 units of layer 14" in line
+
+
+def test_smollm2_placed_greedy_tokens_equal_the_mmap_run(smollm2_placed, smollm2_mmap):
+    ids = smollm2_mmap.tokenize(PROMPT)
+    ref, _ = generate(smollm2_mmap, smollm2_mmap.session(512, "f16"), ids, 32, GREEDY)
+    got, _ = generate(smollm2_placed, smollm2_placed.session(512), ids, 32, GREEDY)
+    assert got == ref
+
+
+def test_smollm2_placed_logits_within_1e4(smollm2_mmap):
+    """With an f32 cache (an f16 cache rounds K/V, which turns 1e-7 matvec differences into
+    1e-3 jumps of single elements), the placed logits are the mmap ones to float32 reordering."""
+    req = PlacementRequest(vram_bytes=790 * MiB, n_ctx=4096, cache_type_k="f32", cache_type_v="f32")
+    placed = load_model(require(SMOLLM2), placement=req)
+    assert len(placed.plan.ffn_gpu_layers) >= 10 and placed.plan.ffn_cpu_layers
+    ids = smollm2_mmap.tokenize(PROMPT)
+    ref = smollm2_mmap.session(512, "f32").eval(ids).double()
+    got = placed.session(512).eval(ids).double()
+    rel = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+    assert rel <= 1e-4, rel
+
+
+def test_placed_verify_batch_is_bitwise_single_steps(smollm2_placed):
+    ids = smollm2_placed.tokenize(PROMPT)
+    batch = smollm2_placed.session(512)
+    batch.eval(ids[:-4])
+    together = batch.eval(ids[-4:])
+    single = smollm2_placed.session(512)
+    single.eval(ids[:-4])
+    alone = torch.cat([single.eval([t]) for t in ids[-4:]])
+    assert torch.equal(together, alone)
+
+
+def test_tiny_qwen35_mtp_placed_speculative_parity(tiny_qwen35_mtp):
+    """A tiny qwen35 + MTP file placed with draft-mtp N = 3: some FFN layers on the device, one
+    split, the rest on the worker; speculative greedy output equals the all-mmap plain run."""
+    base = PlacementRequest(n_ctx=256, cache_type_k="f32", cache_type_v="f32", spec_type="draft-mtp",
+                            spec_draft_n_max=3)
+    req = dataclasses.replace(base, vram_bytes=budget_for(tiny_qwen35_mtp, base, 3, 2.5))
+    placed = load_model(tiny_qwen35_mtp, placement=req)
+    plan = placed.plan
+    assert plan.ffn_gpu_layers == [0, 1, 2] and plan.ffn_split.layer == 3 and plan.ffn_split.gpu_units == 64
+    assert isinstance(ffn_of(placed, 3), SplitFFN) and isinstance(ffn_of(placed, 5), HostFFN)
+    assert isinstance(placed.mtp.eh_proj, DeviceLinear)          # draft weights are reserved first
+    plain = load_model(tiny_qwen35_mtp)
+    prompt = [1, 5, 9, 2, 7, 3, 8, 4]
+    ref, _ = generate(plain, plain.session(256, "f32"), prompt, 24, GREEDY, stop_ids=set())
+    spec = SpecConfig(n_max=3)
+    session = placed.session(256)
+    source = build_source("draft-mtp", session, GREEDY, spec, None)
+    got, stats = speculative_generate(placed, session, prompt, 24, GREEDY, source, spec, stop_ids=set())
+    assert got == ref and stats.spec.steps > 0
+
+
+def test_trace_is_chrome_json_and_the_split_halves_overlap(tmp_path):
+    """The split layer's CPU half (worker thread) and device half (queued by the main thread) run at
+    the same time: in the trace their spans intersect."""
+    tracer = Tracer("cpu")
+    m = load_model(require(SMOLLM2), placement=PlacementRequest(vram_bytes=700 * MiB, n_ctx=4096), trace=tracer)
+    ids = m.tokenize(PROMPT * 4)       # a 60+ token batch: both halves take milliseconds
+    s = m.session(512)
+    for _ in range(3):
+        s.eval(ids, start_pos=0, logits="last")
+    path = tmp_path / "trace.json"
+    tracer.write(path)
+    doc = json.loads(path.read_text())
+    events = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert {e["cat"] for e in events} >= {"step", "device", "cpu_ffn", "transfer"}
+    assert all(isinstance(e["ts"], float) and e["dur"] >= 0 and e["pid"] == 1 for e in events)
+    assert any(e["ph"] == "M" and e["name"] == "thread_name" for e in doc["traceEvents"])
+    layer = m.plan.ffn_split.layer
+    cpu = [e for e in events if e["cat"] == "cpu_ffn" and e["name"].startswith(f"cpu ffn blk.{layer} [")]
+    dev = [e for e in events if e["cat"] == "device" and e["name"] == f"device ffn blk.{layer} (split half)"]
+    assert len(cpu) == len(dev) == 3
+    overlaps = [min(c["ts"] + c["dur"], d["ts"] + d["dur"]) - max(c["ts"], d["ts"]) for c, d in zip(cpu, dev)]
+    assert max(overlaps) > 0, overlaps
