@@ -1,11 +1,14 @@
 """`hybridrt bench`: prompt-processing and decode speed, and the weight bandwidth decode achieves."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
+
+import sys
 
 import typer
 
@@ -24,6 +27,10 @@ class BenchResult:
     tg_tps: float
     weight_bytes_per_token: int
     weight_gbps: float
+    measured_tps: float          # = tg_tps
+    predicted_tps: float         # the plan's bandwidth model (all-mmap: CPU bytes per token / bandwidth)
+    prediction: str              # where predicted_tps comes from
+    placement: dict | None       # the executed plan's summary (None: everything in the mmap)
 
 
 def bench_plain(m, n_prompt: int, n_gen: int, reps: int, seed: int = 0) -> tuple[float, float]:
@@ -38,7 +45,7 @@ def bench_plain(m, n_prompt: int, n_gen: int, reps: int, seed: int = 0) -> tuple
     prompt = torch.randint(1000, m.n_vocab - 1000, (n_prompt,), generator=gen).tolist()
     best_pp = best_tg = 0.0
     for _ in range(reps):
-        session = m.session(n_prompt + n_gen + 8)
+        session = m.session(None if m.plan is not None else n_prompt + n_gen + 8)
         _, stats = generate(m, session, prompt, n_gen, SamplerConfig(temp=0.0), stop_ids=set())
         best_pp, best_tg = max(best_pp, stats.prompt_tps), max(best_tg, stats.decode_tps)
     return best_pp, best_tg
@@ -58,6 +65,32 @@ class SpecBenchResult:
     speedup: float
     identical: bool           # greedy: the speculative tokens equal the plain ones
     spec: dict
+    measured_tps: float = 0.0    # = spec_tps
+    predicted_tps: float | None = None
+    prediction: str = ""
+    placement: dict | None = None
+
+
+def predicted_speed(m, cpu_bw: float, speculative: bool = False) -> tuple[float | None, str]:
+    """The speed the planner predicts for what is loaded: the executed plan's model, or for an
+    all-mmap model every weight byte of a step read at the CPU's bandwidth."""
+    if m.plan is not None:
+        s = m.plan.speed
+        tps = s.spec_tok_s if speculative else s.plain_tok_s
+        return tps, f"plan: GPU {s.gpu_bw / 1e9:.0f} GB/s, CPU {s.cpu_bw / 1e9:.1f} GB/s" + (
+            f", acceptance {s.accept_rate:g}" if speculative else "")
+    if speculative:
+        return None, "no plan: speculative speed depends on acceptance"
+    return cpu_bw / m.weight_bytes_per_token, f"all weights from the mmap at {cpu_bw / 1e9:.1f} GB/s"
+
+
+def placement_summary(plan) -> dict | None:
+    if plan is None:
+        return None
+    return {"ffn_gpu_layers": plan.ffn_gpu_layers, "ffn_cpu_layers": plan.ffn_cpu_layers,
+            "ffn_split": dataclasses.asdict(plan.ffn_split) if plan.ffn_split else None,
+            "gpu_bytes": plan.gpu_bytes, "budget_bytes": plan.options.vram_bytes,
+            "spec_type": plan.options.spec_type, "n_draft": plan.options.n_draft}
 
 
 def bench_speculative(m, prompt_ids: list[int], n_gen: int, reps: int, spec_type: str, n_max: int,
@@ -71,7 +104,7 @@ def bench_speculative(m, prompt_ids: list[int], n_gen: int, reps: int, spec_type
 
     greedy = SamplerConfig(temp=0.0)
     spec = SpecConfig(n_max=n_max)
-    n_ctx = len(prompt_ids) + n_gen + n_max + 8
+    n_ctx = None if m.plan is not None else len(prompt_ids) + n_gen + n_max + 8
     best_plain = best_spec = 0.0
     ref: list[int] = []
     spec_stats = None
@@ -107,40 +140,75 @@ def bench(
     prompt_file: Optional[Path] = typer.Option(None, "-f", "--file", help="Speculative bench: prompt text file."),
     spec_prompt: str = typer.Option("echo", "--spec-prompt", help="Speculative bench built-in prompt: echo (lookup pays) or adversarial (it cannot); 'random' uses -p random tokens."),
     spec_force: str = typer.Option("none", "--spec-force", help="Replace drafts by the target's own continuation (accept) or wrong tokens (reject) to measure step cost vs k."),
+    device: str = typer.Option("cpu", "--device", help="Trunk device: cpu or cuda (cuda, or --vram, executes the plan)."),
+    vram: Optional[str] = typer.Option(None, "--vram", help="VRAM budget to plan for and execute (12GiB, 700MiB, auto)."),
+    ctx_size: Optional[int] = typer.Option(None, "-c", "--ctx-size", help="Context the plan reserves (default 4096 or the model's)."),
+    margin: str = typer.Option("512MiB", "--margin", help="Planned fixed overhead."),
+    cache_type_k: str = typer.Option("f16", "-ctk", "--cache-type-k", help="KV cache type for K (planned runs)."),
+    cache_type_v: str = typer.Option("f16", "-ctv", "--cache-type-v", help="KV cache type for V (planned runs)."),
+    cpu_bw: Optional[float] = typer.Option(None, "--cpu-bw", help="CPU memory bandwidth in GB/s for the prediction (default: measured)."),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome/Perfetto trace of the bench to this file."),
 ):
-    """Prompt and decode tokens/s, plus achieved weight bandwidth (bytes per token x tokens/s).
-    With --spec-type: plain and speculative decoding of the same prompt, and their speed ratio."""
+    """Prompt and decode tokens/s, plus achieved weight bandwidth (bytes per token x tokens/s) and the
+    planner's predicted speed. With --spec-type: plain and speculative decoding of the same prompt,
+    and their speed ratio. With --vram or --device cuda the plan is executed."""
     import numba
 
-    from .loader import load_model
+    from placement import measure_cpu_bandwidth
 
-    m = load_model(model, threads=threads)
-    if spec_type is not None:
-        _bench_spec(m, spec_type, draft_n_max, model_draft, prompt_file, spec_prompt, spec_force, n_prompt, n_gen,
-                    reps, as_json)
-        return
+    from .cli_run import _check_device, check_spec_flags, placement_options
+    from .loader import load_model
+    from .place import placement_line
+
+    _check_device(device)
+    check_spec_flags(draft_n_max)
+    cbw = cpu_bw * 1e9 if cpu_bw else measure_cpu_bandwidth()
+    request = placement_options(model, vram, device, ctx_size, cache_type_k, cache_type_v,
+                                spec_type or "none", draft_n_max, model_draft, margin)
+    if request is not None:
+        request = dataclasses.replace(request, cpu_bw=cbw)
+    m = load_model(model, device=device, threads=threads, placement=request, trace=trace is not None)
+    if m.plan is not None:
+        print(placement_line(m.plan, device), file=sys.stderr)
+    try:
+        if spec_type is not None:
+            _bench_spec(m, spec_type, draft_n_max, model_draft, prompt_file, spec_prompt, spec_force, n_prompt,
+                        n_gen, reps, as_json, cbw)
+        else:
+            _bench_plain(m, n_prompt, n_gen, reps, as_json, cbw, numba.get_num_threads())
+    finally:
+        if trace is not None:
+            m.executor.trace.write(trace)
+
+
+def _bench_plain(m, n_prompt: int, n_gen: int, reps: int, as_json: bool, cpu_bw: float, threads: int) -> None:
     # one short warm-up so JIT compilation and page faults are not timed
     warm = m.session(16)
     warm.eval([1, 2, 3, 4], logits="last")
     t0 = time.perf_counter()
     pp, tg = bench_plain(m, n_prompt, n_gen, reps)
-    result = BenchResult(model=m.gguf.path, n_prompt=n_prompt, n_gen=n_gen, threads=numba.get_num_threads(),
+    predicted, source = predicted_speed(m, cpu_bw)
+    result = BenchResult(model=m.gguf.path, n_prompt=n_prompt, n_gen=n_gen, threads=threads,
                          pp_tps=pp, tg_tps=tg, weight_bytes_per_token=m.weight_bytes_per_token,
-                         weight_gbps=m.weight_bytes_per_token * tg / 1e9)
+                         weight_gbps=m.weight_bytes_per_token * tg / 1e9, measured_tps=tg,
+                         predicted_tps=predicted, prediction=source, placement=placement_summary(m.plan))
     if as_json:
         print(json.dumps(asdict(result), indent=2))
         return
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("model", "threads", "test", "t/s", "weights GB/s", title=f"hybridrt bench ({time.perf_counter() - t0:.0f} s)")
+    table = Table("model", "threads", "test", "t/s", "weights GB/s", "predicted t/s",
+                  title=f"hybridrt bench ({time.perf_counter() - t0:.0f} s)")
     name = m.gguf.path.rsplit("/", 1)[-1]
-    table.add_row(name, str(result.threads), f"pp{n_prompt}", f"{pp:.1f}", "")
-    table.add_row(name, str(result.threads), f"tg{n_gen}", f"{tg:.1f}", f"{result.weight_gbps:.1f}")
+    table.add_row(name, str(result.threads), f"pp{n_prompt}", f"{pp:.1f}", "", "")
+    table.add_row(name, str(result.threads), f"tg{n_gen}", f"{tg:.1f}", f"{result.weight_gbps:.1f}", f"{predicted:.1f}")
     Console().print(table)
+    print(f"prediction: {source}")
 
 
-def _bench_spec(m, spec_type, n_max, model_draft, prompt_file, spec_prompt, force, n_prompt, n_gen, reps, as_json):
+def _bench_spec(m, spec_type, n_max, model_draft, prompt_file, spec_prompt, force, n_prompt, n_gen, reps, as_json,
+                cpu_bw):
     import torch
 
     from .cli_run import read_prompt
@@ -163,6 +231,9 @@ def _bench_spec(m, spec_type, n_max, model_draft, prompt_file, spec_prompt, forc
     warm.eval([1, 2], logits="last")
     warm.eval(list(range(3, 3 + n_max + 1)), logits="all")
     r = bench_speculative(m, ids, n_gen, reps, spec_type, n_max, draft, force, name)
+    r.measured_tps = r.spec_tps
+    r.predicted_tps, r.prediction = predicted_speed(m, cpu_bw, speculative=True)
+    r.placement = placement_summary(m.plan)
     if as_json:
         print(json.dumps(asdict(r), indent=2))
         return

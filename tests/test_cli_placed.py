@@ -81,3 +81,16 @@ def test_triton_missing_is_one_line(monkeypatch, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "pip install 'hybridrt[gpu]'" in err[0]
+
+
+def test_bench_json_has_predicted_and_measured_speed():
+    r = run_cli("bench", "-m", str(require(SMOLLM2)), "--vram", "700MiB", "-p", "8", "-n", "4", "-r", "1",
+                "--json", "--cpu-bw", "20")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["measured_tps"] == d["tg_tps"] > 0 and d["predicted_tps"] > 0
+    assert d["prediction"].startswith("plan:") and d["placement"]["ffn_split"]["gpu_units"] == 768
+    assert "placement: offloaded 14/30" in r.stderr
+    plain = json.loads(run_cli("bench", "-m", str(require(SMOLLM2)), "-p", "8", "-n", "4", "-r", "1", "--json",
+                               "--cpu-bw", "20").stdout)
+    assert plain["placement"] is None and plain["predicted_tps"] == pytest.approx(20e9 / plain["weight_bytes_per_token"])
