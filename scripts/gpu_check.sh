@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# The GPU check: run this first on any machine with a CUDA GPU, and record what it prints in
+# BENCHMARKS.md ("GPU check" section) with the date and the card.
+#
+#   bash scripts/gpu_check.sh [OUTDIR]          # default OUTDIR: $OUT if set, else .out/gpu_check
+#
+# It runs, each step on its own (a failing step is reported and the next one still runs):
+#   1. the card: nvidia-smi, torch/triton versions, device-to-device copy bandwidth;
+#   2. the `cuda` tests (Triton kernels compiled for the card: exactness, bit identity across k);
+#   3. the kernel benches: fused dequantize-dot vs torch dequantize+matmul at the 27B FFN shapes
+#      (scripts/bench_gpu_kernels.py), the Gated DeltaNet step (scripts/bench_gpu_delta_net.py);
+#   4. the plan path end to end (`hybridrt bench --device cuda --vram ...`): SmolLM2 and Gemma 3
+#      (the real files if pulled, else random-weight files of their exact shapes and types), and a
+#      qwen35 + MTP file, each at budgets that put everything / about half / nothing of the FFN on
+#      the GPU; measured vs predicted t/s from --json.
+#
+# On the lent machines (see the device tool's README): nothing can be downloaded there, so carry
+# the gguf wheel:  python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#   --implementation cp --platform manylinux_2_17_x86_64 -d .whl gguf   (pure Python: any platform)
+# and run:  bash scripts/gpu_check.sh   with carry [".whl"]. The script installs .whl/*.whl into
+# /tmp/site when present and puts the checkout on PYTHONPATH (no pip install of hybridrt needed).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUTDIR=${1:-${OUT:-.out/gpu_check}}
+mkdir -p "$OUTDIR"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$ROOT:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1
+HYBRIDRT=(python3 -c "from hybridrt.cli import main; main()")
+FAILED=()
+
+step() {   # step NAME COMMAND...: run, log to OUTDIR/NAME.log, remember failures
+  local name=$1; shift
+  echo "=== $name: $*"
+  if "$@" 2>&1 | tee "$OUTDIR/$name.log"; then :; else FAILED+=("$name"); fi
+}
+
+card() {
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.memory --format=csv || true
+  python3 - <<'EOF'
+import torch, triton
+p = torch.cuda.get_device_properties(0)
+print(f"torch {torch.__version__}, triton {triton.__version__}, {p.name}, {p.multi_processor_count} SMs, "
+      f"{p.total_memory / 2**30:.1f} GiB")
+n = 1 << 30
+a = torch.empty(n, dtype=torch.uint8, device="cuda"); b = torch.empty_like(a)
+for _ in range(3):
+    b.copy_(a)
+torch.cuda.synchronize()
+start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+start.record()
+for _ in range(10):
+    b.copy_(a)
+end.record(); torch.cuda.synchronize()
+s = start.elapsed_time(end) / 1e3 / 10
+print(f"device-to-device copy: {2 * n / s / 1e9:.0f} GB/s (read + write)")
+EOF
+}
+
+models() {   # real models when pulled, else random-weight stand-ins of the same shapes
+  mkdir -p "$OUTDIR/models"
+  python3 - "$OUTDIR/models" <<'EOF'
+import sys
+from pathlib import Path
+sys.path.insert(0, "scripts")
+import make_model
+from hybridrt.registry import model_path
+out = Path(sys.argv[1])
+shapes = {
+    "smollm2-135m": ("llama", "q8_0", dict(n_embd=576, n_layer=30, n_ff=1536, n_head=9, n_head_kv=3,
+                                            head_dim=64, n_rot=64, n_vocab=49152)),
+    "gemma3-270m": ("gemma3", "q4_k_m", dict(n_embd=640, n_layer=18, n_ff=2048, n_head=4, n_head_kv=1,
+                                             head_dim=256, n_rot=256, n_vocab=65536)),
+}
+for name, (arch, mix, dims) in shapes.items():
+    real = model_path(name)
+    path = real if real.exists() else out / f"{name}-shaped-random.gguf"
+    if not path.exists():
+        make_model.write_model(path, arch, mix=mix, seed=0, dims=dims)
+    (out / f"{name}.path").write_text(str(path))
+    print(name, "->", path)
+q = out / "qwen35-mtp-1b-q4_k_m.gguf"
+if not q.exists():
+    make_model.write_model(q, "qwen35", mtp=True, mix="q4_k_m", seed=0,
+                           dims=dict(n_embd=2048, n_layer=16, n_ff=6144, n_head=8, n_head_kv=2, head_dim=256,
+                                     n_rot=64, ssm_head_dim=128, ssm_k_heads=8, ssm_v_heads=16, n_vocab=32768))
+(out / "qwen35-mtp.path").write_text(str(q))
+print("qwen35-mtp ->", q)
+EOF
+}
+
+plan_bench() {   # plan_bench NAME EXTRA...: bench at three budgets, all / about half / none of the FFN
+  local name=$1; shift
+  local model; model=$(cat "$OUTDIR/models/$name.path")
+  for frac in 1.0 0.5 0.0; do
+    local vram
+    vram=$(python3 scripts/gpu_check_budget.py "$model" "$frac" "$@") || return 1
+    echo "--- $name, FFN fraction $frac: --vram $vram"
+    "${HYBRIDRT[@]}" bench -m "$model" --device cuda --vram "$vram" -p 128 -n 64 -r 2 --json "$@" \
+      > "$OUTDIR/bench-$name-$frac.json" || return 1
+    python3 - "$OUTDIR/bench-$name-$frac.json" <<'EOF'
+import json, sys
+d = json.load(open(sys.argv[1]))
+p = d.get("placement") or {}
+print(f"  measured {d['measured_tps']:.1f} t/s, predicted {d['predicted_tps'] or 0:.1f} t/s "
+      f"({d['prediction']}); FFN on GPU {len(p.get('ffn_gpu_layers', []))}, on CPU {len(p.get('ffn_cpu_layers', []))}")
+EOF
+  done
+}
+
+step card card
+step cuda_tests python3 -m pytest -q -m cuda tests
+step bench_gpu_kernels python3 scripts/bench_gpu_kernels.py --json --out "$OUTDIR/kernels.json"
+step bench_gpu_delta_net python3 scripts/bench_gpu_delta_net.py
+step models models
+step plan_smollm2 plan_bench smollm2-135m
+step plan_gemma3 plan_bench gemma3-270m
+step plan_qwen35_mtp plan_bench qwen35-mtp --spec-type draft-mtp --spec-draft-n-max 3
+step trace "${HYBRIDRT[@]}" run -m "$(cat "$OUTDIR/models/smollm2-135m.path")" --device cuda \
+  --vram "$(python3 scripts/gpu_check_budget.py "$(cat "$OUTDIR/models/smollm2-135m.path")" 0.5)" \
+  -p "The capital of France is" -n 32 --temp 0 --trace "$OUTDIR/trace-smollm2.json"
+
+if [ ${#FAILED[@]} -eq 0 ]; then
+  echo "gpu_check: every step passed; logs in $OUTDIR"
+else
+  echo "gpu_check: FAILED steps: ${FAILED[*]}; logs in $OUTDIR"
+  exit 1
+fi

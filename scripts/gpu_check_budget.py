@@ -1,0 +1,27 @@
+"""A --vram budget that puts a fraction of a model's FFN bytes on the GPU (after everything the
+plan reserves first), for scripts/gpu_check.sh:  python scripts/gpu_check_budget.py MODEL FRACTION
+[--spec-type T --spec-draft-n-max N]. Prints the budget in bytes."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from hybridrt.place import PlacementRequest, plan_for
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("fraction", type=float)
+    ap.add_argument("--spec-type", default="none")
+    ap.add_argument("--spec-draft-n-max", type=int, default=3)
+    args, _ = ap.parse_known_args()
+    request = PlacementRequest(vram_bytes=1 << 50, spec_type=args.spec_type, spec_draft_n_max=args.spec_draft_n_max)
+    roomy = plan_for(args.model, request, "cpu")
+    fixed = sum(line.gpu_bytes for line in roomy.lines if line.stage < 4)
+    ffn = roomy.line("ffn").gpu_bytes + roomy.line("ffn").cpu_bytes
+    print(int(fixed + args.fraction * ffn) + (1 << 20) * (args.fraction == 1.0))
+
+
+if __name__ == "__main__":
+    main()
