@@ -79,7 +79,8 @@ def run(
     from .generate import generate
     from .kv_cache import cache_dtype, kv_cache_type
     from .loader import load_model
-    from .place import placement_line
+    from .place import draft_devices, placement_line
+    from .registry import resolve_model
     from .sampling import SamplerConfig
     from .speculative.loop import SpecConfig, speculative_generate
     from .speculative.sources import build_source, default_spec_type
@@ -111,7 +112,8 @@ def run(
     if m.plan is not None:
         spec_type = m.plan.options.spec_type
     spec_type = spec_type or ("draft-simple" if model_draft else default_spec_type(m))
-    draft_model = load_model(model_draft, device=device) if model_draft else None
+    draft_model = load_model(model_draft, device=device, tensor_devices=draft_devices(m.plan, str(resolve_model(model_draft)))) \
+        if model_draft else None
     session = m.session(n_ctx, cache_type, k_max=spec.k_max if spec_type != "none" else 1)
     source = build_source(spec_type, session, sampler, spec, draft_model, ngram_n_max=ngram_n, cache_type=cache_type)
     if display_prompt and not chat:

@@ -87,6 +87,16 @@ def tensor_devices(plan: Plan) -> dict[str, str]:
     return {name: "device" if where == "gpu" else "cpu" for name, where in plan.tensor_device.items()}
 
 
+def draft_devices(plan: Plan | None, draft_path: str) -> dict[str, str] | None:
+    """A draft-simple model is planned whole on the device (its weights, KV and scratch are stage 2
+    reservations), so every one of its tensors goes there."""
+    if plan is None or plan.options.spec_type != "draft-simple":
+        return None
+    from .gguf_file import GGUFFile
+
+    return {name: "device" for name in GGUFFile(draft_path).tensors}
+
+
 def split_of(plan: Plan) -> tuple[int, int] | None:
     s = plan.ffn_split
     return (s.layer, s.gpu_units) if s is not None else None

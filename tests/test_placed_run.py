@@ -149,3 +149,39 @@ def test_trace_is_chrome_json_and_the_split_halves_overlap(tmp_path):
     assert len(cpu) == len(dev) == 3
     overlaps = [min(c["ts"] + c["dur"], d["ts"] + d["dur"]) - max(c["ts"], d["ts"]) for c, d in zip(cpu, dev)]
     assert max(overlaps) > 0, overlaps
+
+
+# --- on a real GPU (scripts/gpu_check.sh runs these) ----------------------------------------------
+
+@pytest.mark.cuda
+def test_cuda_placed_smollm2_agrees_with_the_mmap_run(smollm2_mmap):
+    """Device weights in float16 / fused kernels: teacher-forced top-1 agrees with the CPU run."""
+    placed = load_model(require(SMOLLM2), device="cuda", placement=PlacementRequest(vram_bytes=700 * MiB, n_ctx=4096))
+    assert placed.plan.ffn_split is not None
+    ids = smollm2_mmap.tokenize(PROMPT * 8)
+    ref = smollm2_mmap.session(1024, "f16").eval(ids)
+    got = placed.session(1024).eval(ids).cpu()
+    agree = (ref.argmax(-1) == got.argmax(-1)).double().mean().item()
+    assert agree >= 0.95, agree
+
+
+@pytest.mark.cuda
+def test_cuda_placed_verify_batch_bitwise_and_speculative_parity(tiny_qwen35_mtp):
+    base = PlacementRequest(n_ctx=256, cache_type_k="f32", cache_type_v="f32", spec_type="draft-mtp",
+                            spec_draft_n_max=3)
+    req = dataclasses.replace(base, vram_bytes=budget_for(tiny_qwen35_mtp, base, 3, 2.5))
+    placed = load_model(tiny_qwen35_mtp, device="cuda", placement=req)
+    prompt = [1, 5, 9, 2, 7, 3, 8, 4]
+    a = placed.session(256)
+    a.eval(prompt)
+    together = a.eval([6, 2, 9, 4])
+    b = placed.session(256)
+    b.eval(prompt)
+    alone = torch.cat([b.eval([t]) for t in (6, 2, 9, 4)])
+    assert torch.equal(together, alone)
+    ref, _ = generate(placed, placed.session(256), prompt, 24, GREEDY, stop_ids=set())
+    spec = SpecConfig(n_max=3)
+    session = placed.session(256)
+    source = build_source("draft-mtp", session, GREEDY, spec, None)
+    got, _ = speculative_generate(placed, session, prompt, 24, GREEDY, source, spec, stop_ids=set())
+    assert got == ref
