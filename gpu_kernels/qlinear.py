@@ -9,16 +9,34 @@ the linears of a device and compute dtype, so the whole model adds a single tile
 Bit stability: batches of up to ROWWISE_MAX rows run one GEMV per row and tile, the same ops on the
 same shapes whatever the batch size, so a token's output is bitwise the same alone or in a verify
 batch. Larger batches (prompts) use one GEMM per tile.
+
+On a CUDA device the small batches take the fused Triton kernel instead (triton_matvec.py: decode
+and dot in one launch, W read once for up to 16 tokens), when Triton is installed and the type has
+a kernel. It is bit-stable in the same sense, and batches of 17..ROWWISE_MAX rows run it 16 rows
+at a time, so every verify batch gives each token the bits it gets alone. It computes in float32
+whatever the compute dtype. `kernel="triton"` forces it for every batch (tests run it on CPU tensors
+under TRITON_INTERPRET=1); `kernel="torch"` keeps the tile path everywhere.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
 from .attention import ROWWISE_MAX
 from .quant import QUANTIZED_TYPES, dequantize_torch, row_bytes, type_name
+from .triton_matvec import CHUNK, K_MAX, TRITON_MATVEC_TYPES, matvec_triton
+from .triton_support import have_triton, require_triton
+
+KERNELS = ("auto", "triton", "torch")
 
 TILE_ELEMS = 1 << 22    # weights per dequantized tile: 8 MiB in float16, ~820 rows of a 5120-wide matrix
 # (large enough to keep a GPU GEMV busy, small enough that the planner's budget barely notices it)
+
+
+def fused_kernel_fits(qtype: int, n_in: int) -> bool:
+    """Whether the fused Triton matvec has a kernel for this type and row length."""
+    return int(qtype) in TRITON_MATVEC_TYPES and n_in % CHUNK == 0
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -55,13 +73,24 @@ class TileScratch:
 
 
 class QuantLinear:
-    """A [n_out, n_in] weight held on its device as raw GGUF rows (uint8 [n_out, row_bytes])."""
+    """A [n_out, n_in] weight held on its device as raw GGUF rows (uint8 [n_out, row_bytes]).
+
+    kernel: "auto" (the fused Triton kernel for batches up to ROWWISE_MAX rows on a CUDA device when
+    Triton is installed and fused_kernel_fits, else the tile path), "triton" (the fused kernel for
+    every batch, on any device Triton runs on) or "torch" (the tile path always)."""
 
     def __init__(self, raw: torch.Tensor, qtype: int, n_in: int, n_out: int,
                  compute_dtype: torch.dtype = torch.float32, name: str = "",
-                 scratch: TileScratch | None = None, tile_rows: int | None = None):
+                 scratch: TileScratch | None = None, tile_rows: int | None = None, kernel: str = "auto"):
         if int(qtype) not in QUANTIZED_TYPES:
             raise ValueError(f"{name or 'QuantLinear'}: {type_name(qtype)} is not a quantized type")
+        if kernel not in KERNELS:
+            raise ValueError(f"{name or 'QuantLinear'}: kernel must be one of {KERNELS}, got {kernel!r}")
+        if kernel == "triton":
+            require_triton(f"{name or 'QuantLinear'} (kernel='triton')")
+            if not fused_kernel_fits(qtype, n_in):
+                raise ValueError(f"{name or 'QuantLinear'}: no fused Triton kernel for {type_name(qtype)} "
+                                 f"rows of {n_in}")
         expected = (n_out, row_bytes(qtype, n_in))
         if raw.dtype != torch.uint8 or tuple(raw.shape) != expected:
             raise ValueError(f"{name or 'QuantLinear'}: raw must be uint8 {expected}, "
@@ -76,13 +105,36 @@ class QuantLinear:
         self.scratch.reserve(self.tile_rows * n_in)
         self.nbytes = self.raw.numel()                                    # what the planner budgets
         self.scratch_bytes = self.tile_rows * n_in * compute_dtype.itemsize
+        self.kernel = kernel
+        # the largest batch the fused kernel takes; larger ones (prompts) take the tile path
+        if kernel == "triton":
+            self.fused_max = math.inf
+        elif kernel == "auto" and raw.device.type == "cuda" and have_triton() and fused_kernel_fits(qtype, n_in):
+            self.fused_max = ROWWISE_MAX
+        else:
+            self.fused_max = 0
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [k, n_in] -> float32 [k, n_out] on the weights' device (written into `out` if given)."""
         n_tok = x.shape[0]
-        xw = x.to(self.device, self.compute_dtype)
         direct = out is not None and out.dtype == torch.float32 and out.device == self.device and out.is_contiguous()
         y = out if direct else torch.empty(n_tok, self.n_out, dtype=torch.float32, device=self.device)
+        if n_tok <= self.fused_max:
+            self._fused(x.to(self.device, torch.float32), y)
+        else:
+            self._tiles(x.to(self.device, self.compute_dtype), y)
+        if out is not None and not direct:
+            out.copy_(y)
+            return out
+        return y
+
+    def _fused(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        # K_MAX tokens per launch; a token's bits do not depend on which launch it is in
+        for i in range(0, x.shape[0], K_MAX):
+            matvec_triton(self.raw, self.qtype, self.n_in, x[i:i + K_MAX], out=y[i:i + K_MAX])
+
+    def _tiles(self, xw: torch.Tensor, y: torch.Tensor) -> None:
+        n_tok = xw.shape[0]
         rowwise = n_tok <= ROWWISE_MAX
         fp32 = self.compute_dtype == torch.float32
         for r0 in range(0, self.n_out, self.tile_rows):
@@ -97,7 +149,3 @@ class QuantLinear:
             else:
                 for i in range(n_tok):
                     y[i, r0:r1] = torch.mv(w, xw[i])
-        if out is not None and not direct:
-            out.copy_(y)
-            return out
-        return y

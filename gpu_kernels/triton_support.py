@@ -1,0 +1,31 @@
+"""Whether Triton is importable, whether it runs interpreted, and one clean error when it is missing.
+
+Triton is an optional dependency (the `gpu` extra): gpu_kernels must import without it, so nothing
+here imports it at module level, and callers that need it ask `require_triton` first.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+INSTALL_HINT = "pip install 'hybridrt[gpu]' (or pip install triton)"
+
+
+class TritonMissing(RuntimeError):
+    """Triton is needed for a fused kernel but is not installed."""
+
+
+def have_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """TRITON_INTERPRET=1: kernels run as numpy on CPU tensors (tests without a GPU). Triton reads
+    the variable when a kernel is decorated, so it must be set before the kernel module is imported."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def require_triton(what: str) -> None:
+    """Raise TritonMissing, with a one-line message naming `what` and how to install Triton."""
+    if not have_triton():
+        raise TritonMissing(f"{what} needs Triton, which is not installed: {INSTALL_HINT}")
