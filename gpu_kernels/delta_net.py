@@ -10,13 +10,13 @@ exact baseline of the CPU runtime. `kernel="triton"|"torch"` forces a path ("aut
 """
 from __future__ import annotations
 
-import importlib.util
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from .pointwise import per_token
+from .triton_support import have_triton, require_triton
 
 Kernel = Literal["auto", "triton", "torch"]
 
@@ -25,16 +25,14 @@ def _use_triton(kernel: Kernel, t: torch.Tensor) -> bool:
     if kernel not in ("auto", "triton", "torch"):
         raise ValueError(f"kernel must be 'auto', 'triton' or 'torch', not {kernel!r}")
     if kernel == "auto":
-        return t.is_cuda and importlib.util.find_spec("triton") is not None
+        return t.is_cuda and have_triton()
     return kernel == "triton"
 
 
 def _triton_kernels():
     # imported on first use: the CPU runtime never pays for importing Triton
-    try:
-        from . import triton_delta_net
-    except ImportError as e:
-        raise RuntimeError(f"the Triton GDN kernels need triton: pip install 'hybridrt[gpu]' ({e})") from None
+    require_triton("the Gated DeltaNet Triton kernels (kernel='triton')")
+    from . import triton_delta_net
     return triton_delta_net
 
 
@@ -55,6 +53,21 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
     for j in range(1, width):
         out = out + xs[j:j + n] * weight[:, j]
     return per_token(F.silu, out), xs
+
+
+def causal_conv_step(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                     history_out: torch.Tensor | None = None, *, kernel: Kernel = "auto") -> torch.Tensor:
+    """`causal_conv` that also keeps its state: conv_state becomes the last K-1 inputs (in place)
+    and history_out [K-1+k, C], when given (the snapshot ring's slice), receives the input history.
+    Returns out [k, C]. On the Triton path it is one launch, where `causal_conv` and the caller's
+    two copies are three."""
+    if _use_triton(kernel, x):
+        return _triton_kernels().causal_conv_triton(x, conv_state, weight, history_out)
+    out, history = causal_conv(x, conv_state, weight, kernel="torch")
+    conv_state.copy_(history[history.shape[0] - conv_state.shape[0]:])
+    if history_out is not None:
+        history_out.copy_(history)
+    return out
 
 
 def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,

@@ -8,22 +8,23 @@ input history) in the same launch.
 Batch invariance: a token runs the same instructions in the same order whatever k is (the token
 count is a loop bound, never specialized on), so its output and states are bitwise those of a lone
 decode step; speculative rollback depends on that. The math equals the torch path's, not its bits
-(reduction order and fused multiply-adds differ).
+(the recurrence's reduction order and fused multiply-adds differ; the conv's products and sums are
+rounded as torch rounds them, only SiLU may differ in the last bit).
 
 Triton runs these on CPU tensors only interpreted (TRITON_INTERPRET=1 set before this module is
 imported); that is how the test suite checks them without a GPU.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from .triton_support import interpreting
+
 
 def _check_device(t: torch.Tensor) -> None:
-    if not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if not t.is_cuda and not interpreting():
         raise ValueError(f"the Triton kernels need CUDA tensors (got {t.device}); on the CPU use "
                          f"kernel='torch', or set TRITON_INTERPRET=1 before importing gpu_kernels")
 
@@ -94,7 +95,8 @@ def delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_dec
         q, k, v, log_decay, beta, out, state, snap, n, d_k, d_v,
         *q.stride(), *k.stride(), *v.stride(), *log_decay.stride(), *beta.stride(), *out.stride(),
         *state.stride(), *snap_strides,
-        BK=BK, BV=BV, SNAPSHOTS=snapshots is not None, num_warps=warps)
+        BK=BK, BV=BV, SNAPSHOTS=snapshots is not None, num_warps=warps,
+        enable_fp_fusion=True)      # S + k u^T as one FMA: fewer steps in the token loop, one rounding
     return out
 
 
@@ -162,5 +164,6 @@ def causal_conv_triton(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.
         x, conv_state, weight, out, hist, n, C, x.stride(0), conv_state.stride(0), *weight.stride(),
         out.stride(0), hist.stride(0),
         K=K, KP=triton.next_power_of_2(max(K - 1, 1)), BC=block_c,
-        HISTORY=history_out is not None, UPDATE=update_state, num_warps=max(1, min(4, block_c // 32)))
+        HISTORY=history_out is not None, UPDATE=update_state, num_warps=max(1, min(4, block_c // 32)),
+        enable_fp_fusion=False)     # multiply, then add, rounded apart: the torch path's arithmetic
     return out

@@ -5,8 +5,8 @@
 Defaults are Qwen3.6-27B's GDN layer: 48 value heads with a 128 x 128 state each, a causal conv of
 kernel 4 over 10240 channels (q and k of 16 key heads, v of 48 value heads). A k-token call is a
 verify batch: the recurrence writes k - 1 snapshots into a ring, as a speculative step does. For
-each k: the torch path, the Triton recurrence at each value block width (the default marked *),
-and the conv both as `causal_conv` returns it and fused (conv state and ring history written in
+each k: the torch path, the Triton recurrence with its default launch and at other (value block
+width, warps) shapes, and the conv both as `causal_conv` returns it and fused (conv state and ring history written in
 the kernel). Without a CUDA GPU it prints one line and exits 0.
 """
 from __future__ import annotations
@@ -19,7 +19,8 @@ import torch
 from gpu_kernels.delta_net import causal_conv, delta_rule
 from gpu_kernels.norms import l2_norm
 
-BLOCK_VS = (16, 32, 64)
+# (value block width, warps) launch shapes tried for the recurrence; the default is (32, 4)
+SHAPES = ((16, 2), (16, 4), (32, 4), (32, 8), (64, 8))
 
 
 def time_us(fn, reps: int) -> float:
@@ -55,9 +56,9 @@ def bench_delta_net(device: str = "cuda", H: int = 48, d: int = 128, C: int = 10
                "conv_torch": time_us(lambda: causal_conv(x, conv_state, w, kernel="torch"), reps),
                "conv_triton": time_us(lambda: causal_conv(x, conv_state, w, kernel="triton"), reps),
                "conv_fused": time_us(lambda: causal_conv_triton(x, conv_state, w, history), reps)}
-        for bv in BLOCK_VS:
-            row[f"triton_bv{bv}"] = time_us(
-                lambda: delta_rule_triton(q, kk, v, g, beta, state, ring, block_v=bv), reps)
+        for bv, warps in SHAPES:
+            row[f"bv{bv}w{warps}"] = time_us(
+                lambda: delta_rule_triton(q, kk, v, g, beta, state, ring, block_v=bv, num_warps=warps), reps)
         row["triton"] = time_us(lambda: delta_rule(q, kk, v, g, beta, state, ring, kernel="triton"), reps)
         state_bytes = H * d * d * 4
         row["triton_gbs"] = (2 + k - 1) * state_bytes / (row["triton"] * 1e-6) / 1e9
@@ -80,11 +81,11 @@ def main() -> int:
     rows = bench_delta_net("cuda", args.heads, args.head_dim, args.channels, ks=ks, reps=args.reps)
     print(f"{torch.cuda.get_device_name()}: H {args.heads}, d {args.head_dim}, conv channels {args.channels}; "
           f"microseconds per layer call (mean of {args.reps})")
-    bv_heads = " ".join(f"{'bv' + str(bv):>7}" for bv in BLOCK_VS)
-    print(f"{'k':>2} {'torch':>8} {'triton*':>8} {bv_heads} {'GB/s':>6} {'x':>5} | "
+    names = [f"bv{bv}w{warps}" for bv, warps in SHAPES]
+    print(f"{'k':>2} {'torch':>8} {'triton':>8} {' '.join(f'{n:>7}' for n in names)} {'GB/s':>6} {'x':>5} | "
           f"{'conv torch':>10} {'triton':>7} {'fused':>7}")
     for r in rows:
-        bvs = " ".join(f"{r[f'triton_bv{bv}']:7.1f}" for bv in BLOCK_VS)
+        bvs = " ".join(f"{r[n]:7.1f}" for n in names)
         print(f"{r['k']:2d} {r['torch']:8.1f} {r['triton']:8.1f} {bvs} {r['triton_gbs']:6.0f} "
               f"{r['torch'] / r['triton']:5.1f} | {r['conv_torch']:10.1f} {r['conv_triton']:7.1f} {r['conv_fused']:7.1f}")
     return 0

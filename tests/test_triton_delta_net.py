@@ -8,19 +8,19 @@ the `cuda` cases run the same checks compiled on a GPU.
 from __future__ import annotations
 
 import functools
-import os
 
 import numpy as np
 import pytest
 import torch
 
-from gpu_kernels.delta_net import causal_conv, delta_rule
+from gpu_kernels.delta_net import causal_conv, causal_conv_step, delta_rule
 from gpu_kernels.norms import l2_norm
+from gpu_kernels.triton_support import interpreting
 
 triton_delta_net = pytest.importorskip("gpu_kernels.triton_delta_net")
 delta_rule_triton, causal_conv_triton = triton_delta_net.delta_rule_triton, triton_delta_net.causal_conv_triton
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETED = interpreting()
 DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="Triton runs CPU tensors only interpreted")),
            pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -159,6 +159,21 @@ def test_causal_conv_is_bitwise_the_same_whatever_the_batch(device):
     assert torch.equal(batch, lone) and torch.equal(batch_state, lone_state)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_causal_conv_step_keeps_the_state_the_same_on_both_paths(device):
+    """The stateful form: conv state advanced in place and the ring's history slice written, by
+    the torch ops and copies or by the one Triton launch."""
+    x, conv_state, weight = conv_inputs(3, 128, device=device)
+    got = {}
+    for kernel in ("torch", "triton"):
+        state, ring = conv_state.clone(), torch.zeros(2, conv_state.shape[0] + 4, 128, device=device)
+        out = causal_conv_step(x, state, weight, ring[1, :conv_state.shape[0] + 3], kernel=kernel)
+        got[kernel] = out, state, ring
+    torch.testing.assert_close(got["triton"][0], got["torch"][0], rtol=1e-6, atol=1e-6)
+    assert torch.equal(got["triton"][1], got["torch"][1]) and torch.equal(got["triton"][2], got["torch"][2])
+    assert torch.equal(got["torch"][1], x)          # 3 new inputs fill all K - 1 = 3 rows
+
+
 # ------------------------------------------------------------------ dispatch
 
 def test_dispatch_keeps_the_torch_path_for_cpu_tensors_and_forces_either():
@@ -246,7 +261,9 @@ def test_tiny_qwen35_gives_the_same_tokens_and_logits_through_triton(tiny_qwen35
     gdn_kernel("triton")
     triton_tokens, triton_logits = greedy(model, 6)
     assert triton_tokens == torch_tokens
-    assert rel_err(triton_logits, torch_logits.double().cpu()) <= 1e-4
+    # on CUDA the weights are float16 and each linear rounds its input to float16, which turns
+    # the paths' last-bit differences into float16 ones downstream
+    assert rel_err(triton_logits, torch_logits.double().cpu()) <= (1e-4 if device == "cpu" else 1e-3)
 
 
 @pytest.mark.usefixtures("single_thread")
