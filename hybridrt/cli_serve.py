@@ -35,7 +35,8 @@ def serve(
                                                help="V cache type (default: the K type)."),
     parallel: int = typer.Option(1, "-np", "--parallel", help="Sessions decoding at once (each has its own KV)."),
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for a session; more get 503."),
-    threads: Optional[int] = typer.Option(None, "-t", "--threads", help="CPU threads for the kernels."),
+    threads: Optional[int] = typer.Option(None, "-t", "--threads", show_default=False,
+                                          help="CPU threads per session (default: the cores shared out over --parallel)."),
     spec_type: Optional[str] = typer.Option(None, "--spec-type", help="Speculative drafts: none, draft-mtp, draft-simple, ngram-simple (default: draft-mtp when the model has an MTP head, else none)."),
     model_draft: Optional[str] = typer.Option(None, "-md", "--model-draft", help="Draft model for --spec-type draft-simple (same vocabulary)."),
     draft_n_max: int = typer.Option(3, "--spec-draft-n-max", "--draft-max", help="Most draft tokens per step."),
@@ -72,8 +73,12 @@ def serve(
     spec = SpecConfig(n_max=draft_n_max, n_min=draft_n_min, p_min=draft_p_min)
     spec_type = spec_type or ("draft-simple" if model_draft else default_spec_type(m))
     draft_model = load_model(model_draft, threads=threads) if model_draft else None
+    if threads is None:     # sessions decode at once: one pool of all cores each would oversubscribe
+        import numba
+
+        threads = max(1, numba.config.NUMBA_NUM_THREADS // parallel)
     cfg = ServeConfig(n_ctx=n_ctx, cache_type=cache_type, spec_type=spec_type, spec=spec, ngram_n=ngram_n,
-                      n_parallel=parallel, max_queue=max_queue)
+                      n_parallel=parallel, max_queue=max_queue, threads=threads)
     metrics = Metrics(parallel)
     pool = SessionPool(m, cfg, metrics, draft_model)
     # a bad speculation setup is a start-up error, not a failure of every request

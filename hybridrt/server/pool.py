@@ -41,6 +41,7 @@ class ServeConfig:
     ngram_n: int = 4
     n_parallel: int = 1
     max_queue: int = 64          # requests waiting for a session; one more is answered 503
+    threads: int | None = None   # Numba threads per session (None: Numba's default)
 
 
 class Job:
@@ -72,9 +73,12 @@ class SessionPool:
         self.model, self.cfg, self.metrics, self.draft_model = model, cfg, metrics, draft_model
         self.sessions = [model.session(cfg.n_ctx, cfg.cache_type, k_max=cfg.spec.k_max)
                          for _ in range(cfg.n_parallel)]
-        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=cfg.max_queue)
+        self._queue: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
-        self._in_use = 0
+        # admitted = queued + decoding; counted here rather than by the queue's own bound so that
+        # requests arriving together before a worker has taken the first are judged alike
+        self._admitted = 0
+        self._running: set[Job] = set()      # jobs decoding now, one per busy session
         self._threads: list[threading.Thread] = []
 
     # ------------------------------------------------------------------ lifecycle
@@ -93,6 +97,11 @@ class SessionPool:
                 break
             if job is not None:
                 job.cancel()
+                with self._lock:
+                    self._admitted -= 1
+        with self._lock:
+            for job in self._running:
+                job.cancel()
         for _ in self._threads:
             self._queue.put(None)
         for t in self._threads:
@@ -102,28 +111,37 @@ class SessionPool:
     @property
     def in_use(self) -> int:
         with self._lock:
-            return self._in_use
+            return len(self._running)
 
     @property
     def waiting(self) -> int:
-        return self._queue.qsize()
+        with self._lock:
+            return self._admitted - len(self._running)
 
     def submit(self, job: Job) -> None:
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            raise queue_full(self._queue.qsize()) from None
+        """Queue a job, or raise a 503 APIError when max_queue jobs already wait."""
+        with self._lock:
+            waiting = self._admitted - len(self._running)
+            if self._admitted >= len(self.sessions) + self.cfg.max_queue:
+                raise queue_full(waiting)
+            self._admitted += 1
+        self._queue.put(job)
 
     # ------------------------------------------------------------------ workers
     def _work(self, session: Session) -> None:
+        if self.cfg.threads:
+            import numba
+
+            numba.set_num_threads(self.cfg.threads)     # thread-local: the loader set only the main thread's
         while True:
             job = self._queue.get()
             if job is None:
                 return
-            if job.cancelled.is_set():      # its client left while it waited
-                continue
             with self._lock:
-                self._in_use += 1
+                if job.cancelled.is_set():      # its client left while it waited
+                    self._admitted -= 1
+                    continue
+                self._running.add(job)
             event: tuple[str, object]
             try:
                 event = ("done", self._run(session, job))
@@ -135,7 +153,8 @@ class SessionPool:
             # free the session before the client hears "done", so a client that saw its answer
             # never sees its session still counted in use
             with self._lock:
-                self._in_use -= 1
+                self._admitted -= 1
+                self._running.discard(job)
             job.put(*event)
 
     def _run(self, session: Session, job: Job) -> GenResult:

@@ -1,0 +1,358 @@
+"""`hybridrt serve` end to end: a server process on a free 127.0.0.1 port with SmolLM2, spoken to
+with the real `openai` client and with raw HTTP (httpx). Greedy answers equal
+`hybridrt.generate.generate` on the same prompt; errors are OpenAI-shaped JSON with the right
+status; a client that leaves frees its session; a full queue answers 503; a bounded load test of
+mixed requests leaves every session free and the server's RSS flat. Nothing leaves loopback."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import psutil
+import pytest
+
+from hybridrt.errors import UserError
+from hybridrt.generate import generate
+from hybridrt.sampling import SamplerConfig
+from hybridrt.server.stops import StopScanner
+from tests.real_models import SMOLLM2, require
+
+HOST = "127.0.0.1"
+MODEL = "smollm2-135m"
+CHAT = [{"role": "user", "content": "Name three colours of the rainbow."}]
+PROMPT = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"
+
+# the in-process reference decoding must not spin a second thread pool on the cores the server uses
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+# ----------------------------------------------------------------------------- unit: stop strings
+def _scan(stops, pieces):
+    s = StopScanner(tuple(stops))
+    out = "".join(s.push(p) for p in pieces)
+    return out + ("" if s.stopped else s.flush()), s.stopped
+
+
+def test_stop_scanner_spans_pieces_and_never_emits_the_stop():
+    assert _scan(["END"], ["ab", "cE", "N", "Dxyz"]) == ("abc", True)
+    assert _scan(["END"], ["ab", "cE", "N"]) == ("abcEN", False)          # held back, then flushed
+    assert _scan(["\n", "c"], ["ab", "c\nd"]) == ("ab", True)              # the earliest stop wins
+    assert _scan([], ["a", "b"]) == ("ab", False)
+
+
+def test_serve_without_the_stack_prints_one_install_line(monkeypatch):
+    from hybridrt import cli_serve
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)        # import uvicorn -> ImportError
+    with pytest.raises(UserError, match=r"pip install 'hybridrt\[serve\]'"):
+        cli_serve._server_stack()
+
+
+# ----------------------------------------------------------------------------- the server process
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, log_path, *args: str):
+        self.port = _free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        cmd = [sys.executable, "-c", "from hybridrt.cli import main; main()", "serve", "-m", MODEL,
+               "--host", HOST, "--port", str(self.port), "--log-level", "warning", "-t", "1", *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {open(log_path).read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.close()
+        raise RuntimeError(f"server did not come up: {open(log_path).read()}")
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=5).json()
+
+    def wait_idle(self, timeout: float = 10.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            h = self.health()
+            if (h["sessions_in_use"] == 0 and h["requests_waiting"] == 0) or time.monotonic() > deadline:
+                return h
+            time.sleep(0.05)
+
+    def rss(self) -> int:
+        return psutil.Process(self.proc.pid).memory_info().rss
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    require(SMOLLM2)
+    s = Server(tmp_path_factory.mktemp("serve") / "serve.log", "-c", "512", "--parallel", "2",
+               "--spec-type", "ngram-simple", "--spec-draft-n-max", "4")
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def model():
+    from hybridrt.loader import load_model
+
+    return load_model(require(SMOLLM2))
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def _greedy_text(model, ids, n) -> str:
+    out, _ = generate(model, model.session(512), ids, n, SamplerConfig(temp=0.0))
+    stream = model.tokenizer.stream()
+    return "".join(stream.push(t) for t in out) + stream.flush()
+
+
+def _chat_ids(model, messages):
+    text = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return model.tokenize(text, add_special=True, parse_special=True)
+
+
+def _sse_events(response: httpx.Response) -> list:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+# ----------------------------------------------------------------------------- OpenAI client
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    h = server.health()
+    assert h["status"] == "ok" and h["sessions"] == 2
+
+
+def test_chat_greedy_equals_generate(client, model):
+    want = _greedy_text(model, _chat_ids(model, CHAT), 24)
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0)
+    assert r.choices[0].message.content == want
+    assert r.usage.prompt_tokens == len(_chat_ids(model, CHAT))
+    assert 0 < r.usage.completion_tokens <= 24
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    timings = r.model_extra["timings"]
+    assert timings["prompt_n"] == r.usage.prompt_tokens and timings["predicted_per_second"] > 0
+    assert "draft_n" in timings                  # the server speculates (ngram-simple)
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_completion_greedy_and_stop_strings(client, model):
+    want = _greedy_text(model, model.tokenize(PROMPT), 16)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "length"
+    stop = want.strip()[2:5]
+    cut = want[:want.index(stop)]
+    for stops in (stop, ["@@never@@", stop]):
+        r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=stops)
+        assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+        streamed = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
+                                                  stop=stops, stream=True))
+        assert "".join(c.choices[0].text for c in streamed) == cut
+        assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible(client):
+    def ask():
+        return client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0.9,
+                                              top_p=0.9, seed=1234).choices[0].message.content
+    assert ask() == ask()
+
+
+# ----------------------------------------------------------------------------- raw HTTP
+def test_raw_http_stream_shapes(server):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = _sse_events(r)
+    assert events[-1] == "[DONE]"
+    last = events[-2]
+    assert last["object"] == "text_completion" and last["choices"][0]["finish_reason"] == "length"
+    assert last["usage"]["completion_tokens"] == 6 and last["timings"]["predicted_n"] == 6
+    assert all("usage" not in e for e in events[:-2])
+
+
+BAD = [
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0]"),
+    ("/v1/chat/completions", {"messages": CHAT, "temperature": "hot"}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": CHAT, "temperature": 5}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_p": 0}, 400, "top_p"),
+    ("/v1/chat/completions", {"messages": CHAT, "stop": [""]}, 400, "stop"),
+    ("/v1/chat/completions", {"messages": CHAT, "stream": "yes"}, 400, "stream"),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 2}, 400, "n"),
+    ("/v1/chat/completions", {"messages": CHAT, "model": "gpt-4o"}, 404, "model"),
+    ("/v1/completions", {"prompt": "word " * 600}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": {"a": 1}}, 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD, ids=[f"{b[2]}-{b[3]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_requests_get_openai_errors(server, path, body, status, param):
+    r = httpx.post(server.url + path, json=body, timeout=30)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param
+    assert "Traceback" not in r.text
+
+
+def test_malformed_and_unknown(server, client):
+    r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json", timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.get(server.url + "/v1/nothing", timeout=10)
+    assert r.status_code == 404 and "error" in r.json()
+    from openai import BadRequestError, NotFoundError
+
+    with pytest.raises(NotFoundError):
+        client.chat.completions.create(model="nope", messages=CHAT)
+    with pytest.raises(BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[])
+    assert server.health()["status"] == "ok"
+
+
+def test_disconnect_mid_stream_frees_the_session(server):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "temperature": 0.8, "seed": 1, "stream": True}
+    before = _metric(server, "hybridrt_requests_cancelled_total")
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+    t0 = time.monotonic()
+    assert server.wait_idle(5.0)["sessions_in_use"] == 0
+    assert time.monotonic() - t0 < 5.0
+    deadline = time.monotonic() + 5
+    while _metric(server, "hybridrt_requests_cancelled_total") == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _metric(server, "hybridrt_requests_cancelled_total") == before + 1
+
+
+def _metric(server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+def test_metrics_text(server, client):
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    r = httpx.get(server.url + "/metrics", timeout=10)
+    assert r.headers["content-type"].startswith("text/plain")
+    for name in ("hybridrt_prompt_tokens_per_second", "hybridrt_decode_tokens_per_second",
+                 "hybridrt_spec_acceptance_rate", "hybridrt_spec_tokens_per_step", "hybridrt_tokens_predicted_total"):
+        assert _metric(server, name) > 0, name
+    assert 'hybridrt_requests_total{endpoint="/v1/completions",status="200"}' in r.text
+
+
+# ----------------------------------------------------------------------------- queue and load
+def test_full_queue_answers_503(tmp_path):
+    require(SMOLLM2)
+    s = Server(tmp_path / "serve1.log", "-c", "256", "--parallel", "1", "--max-queue", "1")
+    try:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 0}
+        with ThreadPoolExecutor(4) as ex:
+            rs = list(ex.map(lambda _: httpx.post(s.url + "/v1/completions", json=body, timeout=60), range(4)))
+        codes = sorted(r.status_code for r in rs)
+        assert codes.count(200) >= 2 and set(codes) <= {200, 503} and 503 in codes
+        for r in rs:
+            if r.status_code == 503:
+                assert r.json()["error"]["code"] == "queue_full"
+        assert s.wait_idle()["sessions_in_use"] == 0
+    finally:
+        s.close()
+
+
+def _load_request(url: str, i: int) -> tuple[str, int]:
+    """One request of the mix; returns (what it was, what happened). Every branch is bounded by
+    the client timeout."""
+    kind = i % 8
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": f"Count to {i % 5 + 2}."}]}
+    text = {"model": MODEL, "prompt": f"{i}: {PROMPT}"}
+    with httpx.Client(timeout=60) as c:
+        if kind in (0, 1):
+            r = c.post(url + "/v1/chat/completions", json={**chat, "max_tokens": 5, "temperature": 0})
+            ok = r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 5
+            return "valid", ok
+        if kind in (2, 3):
+            body = {**(chat if kind == 2 else text), "max_tokens": 6, "stream": True,
+                    "stop": [" ", "\n"] if kind == 3 else None}
+            path = "/v1/chat/completions" if kind == 2 else "/v1/completions"
+            with c.stream("POST", url + path, json=body) as r:
+                events = _sse_events(r)
+            return "valid", r.status_code == 200 and events[-1] == "[DONE]" and "usage" in events[-2]
+        if kind == 4:
+            r = c.post(url + "/v1/completions", json={**text, "max_tokens": 6, "stop": ".", "temperature": 0})
+            return "valid", r.status_code == 200 and "." not in r.json()["choices"][0]["text"]
+        if kind == 5:       # the client leaves after the first token
+            with c.stream("POST", url + "/v1/completions", json={**text, "max_tokens": 300, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        break
+            return "cancelled", r.status_code == 200
+        if kind == 6:
+            bad = [{"messages": []}, {"messages": CHAT, "top_p": 7}, {"prompt": "x " * 600}, {"stop": 3, "prompt": "a"}]
+            path = "/v1/chat/completions" if i % 4 < 2 else "/v1/completions"
+            r = c.post(url + path, json=bad[i % 4])
+            return "bad", 400 <= r.status_code < 500 and "error" in r.json()
+        r = c.post(url + "/v1/chat/completions", json={**chat, "max_tokens": 5, "temperature": 0.7, "seed": i})
+        return "valid", r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_bounded_load(server):
+    """Two rounds of 64 mixed requests from 8 concurrent clients: all answered as they should be,
+    no session left in use, RSS after the second round within 10 % of after the first."""
+    rss = []
+    for round_ in range(2):
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(8) as ex:
+            results = list(ex.map(lambda i: _load_request(server.url, i), range(64)))
+        failed = [(i, kind) for i, (kind, ok) in enumerate(results) if not ok]
+        assert not failed, f"round {round_}: {failed}"
+        assert time.monotonic() - t0 < 120
+        h = server.wait_idle()
+        assert h["sessions_in_use"] == 0 and h["requests_waiting"] == 0
+        rss.append(server.rss())
+    assert abs(rss[1] - rss[0]) <= 0.10 * rss[0], rss
+    assert server.proc.poll() is None
