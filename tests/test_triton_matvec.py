@@ -6,6 +6,7 @@ compiled code is what must not depend on k, and add the Qwen3.6-27B FFN shapes.
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -178,6 +179,18 @@ def test_gpu_kernels_import_without_triton():
             "assert not ts.have_triton() and len(tm.TRITON_MATVEC_TYPES) == 12\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_bench_script_runs_interpreted(capsys):
+    import bench_gpu_kernels
+
+    assert bench_gpu_kernels.main(["--interpret-smoke", "--ks", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert len(result["rows"]) == 3 and all(r["max_rel_diff_vs_torch_f32"] < 1e-5 for r in result["rows"])
+    if not torch.cuda.is_available():
+        assert bench_gpu_kernels.main([]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert len(lines) == 1 and "needs a CUDA GPU" in lines[0]
 
 
 # ---------------------------------------------------------------- on a real GPU
