@@ -278,7 +278,7 @@ def gdn_kernel(monkeypatch):
 
     def use(kernel: str) -> None:
         monkeypatch.setattr(qwen35, "delta_rule", functools.partial(delta_rule, kernel=kernel))
-        monkeypatch.setattr(qwen35, "causal_conv", functools.partial(causal_conv, kernel=kernel))
+        monkeypatch.setattr(qwen35, "causal_conv_step", functools.partial(causal_conv_step, kernel=kernel))
     return use
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gpu_kernels.delta_net import causal_conv, delta_rule
+from gpu_kernels.delta_net import causal_conv_step, delta_rule
 from gpu_kernels.norms import l2_norm, rms_norm
 from gpu_kernels.pointwise import per_token
 
@@ -95,9 +95,11 @@ class GatedDeltaNet:
         beta = per_token(torch.sigmoid, b)
         log_decay = self.ssm_a * per_token(F.softplus, a + self.dt_bias)
 
+        # the conv advances its state and, in a verify batch, writes its input history into the
+        # snapshot ring itself (one kernel on a GPU)
         conv_state = state.conv[self.index]
-        mixed, history = causal_conv(qkv, conv_state, self.conv_w)
-        conv_state.copy_(history[-conv_state.shape[0]:])
+        history = state.ring.conv_hist[self.index, :conv_state.shape[0] + n] if capture else None
+        mixed = causal_conv_step(qkv, conv_state, self.conv_w, history)
         q, k, v = torch.split(mixed, [s.key_dim, s.key_dim, s.value_dim], dim=-1)
         q = l2_norm(q.reshape(n, s.n_k_heads, s.head_dim), s.eps)
         k = l2_norm(k.reshape(n, s.n_k_heads, s.head_dim), s.eps)
@@ -108,11 +110,7 @@ class GatedDeltaNet:
             k = k.repeat(1, r, 1) if s.tiled_heads else k.repeat_interleave(r, dim=1)
         q = q * (1.0 / math.sqrt(s.head_dim))
 
-        snapshots = None
-        if capture:
-            ring = state.ring
-            ring.conv_hist[self.index, :history.shape[0]].copy_(history)
-            snapshots = ring.S[self.index]
+        snapshots = state.ring.S[self.index] if capture else None
         o = delta_rule(q, k, v, log_decay, beta, state.S[self.index], snapshots)
         y = rms_norm(o, self.norm, s.eps) * per_token(F.silu, z)
         return self.w_out(y.reshape(n, s.value_dim))
