@@ -19,11 +19,12 @@ compiler cannot contract a multiply and an add into one FMA (which would round o
 rounds twice). The dot is float32: per chunk and token
 a fixed-shape tree reduction, added to the running sum chunk by chunk.
 
-Layout: within a chunk the weights are taken as two pieces, each [BLOCK_N, G, L] (G groups of L
-weights sharing one scale, G * L = 128), in whatever order the bytes pack them (e.g. a Q4_K piece
-is the low nibbles of its 128 quant bytes); each piece comes with the [G, L] offsets of its weights
-inside the chunk, which pick the matching activations. So every quant byte is loaded once and the
-loads are contiguous runs within a row.
+Layout: within a chunk the weights are taken as two pieces of G groups of L weights sharing one
+scale (G * L = 128), in whatever order the bytes pack them (e.g. a Q4_K piece is the low nibbles of
+its 128 quant bytes); each piece comes with the offsets of its weights inside the chunk, which pick
+the matching activations. So every quant byte is loaded once and the loads are contiguous runs
+within a row. A piece is [BLOCK_N, G, L] or [G, BLOCK_N, L] (rows in the middle), whichever lets
+Triton give each thread a single row for the type's load widths (see ROWS_FIRST_TYPES).
 """
 from __future__ import annotations
 
@@ -48,15 +49,29 @@ def _iq4_table() -> tuple[int, int]:
     return lo - (1 << 64) * (lo >> 63), hi - (1 << 64) * (hi >> 63)      # as signed int64 literals
 
 
-def launch_config(n_out: int) -> tuple[int, int]:
-    """(BLOCK_N, num_warps) for a matrix of n_out rows.
+# Types whose quant bytes sit at 16-byte aligned offsets in every chunk (Q4_K: 144-byte blocks,
+# quants at 16; Q5_K: 176, at 48) or 8-byte ones (Q4_1, Q5_1, IQ4_XS): their byte loads are wide
+# vectors, and a [BLOCK_N, G, L] tile (rows first) gives each thread one row with its weights
+# along L, so a token's reduction is mostly in-thread. The others load bytes singly or in pairs;
+# Triton then lays a rows-first tile out with 4 rows per thread and a token costs 20 shuffles,
+# while a [G, BLOCK_N, L] tile (rows in the middle) leaves each thread one row and 2 shuffles.
+# (Counted in the sm_90 PTX of each type; no layout conversion is left inside the token loop.)
+ROWS_FIRST_TYPES = frozenset(int(t) for t in (T.Q4_K, T.Q5_K, T.Q4_1, T.Q5_1, T.IQ4_XS))
+
+
+def launch_config(qtype: int, n_out: int) -> tuple[int, int, bool]:
+    """(BLOCK_N, num_warps, rows_mid) for a matrix of n_out rows of this type.
 
     GEMV is memory bound: the GPU needs many programs in flight to cover DRAM latency (an H100 has
-    132 SMs), and each program's chunk is BLOCK_N x 256 weights held in registers. 16 rows and 4 warps
-    keep that at 32 weights a thread per piece (no spills) and give a 17408-row FFN matrix 1088
-    programs; a 5120-row matrix would get only 320 (2.4 per SM), so narrower matrices take 8 rows
-    and 2 warps (640 programs, same weights per thread)."""
-    return (16, 4) if n_out >= 8192 else (8, 2)
+    132 SMs), and each program's chunk is BLOCK_N x 256 weights held in registers. Rows first: 16
+    rows and 4 warps keep that at 32 weights a thread (no spills) and give a 17408-row FFN matrix
+    1088 programs; a 5120-row matrix would get only 320 (2.4 per SM), so narrower matrices take 8
+    rows and 2 warps (640 programs, same weights per thread). Rows in the middle: 16 rows and
+    2 warps (64 weights a thread, 1088 and 320 programs), the shape whose PTX keeps one row a
+    thread without spills."""
+    if int(qtype) not in ROWS_FIRST_TYPES:
+        return 16, 2, True
+    return (16, 4, False) if n_out >= 8192 else (8, 2, False)
 
 
 if have_triton():
@@ -95,10 +110,14 @@ if have_triton():
         return _sext8(lane).to(tl.float32)
 
     @triton.jit
-    def _groups(G: tl.constexpr, L: tl.constexpr):
-        """[1, G, 1] group and [1, 1, L] lane indices (broadcast against [BLOCK_N, 1, 1] row pointers)."""
-        g = tl.arange(0, G)[None, :, None]
+    def _groups(p, G: tl.constexpr, L: tl.constexpr):
+        """Group and lane indices to broadcast against the row pointers p: [1, G, 1] and [1, 1, L]
+        when p is [BLOCK_N, 1, 1] (rows first), [G, 1, 1] and [1, 1, L] when p is [1, BLOCK_N, 1]."""
         lane = tl.arange(0, L)[None, None, :]
+        if p.shape[0] == 1:
+            g = tl.arange(0, G)[:, None, None]
+        else:
+            g = tl.arange(0, G)[None, :, None]
         return g, lane
 
     # Each decoder takes p, [BLOCK_N, 1, 1] pointers to the first byte of one 256-weight chunk of
@@ -109,7 +128,7 @@ if have_triton():
     def _legacy_quants(p, QS_OFF: tl.constexpr, BLOCK_BYTES: tl.constexpr):
         """Eight 32-weight blocks: the block index [1, 8, 1], the low and high nibbles of each
         block's 16 quant bytes (weights j and j + 16), their weight offsets, and the quant bytes."""
-        b, j = _groups(8, 16)
+        b, j = _groups(p, 8, 16)
         qs = _byte(p + b * BLOCK_BYTES + QS_OFF + j)
         return b, qs & 15, qs >> 4, b * 32 + j, b * 32 + 16 + j
 
@@ -149,7 +168,7 @@ if have_triton():
 
     @triton.jit
     def _q8_0(p):
-        b, j = _groups(8, 16)
+        b, j = _groups(p, 8, 16)
         q = p + b * 34 + 2 + j
         d = _f16(p + b * 34)
         # int8 q + 128 is the byte with its top bit flipped
@@ -187,7 +206,7 @@ if have_triton():
     @triton.jit
     def _q4_k(p):
         # qs[128] @16: byte c*32 + l holds weight c*64 + l (low nibble) and c*64 + 32 + l (high)
-        c, lane = _groups(4, 32)
+        c, lane = _groups(p, 4, 32)
         qs = _byte(p + 16 + c * 32 + lane)
         wa, wb = _k_affine(p, c, qs & 15, qs >> 4)
         return wa, wb, c * 64 + lane, c * 64 + 32 + lane
@@ -195,7 +214,7 @@ if have_triton():
     @triton.jit
     def _q5_k(p):
         # as Q4_K with qs @48, plus qh[32] @16: bit j of qh[l] is bit 4 of sub-block j's weight l
-        c, lane = _groups(4, 32)
+        c, lane = _groups(p, 4, 32)
         qs = _byte(p + 48 + c * 32 + lane)
         qh = _byte(p + 16 + lane)
         hi_a = ((qh >> (2 * c)) & 1) << 4
@@ -208,7 +227,7 @@ if have_triton():
         # ql[128] @0, qh[64] @128, int8 scales[16] @192, d @208. Half h (128 weights) uses ql[h*64:],
         # qh[h*32:]; weight m < 64 of a half is the low nibble of ql[m] with qh bits 2*(m // 32) of
         # qh[m % 32], weight 64 + m the high nibble with bits 4 + 2*(m // 32). Group g = h*4 + m // 16.
-        g, lane = _groups(8, 16)
+        g, lane = _groups(p, 8, 16)
         h = g // 4
         m = (g % 4) * 16 + lane
         ql = _byte(p + g * 16 + lane)
@@ -227,7 +246,7 @@ if have_triton():
         """Q2_K/Q3_K half h, as [1, 8, 16] groups g = 2s + l // 16 of shift s: the 2-bit field s of
         qs[h*32 + l] (qs at QS_OFF), the group g, l = (g % 2)*16 + lane, and the weight's offset
         h*128 + s*32 + l in the chunk."""
-        g, lane = _groups(8, 16)
+        g, lane = _groups(p, 8, 16)
         l = (g % 2) * 16 + lane
         q = (_byte(p + QS_OFF + h * 32 + l) >> ((g // 2) * 2)) & 3
         return q, g, l, h * 128 + g * 16 + lane
@@ -274,7 +293,7 @@ if have_triton():
         # d @0, u16 scales_h @2, scales_l[4] @4, qs[128] @8: sub-block b's 32 weights are the low
         # then high nibbles of qs[b*16:], its 6-bit scale (minus 32) nibble b % 2 of scales_l[b // 2]
         # with bits 2b of scales_h on top
-        b, j = _groups(8, 16)
+        b, j = _groups(p, 8, 16)
         qs = _byte(p + 8 + b * 16 + j)
         scales_h = _byte(p + 2) | (_byte(p + 3) << 8)
         low = (_byte(p + 4 + b // 2) >> (4 * (b % 2))) & 15
@@ -292,12 +311,17 @@ if have_triton():
     @triton.jit(do_not_specialize=["k"])
     def _matvec_kernel(raw, x, y, n_out, n_in, row_bytes, k,
                        DECODE: tl.constexpr, CHUNK_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
-                       KT: tl.constexpr):
+                       KT: tl.constexpr, ROWS_MID: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         # the last program re-reads row n_out - 1 for its missing rows instead of masking every
         # load; those rows are not stored
         src = tl.minimum(rows, n_out - 1).to(tl.int64) * row_bytes
-        p = raw + src[:, None, None]
+        # the decoders' tiles broadcast p against [G, 1] and [1, L] offsets: [BLOCK_N, G, L] for
+        # p [BLOCK_N, 1, 1], [G, BLOCK_N, L] for p [1, BLOCK_N, 1] (see ROWS_FIRST_TYPES)
+        if ROWS_MID:
+            p = raw + src[None, :, None]
+        else:
+            p = raw + src[:, None, None]
         tok = tl.arange(0, KT)[None, :]
         # [BLOCK_N, KT], rows first, so a token's partial sums broadcast into it in the layout the
         # reduction left them in (the transpose costs a trip through shared memory per token)
@@ -314,22 +338,27 @@ if have_triton():
                 # shared memory to meet it.
                 xva = tl.load(tl.broadcast_to(xt + xa, wa.shape))
                 xvb = tl.load(tl.broadcast_to(xt + xb, wb.shape))
-                part = tl.sum(tl.sum(wa * xva + wb * xvb, axis=2), axis=1)
+                prod = wa * xva + wb * xvb
+                if ROWS_MID:
+                    part = tl.sum(tl.sum(prod, axis=0), axis=1)        # over groups, then lanes
+                else:
+                    part = tl.sum(tl.sum(prod, axis=2), axis=1)        # over lanes, then groups
                 acc = tl.where(tok == t, acc + part[:, None], acc)
         tl.store(y + tok * n_out + rows[:, None], acc, mask=(tok < k) & (rows[:, None] < n_out))
 
 
 def matvec_triton(raw: torch.Tensor, qtype: int, n_in: int, x: torch.Tensor,
                   out: torch.Tensor | None = None, *, block_n: int | None = None,
-                  num_warps: int | None = None, fp_fusion: bool = False) -> torch.Tensor:
+                  num_warps: int | None = None, rows_mid: bool | None = None,
+                  fp_fusion: bool = False) -> torch.Tensor:
     """y = x W^T with W as GGUF rows, uint8 [n_out, row_bytes] (ggml layout), in one Triton launch.
 
     x: float32 [k, n_in] on raw's device, 1 <= k <= 16. Returns float32 [k, n_out] (written into
     `out`, a contiguous float32 [k, n_out] on the same device, when given). A token's row is bitwise
     the same for every k.
 
-    Tuning knobs for benchmarks: block_n / num_warps override `launch_config` (a token's bits depend
-    on them, never on k); fp_fusion=True lets the compiler contract multiply-adds into FMAs (fewer
+    Tuning knobs for benchmarks: block_n / num_warps / rows_mid override `launch_config` (a token's
+    bits depend on them, never on k); fp_fusion=True lets the compiler contract multiply-adds into FMAs (fewer
     instructions; weights then differ from gguf-py's by up to a rounding)."""
     require_triton("the fused quantized matvec")
     qtype = int(qtype)
@@ -355,11 +384,12 @@ def matvec_triton(raw: torch.Tensor, qtype: int, n_in: int, x: torch.Tensor,
                          f"got {out.dtype} {tuple(out.shape)} on {out.device}")
     if n_out == 0:
         return out
-    default_n, default_warps = launch_config(n_out)
+    default_n, default_warps, default_mid = launch_config(qtype, n_out)
     block_n, num_warps = block_n or default_n, num_warps or default_warps
+    rows_mid = default_mid if rows_mid is None else rows_mid
     raw, x = raw.contiguous(), x.contiguous()
     _matvec_kernel[(triton.cdiv(n_out, block_n),)](
         raw, x, out, n_out, n_in, raw.shape[1], k,
-        DECODE=_DECODERS[T(qtype)], CHUNK_BYTES=CHUNK // elems * nbytes, BLOCK_N=block_n, KT=K_MAX,
+        DECODE=_DECODERS[T(qtype)], CHUNK_BYTES=CHUNK // elems * nbytes, BLOCK_N=block_n, KT=K_MAX, ROWS_MID=rows_mid,
         num_warps=num_warps, enable_fp_fusion=fp_fusion)
     return out

@@ -12,7 +12,8 @@ a GPU) and a dense float16 matmul of the same shape. Times are medians of triton
 which flushes the L2 cache between calls (an H100's 50 MB L2 would otherwise hold a whole Q4_K
 matrix; in a model every matrix is read cold). `--sweep` adds the kernel at other launch shapes
 (BLOCK_N, warps) and with FMA contraction. Payloads are random bytes with finite float16 scales
-(speed does not depend on the values). Without a CUDA GPU it prints one line and exits 0.
+(speed does not depend on the values). The launch column is BLOCK_N x warps, "m" for tiles with
+the rows in the middle, "+fma" with contraction. Without a CUDA GPU it prints one line and exits 0.
 """
 from __future__ import annotations
 
@@ -102,24 +103,26 @@ def bench(args: argparse.Namespace, device: torch.device) -> dict:
         exact = QuantLinear(raw, qtype, n_in, n_out, torch.float32, kernel="torch")     # the check, untimed
         dense = torch.randn(n_out, n_in, dtype=torch.float16, device=device)
         x_all = torch.randn(max(ks), n_in, device=device)
-        shapes = [launch_config(n_out) + (False,)]
+        default = launch_config(qtype, n_out)
+        shapes = [default + (False,)]
         if args.sweep:
-            shapes += [(bn, w, False) for bn, w in SWEEP if (bn, w) != shapes[0][:2]]
-            shapes += [shapes[0][:2] + (True,)]
+            shapes += [(bn, w, mid, False) for bn, w in SWEEP for mid in (False, True) if (bn, w, mid) != default]
+            shapes += [default + (True,)]
         for k in ks:
             x = x_all[:k].contiguous()
             x16 = x.half()
             ref = exact(x)
             torch_ms = timer(lambda: torch_path(x))
             dense_ms = timer(lambda: torch.matmul(x16, dense.t()))
-            for block_n, warps, fusion in shapes:
+            for block_n, warps, rows_mid, fusion in shapes:
                 def fused():
-                    return matvec_triton(raw, qtype, n_in, x, block_n=block_n, num_warps=warps, fp_fusion=fusion)
+                    return matvec_triton(raw, qtype, n_in, x, block_n=block_n, num_warps=warps,
+                                         rows_mid=rows_mid, fp_fusion=fusion)
                 err = ((fused() - ref).abs().max() / ref.abs().max()).item()
                 ms = timer(fused)
                 gbps = raw.numel() / (ms / 1e3) / 1e9
                 rows.append({"tensor": tensor, "type": type_name, "n_out": n_out, "n_in": n_in, "k": k,
-                             "block_n": block_n, "num_warps": warps, "fp_fusion": fusion,
+                             "block_n": block_n, "num_warps": warps, "rows_mid": rows_mid, "fp_fusion": fusion,
                              "weight_bytes": raw.numel(), "triton_ms": ms, "weight_gbps": gbps,
                              "bandwidth_share": gbps * 1e9 / copy_bps, "torch_ms": torch_ms,
                              "dense_f16_ms": dense_ms, "speedup_vs_torch": torch_ms / ms,
@@ -131,12 +134,12 @@ def bench(args: argparse.Namespace, device: torch.device) -> dict:
 
 def print_table(result: dict) -> None:
     print(f"{result['device']}: device-to-device copy {result['copy_gbps']:.0f} GB/s (read + write)")
-    print(f"{'tensor':9} {'type':5} {'shape':>12} {'MiB':>6} {'k':>3} {'launch':>9} {'ms':>8} {'GB/s':>7} "
+    print(f"{'tensor':9} {'type':5} {'shape':>12} {'MiB':>6} {'k':>3} {'launch':>10} {'ms':>8} {'GB/s':>7} "
           f"{'% bw':>5} {'torch ms':>9} {'x torch':>8} {'f16 ms':>8} {'x f16':>6} {'diff':>8}")
     for r in result["rows"]:
-        launch = f"{r['block_n']}x{r['num_warps']}{'+fma' if r['fp_fusion'] else ''}"
+        launch = f"{r['block_n']}x{r['num_warps']}{'m' if r['rows_mid'] else ''}{'+fma' if r['fp_fusion'] else ''}"
         print(f"{r['tensor']:9} {r['type']:5} {r['n_out']:>6}x{r['n_in']:<5} {r['weight_bytes'] / 2**20:6.1f} "
-              f"{r['k']:3} {launch:>9} {r['triton_ms']:8.3f} {r['weight_gbps']:7.0f} "
+              f"{r['k']:3} {launch:>10} {r['triton_ms']:8.3f} {r['weight_gbps']:7.0f} "
               f"{100 * r['bandwidth_share']:5.1f} {r['torch_ms']:9.3f} {r['speedup_vs_torch']:8.1f} "
               f"{r['dense_f16_ms']:8.3f} {r['speedup_vs_dense_f16']:6.2f} {r['max_rel_diff_vs_torch_f32']:8.1e}")
 

@@ -105,7 +105,20 @@ def test_out_buffer_and_wide_programs():
     assert_close_to_gguf(out, raw_np, T.Q4_K, x, "out")
     wide = matvec_triton(raw, T.Q4_K, N_IN, x, block_n=16, num_warps=4)
     assert_close_to_gguf(wide, raw_np, T.Q4_K, x, "block_n=16")
-    assert launch_config(17408) == (16, 4) and launch_config(5120) == (8, 2)
+    assert launch_config(T.Q4_K, 17408) == (16, 4, False) and launch_config(T.Q4_K, 5120) == (8, 2, False)
+    assert launch_config(T.Q6_K, 5120) == (16, 2, True)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_either_tile_order(qtype):
+    """Rows first or in the middle is a layout choice: same values up to rounding, and neither
+    lets a row depend on k."""
+    raw_np = weights(qtype, 16, N_IN, seed=5)
+    raw, x = torch.from_numpy(raw_np), tokens(3, N_IN, seed=6)
+    for rows_mid in (False, True):
+        y = matvec_triton(raw, qtype, N_IN, x, rows_mid=rows_mid)
+        assert_close_to_gguf(y, raw_np, qtype, x, f"rows_mid={rows_mid}")
+        assert torch.equal(matvec_triton(raw, qtype, N_IN, x[1:2], rows_mid=rows_mid)[0], y[1])
 
 
 def test_bad_inputs_are_named():
