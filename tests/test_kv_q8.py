@@ -123,3 +123,25 @@ def test_q8_speculative_greedy_parity(smollm2, cache_type):
     got, stats = speculative_generate(smollm2, session, ids, 24, greedy, source, spec)
     assert got == want
     assert stats.spec.acceptance_rate > 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("single_thread")
+def test_q8_logits_error_smollm2(smollm2):
+    """The BENCHMARKS.md figures (run with -s to print them): a 300-token greedy continuation,
+    teacher-forced in 16-token batches (the row-by-row path) through an f32 and a q8_0 cache."""
+    prompt = smollm2.tokenize(ECHO_PROMPT)
+    cont, _ = generate(smollm2, smollm2.session(1024), prompt, 300, SamplerConfig(temp=0.0), stop_ids=set())
+    ids = prompt + cont
+    logits = {}
+    for ct in ("f32", "q8_0"):
+        s = smollm2.session(1024, ct)
+        logits[ct] = torch.cat([s.eval(ids[lo:lo + 16]) for lo in range(0, len(ids), 16)])
+    logp, logq = (torch.log_softmax(logits[ct].double(), dim=-1) for ct in ("f32", "q8_0"))
+    kl = (logp.exp() * (logp - logq)).sum(dim=-1)
+    top1 = (logits["f32"].argmax(-1) == logits["q8_0"].argmax(-1)).double().mean().item()
+    mem = {ct: smollm2.session(4096, ct).state.kv.nbytes for ct in ("f32", "f16", "q8_0")}
+    print(f"\nSmolLM2-135M q8_0 vs f32 KV cache over {len(ids)} positions: mean KL {kl.mean():.2e}, "
+          f"max KL {kl.max():.2e}, top-1 agreement {100 * top1:.2f}%; KV at 4096 tokens: "
+          + ", ".join(f"{ct} {n / 2**20:.1f} MiB" for ct, n in mem.items()))
+    assert kl.mean() < 1e-2 and top1 > 0.97
