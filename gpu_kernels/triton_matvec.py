@@ -34,7 +34,7 @@ from gguf.constants import GGMLQuantizationType as T
 from .quant import IQ4_LEVELS, block_shape, row_bytes, type_name
 from .triton_support import have_triton, require_triton
 
-K_MAX = 16          # tokens per launch: the accumulator is [K_MAX, BLOCK_N] whatever k is
+K_MAX = 16          # tokens per launch: the accumulator is [BLOCK_N, K_MAX] whatever k is
 CHUNK = 256         # weights per row decoded per loop step
 
 TRITON_MATVEC_TYPES: frozenset[int] = frozenset(int(t) for t in (
@@ -49,13 +49,14 @@ def _iq4_table() -> tuple[int, int]:
     return lo - (1 << 64) * (lo >> 63), hi - (1 << 64) * (hi >> 63)      # as signed int64 literals
 
 
-# Types whose quant bytes sit at 16-byte aligned offsets in every chunk (Q4_K: 144-byte blocks,
-# quants at 16; Q5_K: 176, at 48) or 8-byte ones (Q4_1, Q5_1, IQ4_XS): their byte loads are wide
-# vectors, and a [BLOCK_N, G, L] tile (rows first) gives each thread one row with its weights
-# along L, so a token's reduction is mostly in-thread. The others load bytes singly or in pairs;
-# Triton then lays a rows-first tile out with 4 rows per thread and a token costs 20 shuffles,
-# while a [G, BLOCK_N, L] tile (rows in the middle) leaves each thread one row and 2 shuffles.
-# (Counted in the sm_90 PTX of each type; no layout conversion is left inside the token loop.)
+# Tile order, from the sm_90 PTX of each type (no layout conversion is left inside the token loop
+# either way; what differs is the shuffles a token's reduction costs). Q4_K and Q5_K keep their
+# quant bytes at 16-byte aligned offsets (144- and 176-byte blocks, quants at 16 and 48): the byte
+# loads are 16-byte vectors and a [BLOCK_N, G, L] tile (rows first) gives each thread one row, 3
+# shuffles a token. The types that load bytes singly or in pairs get 4 rows a thread from a
+# rows-first tile (20 shuffles) but one row from a [G, BLOCK_N, L] tile (rows in the middle, 2
+# shuffles). Q4_1, Q5_1 and IQ4_XS (4- and 8-byte aligned) are not clean either way; rows first
+# needs fewer barriers per chunk.
 ROWS_FIRST_TYPES = frozenset(int(t) for t in (T.Q4_K, T.Q5_K, T.Q4_1, T.Q5_1, T.IQ4_XS))
 
 
@@ -94,7 +95,8 @@ if have_triton():
     @triton.jit
     def _as_float(q, bias: tl.constexpr):
         """float32(q - bias) for int32 0 <= q < 2^23, exactly: q | 0x4B000000 is the float 2^23 + q.
-        An OR and a subtraction, both full-rate, where an int->float conversion is quarter-rate."""
+        An OR and a subtraction at the full ALU rate, where an int->float conversion runs at a
+        fraction of it."""
         return (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + bias)
 
     @triton.jit
