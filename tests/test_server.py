@@ -267,6 +267,15 @@ def test_disconnect_mid_stream_frees_the_session(server):
         time.sleep(0.05)
     assert _metric(server, "hybridrt_requests_cancelled_total") == before + 1
 
+    # a non-streaming client that gives up is noticed too (the handler polls for the disconnect)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=1.0)
+    assert server.wait_idle(5.0)["sessions_in_use"] == 0
+    deadline = time.monotonic() + 5
+    while _metric(server, "hybridrt_requests_cancelled_total") == before + 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _metric(server, "hybridrt_requests_cancelled_total") == before + 2
+
 
 def _metric(server, name: str) -> float:
     text = httpx.get(server.url + "/metrics", timeout=10).text
