@@ -5,6 +5,7 @@ here imports it at module level, and callers that need it ask `require_triton` f
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -15,7 +16,9 @@ class TritonMissing(RuntimeError):
     """Triton is needed for a fused kernel but is not installed."""
 
 
+@functools.cache
 def have_triton() -> bool:
+    # cached: dispatch asks on every kernel call, and a find_spec walks sys.path
     return importlib.util.find_spec("triton") is not None
 
 

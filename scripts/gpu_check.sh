@@ -114,7 +114,8 @@ EOF
 
 step card card
 step cuda_tests python3 -m pytest -q -m cuda tests
-step bench_gpu_kernels python3 scripts/bench_gpu_kernels.py --json --out "$OUTDIR/kernels.json"
+step bench_gpu_kernels python3 scripts/bench_gpu_kernels.py
+step bench_gpu_kernels_sweep python3 scripts/bench_gpu_kernels.py --sweep --ks 1,4,16
 step bench_gpu_delta_net python3 scripts/bench_gpu_delta_net.py
 step models models
 step plan_smollm2 plan_bench smollm2-135m
@@ -123,6 +124,7 @@ step plan_qwen35_mtp plan_bench qwen35-mtp --spec-type draft-mtp --spec-draft-n-
 step trace "${HYBRIDRT[@]}" run -m "$(cat "$OUTDIR/models/smollm2-135m.path")" --device cuda \
   --vram "$(python3 scripts/gpu_check_budget.py "$(cat "$OUTDIR/models/smollm2-135m.path")" 0.5)" \
   -p "The capital of France is" -n 32 --temp 0 --trace "$OUTDIR/trace-smollm2.json"
+step trace_summary python3 scripts/trace_summary.py "$OUTDIR/trace-smollm2.json"
 
 if [ ${#FAILED[@]} -eq 0 ]; then
   echo "gpu_check: every step passed; logs in $OUTDIR"
