@@ -171,8 +171,16 @@ def test_quantlinear_kernel_choice():
         QuantLinear(torch.zeros(8, row_bytes(T.Q8_0, 96), dtype=torch.uint8), T.Q8_0, 96, 8, kernel="triton")
 
 
-def test_missing_triton_is_one_clean_line(monkeypatch):
-    monkeypatch.setitem(sys.modules, "triton", None)      # `import triton` fails, find_spec finds nothing
+@pytest.fixture
+def no_triton(monkeypatch):
+    """`import triton` fails and find_spec finds nothing (have_triton's cached answer is reset)."""
+    monkeypatch.setitem(sys.modules, "triton", None)
+    triton_support.have_triton.cache_clear()
+    yield
+    triton_support.have_triton.cache_clear()
+
+
+def test_missing_triton_is_one_clean_line(no_triton):
     assert not triton_support.have_triton()
     raw = torch.from_numpy(weights(T.Q4_K, 8, 256))
     for call in (lambda: matvec_triton(raw, T.Q4_K, 256, torch.zeros(1, 256)),
