@@ -24,6 +24,27 @@ def _server_stack():
     return uvicorn
 
 
+def _threadsafe_kernels(parallel: int) -> None:
+    """Sessions run the parallel kernels from several threads at once, which Numba's fallback
+    `workqueue` layer does not survive; pick a thread-safe layer (OpenMP or TBB) before the first
+    parallel kernel runs, or refuse."""
+    if parallel == 1:
+        return
+    import importlib
+
+    import numba
+
+    for layer in ("omppool", "tbbpool"):
+        try:
+            importlib.import_module(f"numba.np.ufunc.{layer}")
+        except (ImportError, OSError):
+            continue
+        numba.config.THREADING_LAYER = "threadsafe"
+        return
+    raise UserError("--parallel > 1 needs a thread-safe Numba threading layer (OpenMP's libgomp, or "
+                    "python3 -m pip install tbb); use --parallel 1")
+
+
 def serve(
     model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_HELP),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
@@ -64,6 +85,7 @@ def serve(
         raise UserError(f"--port {port} is not a TCP port")
     cache_type = kv_cache_type(cache_type_k, cache_type_v or cache_type_k)
     cache_dtype(cache_type)                     # an unknown type fails here, before loading
+    _threadsafe_kernels(parallel)
     path = resolve_model(model)
     announce_and_compile(path)
     m = load_model(path, threads=threads)
