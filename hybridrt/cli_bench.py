@@ -94,7 +94,8 @@ def placement_summary(plan) -> dict | None:
 
 
 def bench_speculative(m, prompt_ids: list[int], n_gen: int, reps: int, spec_type: str, n_max: int,
-                      draft_model=None, force: str = "none", prompt_name: str = "") -> SpecBenchResult:
+                      draft_model=None, force: str = "none", prompt_name: str = "",
+                      adaptive: bool = False) -> SpecBenchResult:
     """Plain greedy decoding and speculative decoding of the same prompt, best of reps each."""
     from .generate import generate
     from .sampling import SamplerConfig
@@ -103,7 +104,7 @@ def bench_speculative(m, prompt_ids: list[int], n_gen: int, reps: int, spec_type
     from .speculative.sources import build_source
 
     greedy = SamplerConfig(temp=0.0)
-    spec = SpecConfig(n_max=n_max)
+    spec = SpecConfig(n_max=n_max, adaptive=adaptive)
     n_ctx = None if m.plan is not None else len(prompt_ids) + n_gen + n_max + 8
     best_plain = best_spec = 0.0
     ref: list[int] = []
@@ -148,6 +149,7 @@ def bench(
     cache_type_v: str = typer.Option("f16", "-ctv", "--cache-type-v", help="KV cache type for V (planned runs)."),
     cpu_bw: Optional[float] = typer.Option(None, "--cpu-bw", help="CPU memory bandwidth in GB/s for the prediction (default: measured)."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome/Perfetto trace of the bench to this file."),
+    adaptive: Optional[bool] = typer.Option(None, "--adaptive/--no-adaptive", help="Adaptive draft length (default: on for draft-mtp and draft-simple)."),
 ):
     """Prompt and decode tokens/s, plus achieved weight bandwidth (bytes per token x tokens/s) and the
     planner's predicted speed. With --spec-type: plain and speculative decoding of the same prompt,
@@ -156,7 +158,7 @@ def bench(
 
     from placement import measure_cpu_bandwidth
 
-    from .cli_run import _check_device, check_spec_flags, placement_options
+    from .cli_run import _check_device, adaptive_default, check_spec_flags, placement_options
     from .loader import load_model
     from .place import placement_line
 
@@ -173,7 +175,7 @@ def bench(
     try:
         if spec_type is not None:
             _bench_spec(m, spec_type, draft_n_max, model_draft, prompt_file, spec_prompt, spec_force, n_prompt,
-                        n_gen, reps, as_json, cbw)
+                        n_gen, reps, as_json, cbw, adaptive)
         else:
             _bench_plain(m, n_prompt, n_gen, reps, as_json, cbw, numba.get_num_threads())
     finally:
@@ -208,10 +210,10 @@ def _bench_plain(m, n_prompt: int, n_gen: int, reps: int, as_json: bool, cpu_bw:
 
 
 def _bench_spec(m, spec_type, n_max, model_draft, prompt_file, spec_prompt, force, n_prompt, n_gen, reps, as_json,
-                cpu_bw):
+                cpu_bw, adaptive):
     import torch
 
-    from .cli_run import read_prompt
+    from .cli_run import adaptive_default, read_prompt
     from .loader import load_model
     from .speculative.bench_prompts import BUILTIN_PROMPTS
 
@@ -230,7 +232,8 @@ def _bench_spec(m, spec_type, n_max, model_draft, prompt_file, spec_prompt, forc
     warm = m.session(16, k_max=n_max + 1)
     warm.eval([1, 2], logits="last")
     warm.eval(list(range(3, 3 + n_max + 1)), logits="all")
-    r = bench_speculative(m, ids, n_gen, reps, spec_type, n_max, draft, force, name)
+    r = bench_speculative(m, ids, n_gen, reps, spec_type, n_max, draft, force, name,
+                          adaptive=adaptive_default(spec_type) if adaptive is None else adaptive)
     r.measured_tps = r.spec_tps
     r.predicted_tps, r.prediction = predicted_speed(m, cpu_bw, speculative=True)
     r.placement = placement_summary(m.plan)

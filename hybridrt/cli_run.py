@@ -42,6 +42,11 @@ def placement_options(model_path: str, vram: Optional[str], device: str, ctx_siz
         margin_bytes=parse_size(margin, "--margin"))
 
 
+def adaptive_default(spec_type: str) -> bool:
+    """Adaptive length pays where a draft costs a forward (model drafts); n-gram drafts are free."""
+    return spec_type in ("draft-mtp", "draft-simple")
+
+
 def check_spec_flags(draft_n_max: int) -> None:
     if not 1 <= draft_n_max <= MAX_DRAFTS:
         raise UserError(f"--spec-draft-n-max must be within 1..{MAX_DRAFTS}, got {draft_n_max}")
@@ -74,6 +79,7 @@ def run(
     draft_n_min: int = typer.Option(0, "--spec-draft-n-min", "--draft-min", help="Drop proposals shorter than this."),
     draft_p_min: float = typer.Option(0.0, "--spec-draft-p-min", "--draft-p-min", help="Stop model drafting below this top-1 probability."),
     ngram_n: int = typer.Option(4, "--spec-ngram-size-n", help="ngram-simple: longest n-gram to match (tried down to 2)."),
+    adaptive: Optional[bool] = typer.Option(None, "--adaptive/--no-adaptive", help="Choose each step's draft count within --spec-draft-n-max from the live acceptance and measured verify cost (default: on for draft-mtp and draft-simple)."),
 ):
     """Generate text from a prompt (streams tokens; timings on stderr like llama.cpp)."""
     from .generate import generate
@@ -108,10 +114,11 @@ def run(
     if len(ids) >= n_ctx:
         raise UserError(f"prompt is {len(ids)} tokens, the context is {n_ctx} (raise -c or shorten the prompt)")
     sampler = SamplerConfig(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
-    spec = SpecConfig(n_max=draft_n_max, n_min=draft_n_min, p_min=draft_p_min)
     if m.plan is not None:
         spec_type = m.plan.options.spec_type
     spec_type = spec_type or ("draft-simple" if model_draft else default_spec_type(m))
+    spec = SpecConfig(n_max=draft_n_max, n_min=draft_n_min, p_min=draft_p_min,
+                      adaptive=adaptive_default(spec_type) if adaptive is None else adaptive)
     draft_model = load_model(model_draft, device=device, tensor_devices=draft_devices(m.plan, str(resolve_model(model_draft)))) \
         if model_draft else None
     session = m.session(n_ctx, cache_type, k_max=spec.k_max if spec_type != "none" else 1)

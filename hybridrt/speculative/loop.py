@@ -26,6 +26,7 @@ from ..sampling import SamplerConfig, make_generator, sample_token
 from ..session import PROMPT_CHUNK, Session
 from ..trace import Tracer, maybe_span
 from .acceptance import SampledAcceptor, Verdict, accept_greedy
+from .adaptive import DraftLengthPolicy
 from .draft import Draft, DraftSource
 from .stats import SpecStats
 
@@ -35,6 +36,7 @@ class SpecConfig:
     n_max: int = 3          # --spec-draft-n-max: most drafts per step
     n_min: int = 0          # --spec-draft-n-min: a shorter proposal is dropped (plain step)
     p_min: float = 0.0      # --spec-draft-p-min: model drafts stop below this top-1 probability
+    adaptive: bool = False  # choose each step's length within n_max (speculative/adaptive.py)
 
     def __post_init__(self):
         if self.n_max < 0 or self.n_min < 0:
@@ -85,6 +87,7 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
     stats.spec = spec_stats
     logits_buf = torch.empty(spec.k_max, model.n_vocab)     # every verify writes into this
     no_draft = Draft()
+    policy = DraftLengthPolicy(spec.n_max) if spec.adaptive and source is not None else None
 
     t0 = time.perf_counter()
     certain = sample_token(prefill(session, prompt_ids, source, logits_buf), sampler, gen)
@@ -111,7 +114,8 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
             stats.stopped_by = "context"
             break
         # drafts past the -n cap or the context could never be emitted
-        room = min(spec.n_max, session.n_ctx - pos - 1)
+        chosen = policy.choose() if policy is not None else spec.n_max
+        room = min(chosen, session.n_ctx - pos - 1)
         if n_predict >= 0:
             room = min(room, n_predict - len(out))
 
@@ -145,7 +149,9 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
             session.truncate(pos + 1 + n_emit)
         if source is not None:
             source.observe(pos, [certain] + kept[:n_emit], session.hidden[:1 + n_emit])
-        spec_stats.record(len(draft), verdict.n_accepted)
+        spec_stats.record(len(draft), verdict.n_accepted, chosen)
+        if policy is not None:
+            policy.observe(len(draft), verdict.n_accepted, t2 - t1, t1 - t0)
         spec_stats.draft_s += t1 - t0
         spec_stats.verify_s += t2 - t1
         if stats.stopped_by:

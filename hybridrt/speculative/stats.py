@@ -10,13 +10,15 @@ class SpecStats:
     n_max: int
     drafted: list[int] = field(default_factory=list)     # drafts proposed, per step
     accepted: list[int] = field(default_factory=list)    # drafts kept, per step
+    chosen: list[int] = field(default_factory=list)      # drafts asked for (the adaptive length), per step
     draft_s: float = 0.0       # proposing (draft model / MTP forwards, n-gram lookups)
     verify_s: float = 0.0      # the target's k-token forwards
     other_s: float = 0.0       # acceptance, sampling, bookkeeping
 
-    def record(self, n_drafted: int, n_accepted: int) -> None:
+    def record(self, n_drafted: int, n_accepted: int, n_chosen: int | None = None) -> None:
         self.drafted.append(n_drafted)
         self.accepted.append(n_accepted)
+        self.chosen.append(self.n_max if n_chosen is None else n_chosen)
 
     @property
     def steps(self) -> int:
@@ -40,11 +42,19 @@ class SpecStats:
             h[a] += 1
         return h
 
+    @property
+    def chosen_histogram(self) -> list[int]:
+        """chosen_histogram[n] = steps that asked for n drafts (all n_max without adaptive length)."""
+        h = [0] * (self.n_max + 1)
+        for n in self.chosen:
+            h[n] += 1
+        return h
+
     def to_dict(self) -> dict:
         return {"source": self.source, "n_max": self.n_max, "steps": self.steps,
                 "drafted": sum(self.drafted), "accepted": sum(self.accepted),
                 "acceptance_rate": self.acceptance_rate, "tokens_per_step": self.tokens_per_step,
-                "histogram": self.histogram, "draft_s": self.draft_s, "verify_s": self.verify_s,
+                "histogram": self.histogram, "chosen_histogram": self.chosen_histogram, "draft_s": self.draft_s, "verify_s": self.verify_s,
                 "other_s": self.other_s}
 
     def summary(self) -> str:
@@ -52,6 +62,12 @@ class SpecStats:
         share = (lambda t: f"{100 * t / total:.0f}%") if total else (lambda t: "-")
         return (f"speculative ({self.source}, n_max {self.n_max}): {self.steps} steps, "
                 f"accepted {sum(self.accepted)}/{sum(self.drafted)} drafts ({100 * self.acceptance_rate:.1f}%), "
-                f"{self.tokens_per_step:.2f} tokens/step, accepted-per-step histogram {self.histogram}, "
+                f"{self.tokens_per_step:.2f} tokens/step, accepted-per-step histogram {_compact(self.histogram)}, "
+                + (f"chosen lengths {_compact(self.chosen_histogram)}, " if any(self.chosen_histogram[:-1]) else "") +
                 f"time draft {self.draft_s * 1e3:.0f} ms ({share(self.draft_s)}) / verify {self.verify_s * 1e3:.0f} ms "
                 f"({share(self.verify_s)}) / other {self.other_s * 1e3:.0f} ms ({share(self.other_s)})")
+
+
+def _compact(histogram: list[int]) -> str:
+    """[5, 0, 0, 3] -> '{0: 5, 3: 3}': long n_max stays one short line."""
+    return "{" + ", ".join(f"{i}: {n}" for i, n in enumerate(histogram) if n) + "}"

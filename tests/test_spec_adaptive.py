@@ -1,0 +1,81 @@
+"""Adaptive draft length: the policy's choice from acceptance and verify cost, and greedy parity with
+plain decoding when the length changes every step."""
+from __future__ import annotations
+
+import pytest
+
+from hybridrt.speculative.adaptive import DraftLengthPolicy
+from hybridrt.speculative.draft_forced import ForcedSource
+from hybridrt.speculative.sources import build_source
+from tests.test_spec_loop import GREEDY, N_GEN, plain, prompt, qwen3, qwen35, spec_run  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def feed(policy: DraftLengthPolicy, steps: int, accept, verify_s, draft_s: float = 0.001) -> list[int]:
+    """Run the policy against a simulated source: accept(n) -> kept drafts, verify_s(k) -> seconds."""
+    chosen = []
+    for _ in range(steps):
+        n = policy.choose()
+        chosen.append(n)
+        policy.observe(n, accept(n), verify_s(n + 1), draft_s * n)
+    return chosen
+
+
+def test_drafts_that_are_always_rejected_turn_drafting_off_with_probes():
+    p = DraftLengthPolicy(n_max=4, probe_every=8)
+    chosen = feed(p, 80, accept=lambda n: 0, verify_s=lambda k: 0.010 + 0.002 * (k - 1))
+    assert p.acceptance < 0.2          # the prior (two trials at 0.6) against ~10 weighted failures
+    tail = chosen[20:]
+    assert tail.count(0) >= 0.8 * len(tail)            # plain steps, mostly
+    assert 1 in tail and max(tail) == 1                 # a single-draft probe now and then, never more
+
+
+def test_drafts_that_are_always_accepted_with_cheap_verify_use_n_max():
+    p = DraftLengthPolicy(n_max=6)
+    chosen = feed(p, 30, accept=lambda n: n, verify_s=lambda k: 0.010 + 0.0005 * (k - 1))
+    assert chosen[-16:].count(6) >= 14 and min(chosen[-16:]) >= 5 and p.acceptance > 0.9   # + neighbour probes
+
+
+def test_expensive_verify_shortens_the_window():
+    """At acceptance 0.5, a verify whose cost doubles per extra token makes one draft the best."""
+    cheap, costly = DraftLengthPolicy(n_max=5), DraftLengthPolicy(n_max=5)
+    half = lambda n: min(n, 1) if n else 0                  # noqa: E731  (accept ~ half the judged drafts)
+    feed(cheap, 40, accept=half, verify_s=lambda k: 0.010 + 0.0002 * (k - 1))
+    feed(costly, 40, accept=half, verify_s=lambda k: 0.010 * k)
+    assert cheap.choose() > costly.choose() >= 0
+    assert costly.expected_rate(costly.choose()) >= max(costly.expected_rate(n) for n in range(6)) - 1e-12
+
+
+def test_verify_cost_interpolates_and_extrapolates():
+    p = DraftLengthPolicy(n_max=8)
+    p.observe(0, 0, 0.010, 0.0)       # k = 1
+    p.observe(3, 1, 0.016, 0.003)     # k = 4
+    assert p.verify_cost(1) == 0.010 and p.verify_cost(4) == 0.016
+    assert p.verify_cost(2) == pytest.approx(0.012) and p.verify_cost(7) == pytest.approx(0.022)
+
+
+@pytest.mark.parametrize("corrupt", [0.0, 0.5, 1.0])
+def test_adaptive_length_keeps_greedy_parity(qwen3, corrupt):
+    """Forced drafts (the target's own continuation, a share of them corrupted): whatever length the
+    policy picks each step, the output is plain decoding's."""
+    ids = prompt(3)
+    ref = plain(qwen3, ids)
+
+    def source_of(session, spec):
+        return ForcedSource(None, ref, len(ids), qwen3.n_vocab, corrupt=corrupt, seed=1)
+
+    out, stats, _, _ = spec_run(qwen3, ids, source_of, n_max=5, adaptive=True)
+    assert out == ref
+    assert sum(stats.spec.chosen_histogram) == stats.spec.steps
+    assert all(d <= c for d, c in zip(stats.spec.drafted, stats.spec.chosen))
+    if corrupt == 1.0:                  # nothing is ever accepted: the policy stops asking for 5
+        assert stats.spec.chosen[-1] < 5
+
+
+def test_adaptive_mtp_parity(qwen35):
+    ids = prompt(5)
+    ref = plain(qwen35, ids)
+    out, stats, _, _ = spec_run(qwen35, ids, lambda s, spec: build_source("draft-mtp", s, GREEDY, spec, None),
+                                n_max=3, adaptive=True)
+    assert out == ref and len(out) == N_GEN
