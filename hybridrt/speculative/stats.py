@@ -37,18 +37,12 @@ class SpecStats:
     @property
     def histogram(self) -> list[int]:
         """histogram[a] = steps that kept exactly a drafts."""
-        h = [0] * (self.n_max + 1)
-        for a in self.accepted:
-            h[a] += 1
-        return h
+        return _count(self.accepted, self.n_max)
 
     @property
     def chosen_histogram(self) -> list[int]:
         """chosen_histogram[n] = steps that asked for n drafts (all n_max without adaptive length)."""
-        h = [0] * (self.n_max + 1)
-        for n in self.chosen:
-            h[n] += 1
-        return h
+        return _count(self.chosen, self.n_max)
 
     def to_dict(self) -> dict:
         return {"source": self.source, "n_max": self.n_max, "steps": self.steps,
@@ -71,3 +65,10 @@ class SpecStats:
 def _compact(histogram: list[int]) -> str:
     """[5, 0, 0, 3] -> '{0: 5, 3: 3}': long n_max stays one short line."""
     return "{" + ", ".join(f"{i}: {n}" for i, n in enumerate(histogram) if n) + "}"
+
+
+def _count(values: list[int], n_max: int) -> list[int]:
+    h = [0] * (n_max + 1)
+    for v in values:
+        h[v] += 1
+    return h
