@@ -53,6 +53,13 @@ def test_serve_without_the_stack_prints_one_install_line(monkeypatch):
         cli_serve._server_stack()
 
 
+def test_serve_bad_flags_are_one_line_errors():
+    r = subprocess.run([sys.executable, "-c", "from hybridrt.cli import main; main()", "serve", "-m", MODEL,
+                        "-ctk", "q4_0"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
+    assert r.stderr.startswith("error: unsupported KV cache type 'q4_0'")
+
+
 # ----------------------------------------------------------------------------- the server process
 def _free_port() -> int:
     with socket.socket() as s:
@@ -277,6 +284,21 @@ def test_disconnect_mid_stream_frees_the_session(server):
     assert _metric(server, "hybridrt_requests_cancelled_total") == before + 2
 
 
+def test_event_loop_stays_responsive_while_decoding(server):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 120, "temperature": 0.8, "seed": 2, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+        waits = []
+        for _ in range(5):
+            t0 = time.monotonic()
+            assert server.health()["sessions_in_use"] >= 1
+            waits.append(time.monotonic() - t0)
+    assert max(waits) < 1.0, waits
+    assert server.wait_idle()["sessions_in_use"] == 0
+
+
 def _metric(server, name: str) -> float:
     text = httpx.get(server.url + "/metrics", timeout=10).text
     for line in text.splitlines():
@@ -298,7 +320,8 @@ def test_metrics_text(server, client):
 # ----------------------------------------------------------------------------- queue and load
 def test_full_queue_answers_503(tmp_path):
     require(SMOLLM2)
-    s = Server(tmp_path / "serve1.log", "-c", "256", "--parallel", "1", "--max-queue", "1")
+    # plain decoding (no --spec-type) on a run-time q8_0 K / f16 V cache
+    s = Server(tmp_path / "serve1.log", "-c", "256", "--parallel", "1", "--max-queue", "1", "-ctk", "q8_0", "-ctv", "f16")
     try:
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 0}
         with ThreadPoolExecutor(4) as ex:
