@@ -39,8 +39,7 @@ def q8_0_quantize(x: torch.Tensor) -> torch.Tensor:
 def q8_0_dequantize(blocks: torch.Tensor) -> torch.Tensor:
     """uint8 [..., nb, 34] q8_0 blocks -> float32 [..., nb * 32] (gguf-py's q * d, bitwise)."""
     d = blocks[..., :2].view(torch.float16).float()
-    q = blocks[..., 2:].view(torch.int8).float()
-    return (q * d).flatten(-2)
+    return blocks[..., 2:].view(torch.int8).float().mul_(d).flatten(-2)
 
 
 def _float_rows(cache, lo: int, hi: int) -> torch.Tensor:
