@@ -162,7 +162,6 @@ class SessionPool:
         decoder = model.tokenizer.stream()
         scanner = StopScanner(req.stop)
         pieces: list[str] = []
-        n_tokens = 0
 
         def emit(text: str) -> None:
             if text:
@@ -171,8 +170,6 @@ class SessionPool:
                     job.put("text", text)
 
         def on_token(token: int) -> bool:
-            nonlocal n_tokens
-            n_tokens += 1
             if job.cancelled.is_set():
                 return True
             emit(scanner.push(decoder.push(token)))
@@ -184,15 +181,15 @@ class SessionPool:
                               ngram_n_max=cfg.ngram_n, cache_type=cfg.cache_type)
         ids = list(req.prompt_ids)
         if source is None:      # as `hybridrt run`: plain decoding without a source
-            _, stats = generate(model, session, ids, req.max_tokens, req.sampler, on_token=on_token)
+            out, stats = generate(model, session, ids, req.max_tokens, req.sampler, on_token=on_token)
         else:
-            _, stats = speculative_generate(model, session, ids, req.max_tokens, req.sampler, source,
+            out, stats = speculative_generate(model, session, ids, req.max_tokens, req.sampler, source,
                                             cfg.spec, on_token=on_token)
         if not scanner.stopped:
             emit(scanner.push(decoder.flush()))
             emit(scanner.flush())
         cancelled = job.cancelled.is_set()
-        self.metrics.generation(stats, n_tokens, cancelled)
+        self.metrics.generation(stats, len(out), cancelled)
         finish = "stop" if scanner.stopped or stats.stopped_by == "eog" else "length"
-        return GenResult("".join(pieces), finish, stats, n_tokens)
+        return GenResult("".join(pieces), finish, stats, len(out))
 
