@@ -185,3 +185,16 @@ def test_cuda_placed_verify_batch_bitwise_and_speculative_parity(tiny_qwen35_mtp
     source = build_source("draft-mtp", session, GREEDY, spec, None)
     got, _ = speculative_generate(placed, session, prompt, 24, GREEDY, source, spec, stop_ids=set())
     assert got == ref
+
+
+def test_python_api_vram_string_plans_like_the_cli():
+    m = load_model(require(SMOLLM2), vram="700MiB")
+    assert m.plan.options.vram_bytes == 700 * MiB and len(m.plan.ffn_gpu_layers) == 14
+    s = m.session()
+    assert (s.n_ctx, s.k_max) == (4096, 1)
+    from hybridrt.errors import UserError
+
+    with pytest.raises(UserError, match="more than the plan reserved"):
+        m.session(8192)
+    with pytest.raises(UserError, match="differs from the plan"):
+        m.session(512, "f32")
