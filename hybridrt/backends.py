@@ -21,7 +21,7 @@ from gpu_kernels.pointwise import per_token
 from gpu_kernels.qlinear import QuantLinear, TileScratch
 from gpu_kernels.quant import QUANTIZED_TYPES
 
-from .executor import Executor, HostFFN, SplitFFN, TracedBackend
+from .executor import Executor, HostExperts, HostFFN, SplitFFN, TracedBackend
 from .gguf_file import GGUFFile
 
 
@@ -95,6 +95,30 @@ class GluFFN:
         return self.down(g * self.up(x))
 
 
+class RoutedExperts:
+    """A MoE layer's routed experts, each a gated FFN bound where the plan put its layer.
+
+    `experts(x, top_e, weights)` is sum_j weights[:, j] * expert_{top_e[:, j]}(x). The batch's tokens
+    are grouped by expert: each touched expert runs once over the rows routed to it (on the CPU one
+    k-input fused FFN, its weights read once for all of them), and every token adds its experts in
+    ascending id order from zero, so a token's output bits do not depend on which other tokens share
+    the batch (the k-input kernels are bit-stable across k)."""
+
+    def __init__(self, experts: list):
+        self.experts = experts
+        self.nbytes = sum(e.nbytes for e in experts)
+        self.n_embd = experts[0].down.n_out
+
+    def __call__(self, x: torch.Tensor, top_e: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(x.shape[0], self.n_embd, dtype=torch.float32, device=x.device)
+        ids = top_e.cpu()       # which experts run is a host decision: one small copy, not one per expert
+        for e in torch.unique(ids).tolist():        # ascending
+            rows, slot = (ids == e).nonzero(as_tuple=True)
+            rows, slot = rows.to(x.device), slot.to(x.device)
+            out.index_add_(0, rows, self.experts[e](x[rows]) * weights[rows, slot, None])
+        return out
+
+
 class Embedding:
     """Token embedding rows gathered from the mmap (a step needs only k rows of it)."""
 
@@ -126,7 +150,8 @@ class WeightBinder:
     go to `default`. With no GPU everything defaults to "cpu".
 
     With an `executor` (a plan is being executed), FFN layers left on the CPU are bound as
-    `HostFFN` (their rows cross to the host and back), `split` = (layer, units) binds that layer's
+    `HostFFN` (their rows cross to the host and back), a MoE layer's routed experts left on the CPU
+    as `HostExperts` (likewise, with the routing), `split` = (layer, units) binds that layer's
     first `units` intermediate units on the device and the rest on the CPU, and with tracing on,
     device backends report their calls to the trace.
     """
@@ -189,16 +214,42 @@ class WeightBinder:
             linear = self._device_linear(raw, qtype, n_in, n_out, name)
         return linear, [i.n_rows for i in infos]
 
-    def glu_ffn(self, prefix: str, act: str):
-        names = [f"{prefix}.ffn_gate.weight", f"{prefix}.ffn_up.weight", f"{prefix}.ffn_down.weight"]
+    def glu_ffn(self, prefix: str, act: str, suffix: str = ""):
+        """A gated FFN (ffn_gate/up/down{suffix}; "_shexp" is a MoE layer's shared expert)."""
+        names = [f"{prefix}.ffn_{m}{suffix}.weight" for m in ("gate", "up", "down")]
         places = {self.where(n) for n in names}
-        if self.split is not None and prefix == f"blk.{self.split[0]}" and places == {"cpu"}:
+        if self.split is not None and prefix == f"blk.{self.split[0]}" and places == {"cpu"} and not suffix:
             return self._split_ffn(prefix, names, act, self.split[1])
         gate, up, down = (self.linear(n) for n in names)
         if places == {"cpu"}:
             ffn = CpuGluFFN(gate, up, down, act)
             return ffn if self.executor is None else HostFFN(ffn, self.executor, prefix)
         return GluFFN(gate, up, down, act)
+
+    def routed_experts(self, prefix: str):
+        """A MoE layer's routed experts (ffn_{gate,up,down}_exps, {n_in, n_out, n_expert}): one gated
+        FFN per expert, on the device or in the mmap as the plan says for the layer; with an executor,
+        experts left in the mmap run on its worker (HostExperts)."""
+        names = [f"{prefix}.ffn_{m}_exps.weight" for m in ("gate", "up", "down")]
+        n_expert = self.gguf.tensors[names[0]].shape[2]
+        experts = RoutedExperts([self._expert_glu(names, e) for e in range(n_expert)])
+        if self.executor is not None and {self.where(n) for n in names} == {"cpu"}:
+            return HostExperts(experts, self.executor, f"{prefix} experts")
+        return experts
+
+    def _expert_glu(self, names: list[str], expert: int):
+        linears = []
+        for name in names:
+            info = self.gguf.tensors[name]
+            n_in, n_out = info.shape[0], info.shape[1]
+            raw = self.gguf.tensor_bytes(name)[expert * n_out:(expert + 1) * n_out]   # its rows are contiguous
+            if self.where(name) == "cpu":
+                linears.append(CpuQuantLinear(raw, info.qtype, n_in, n_out, f"{name}[{expert}]"))
+            else:
+                linears.append(self._device_linear(raw, info.qtype, n_in, n_out, f"{name}[{expert}]"))
+        if all(isinstance(m, CpuQuantLinear) for m in linears):
+            return CpuGluFFN(*linears, "silu")
+        return GluFFN(*linears, "silu")
 
     def _split_ffn(self, prefix: str, names: list[str], act: str, units: int) -> SplitFFN:
         """Units [0, units) of the layer on the device, [units, n_ff) in host memory (gate and up

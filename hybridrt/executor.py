@@ -3,7 +3,8 @@
 A plan puts the trunk (attention / GDN, norms, output head, KV) and some FFN layers on the device
 and leaves the other FFN layers quantized in the mmap. The model files do not know that: each layer
 calls the FFN backend it was bound to. Those that cross to the CPU are `HostFFN` (a whole layer in
-the mmap) and `SplitFFN` (the boundary layer, part on each side). This module owns what crossing
+the mmap), `SplitFFN` (the boundary layer, part on each side) and `HostExperts` (a MoE layer's
+routed experts in the mmap, its router and shared expert on the device). This module owns what crossing
 needs: one CPU worker thread for the Numba kernels, the pinned host buffers activations cross in,
 stream-ordered copies with events instead of device-wide synchronizes, and the trace.
 
@@ -115,6 +116,36 @@ class HostFFN:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.finish(self.start(x))
+
+
+class HostExperts:
+    """A MoE layer's routed experts left in the mmap, called from a trunk on the device (the router
+    and the shared expert stay there). The k x n_embd rows, each token's expert weights and its
+    expert ids cross in ONE copy to a host buffer ([x | weights | ids] as float32; ids < 2^24 are
+    exact); on the worker each touched expert's k-input FFN runs once over the tokens routed to it
+    (`RoutedExperts`), and the weighted sum is queued back. Nothing overlaps it: the shared expert
+    it could run beside is microseconds on the device."""
+
+    def __init__(self, experts, executor: Executor, name: str):
+        self.experts, self.executor, self.name = experts, executor, name
+        self.nbytes = experts.nbytes
+
+    def __call__(self, x: torch.Tensor, top_e: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        packed = torch.cat((x.float(), weights.float(), top_e.float()), dim=1)
+        host_in, ready = self.executor.to_host(packed, f"{self.name} in")
+        pending = self.executor.submit(self._run, host_in, ready, x.shape[1])
+        return self.executor.to_device(pending.result(), f"{self.name} out")
+
+    def _run(self, host_in: torch.Tensor, ready, n_embd: int) -> torch.Tensor:
+        if ready is not None:
+            ready.synchronize()     # this copy only
+        n_used = (host_in.shape[1] - n_embd) // 2
+        x, weights = host_in[:, :n_embd], host_in[:, n_embd:n_embd + n_used]
+        top_e = host_in[:, n_embd + n_used:].long()
+        host_out = self.executor.host_buffer(f"{self.name} out", host_in.shape[0], self.experts.n_embd)
+        with maybe_span(self.executor.trace, f"cpu experts {self.name}", "cpu_ffn", rows=host_in.shape[0]):
+            host_out.copy_(self.experts(x, top_e, weights))
+        return host_out
 
 
 class SplitFFN:

@@ -26,6 +26,7 @@ class ModelInfo:
     bytes_per_type: dict[str, int] = field(default_factory=dict)
     tensors_per_type: dict[str, int] = field(default_factory=dict)
     layer_kinds: dict[str, int] = field(default_factory=dict)
+    experts: dict[str, int] = field(default_factory=dict)    # MoE: count, used, ffn, shared_ffn; {} if dense
     tensors: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -44,13 +45,23 @@ def _file_type_name(value) -> str:
 
 
 def layer_kinds(f: GGUFFile, n_layer: int) -> dict[str, int]:
-    """Count attention vs gated-delta-net layers for hybrids (qwen35, qwen3next)."""
+    """Count attention vs gated-delta-net layers for hybrids (qwen35, qwen35moe, qwen3next)."""
     interval = f.get("full_attention_interval")
     if interval is None:
         return {"attention": n_layer}
     interval = int(interval)
     n_attn = sum(1 for i in range(n_layer) if (i + 1) % interval == 0)
     return {"gated_delta_net": n_layer - n_attn, "attention": n_attn}
+
+
+def moe_facts(f: GGUFFile) -> dict[str, int]:
+    """Routed experts per layer, used per token, their FFN width and the shared expert's (MoE only)."""
+    count = int(f.get("expert_count", 0) or 0)
+    if not count:
+        return {}
+    return {"count": count, "used": int(f.get("expert_used_count", 0) or 0),
+            "ffn": int(f.get("expert_feed_forward_length", 0) or 0),
+            "shared_ffn": int(f.get("expert_shared_feed_forward_length", 0) or 0)}
 
 
 def read_model_info(f: GGUFFile, with_tensors: bool = False) -> ModelInfo:
@@ -80,6 +91,7 @@ def read_model_info(f: GGUFFile, with_tensors: bool = False) -> ModelInfo:
         bytes_per_type=dict(bytes_per_type.most_common()),
         tensors_per_type=dict(count_per_type.most_common()),
         layer_kinds=layer_kinds(f, block_count - nextn),
+        experts=moe_facts(f),
         tensors=[{"name": t.name, "type": t.type_name, "shape": list(t.shape), "bytes": t.nbytes}
                  for t in f.tensors.values()] if with_tensors else [],
     )

@@ -4,12 +4,13 @@
 Real Qwen3.5/3.6 GDN-hybrid MTP models cannot be downloaded here, so tests and the VRAM planner
 use files built by this script:
 
-* tiny models with random weights (``qwen35`` with optional MTP block, ``qwen3``, ``llama``,
-  ``gemma3``, ``qwen3next``), f32 / q8_0 / q4_k_m mixes, deterministic for a seed, loadable by
-  llama.cpp and by hybridrt;
-* full-size *sparse* files (``--preset qwen3.6-27b-mtp --sparse``): the complete header, metadata,
-  tokenizer and tensor table of a Q4_K_M file, with the data region left as a hole
-  (``truncate``), so the file has its real apparent size (~16.6 GB) but takes a few MB on disk.
+* tiny models with random weights (``qwen35`` and ``qwen35moe`` with optional MTP block,
+  ``qwen3``, ``llama``, ``gemma3``, ``qwen3next``), f32 / q8_0 / q4_k_m mixes, deterministic for
+  a seed, loadable by llama.cpp and by hybridrt;
+* full-size *sparse* files (``--preset qwen3.6-27b-mtp --sparse``,
+  ``--preset qwen3.6-35b-a3b --sparse``): the complete header, metadata, tokenizer and tensor
+  table of a Q4_K_M file, with the data region left as a hole (``truncate``), so the file has its
+  real apparent size (~16.6 GB for the 27B) but takes a few MB on disk.
 
 Layout facts (checked against llama.cpp's ``src/models/qwen35.cpp`` loader, ``gguf-py`` constants,
 the converter's Qwen3.5 path and ``src/llama-quant.cpp``):
@@ -31,6 +32,11 @@ the converter's Qwen3.5 path and ``src/llama-quant.cpp``):
   ``ffn_{gate,up}_exps`` {n_embd, n_ff_exp, n_expert}, ``ffn_down_exps`` {n_ff_exp, n_embd,
   n_expert}, and a shared SwiGLU expert ``ffn_{gate,up,down}_shexp`` scaled by
   sigmoid(``ffn_gate_inp_shexp`` {n_embd} . x); llama.cpp refuses a qwen3next file without experts;
+* qwen35moe (``src/models/qwen35moe.cpp``): qwen35's trunk exactly (separate ``ssm_beta`` /
+  ``ssm_alpha``, tiled value heads, ``rope.dimension_sections``) with qwen3next's MoE FFN in every
+  layer, the MTP block included (a gated full-attention block whose FFN is the same MoE); metadata
+  ``expert_count``, ``expert_used_count``, ``expert_feed_forward_length``,
+  ``expert_shared_feed_forward_length``; no ``expert_weights_scale`` (weights renormalised only);
 * gemma3 (``src/models/gemma3.cpp`` and its hparams loader): tied embeddings, q/k norms,
   ``post_attention_norm`` and ``post_ffw_norm`` after the mixer/FFN outputs, ``ffn_norm`` before the
   GELU-tanh FFN; metadata has ``attention.sliding_window`` and ``attention.key_length`` but no
@@ -40,7 +46,11 @@ the converter's Qwen3.5 path and ``src/llama-quant.cpp``):
   a ``std::map``), ``output.weight`` Q6_K, ``attn_v``/``attn_qkv`` and ``ffn_down`` Q6_K where
   ``use_more_bits(i, n)``, other 2-D weights Q4_K, 1-D tensors / ``*_norm`` / ``ssm_conv1d`` /
   ``ssm_a`` / ``ssm_dt.bias`` F32, and the fallback Q4_K -> Q5_0, Q6_K -> Q8_0 for rows that are
-  not a multiple of 256.
+  not a multiple of 256. For a MoE model llama-quantize takes ``ffn_down``'s use_more_bits index
+  from the tensor name's block number (out of the block count), so ``ffn_down_exps`` and
+  ``ffn_down_shexp`` of a layer share it; qwen35moe files follow that (qwen3next files keep the
+  running count, so existing test files keep their bytes). Its n_expert == 8 bumps (attn_k/attn_v
+  Q8_0, attn_output Q5_K) are not modelled: the files here have 16 or 256 experts.
 
 Importing from tests: ``tests/conftest.py`` puts ``scripts/`` on ``sys.path`` and does
 ``import make_model``; use ``make_model.write_model(...)`` / ``make_model.write_sparse_preset(...)``.
@@ -48,6 +58,8 @@ Importing from tests: ``tests/conftest.py`` puts ``scripts/`` on ``sys.path`` an
 CLI::
 
     python scripts/make_model.py --preset qwen3.6-27b-mtp --sparse --out /tmp/q36.gguf
+    python scripts/make_model.py --preset qwen3.6-35b-a3b --sparse --out /tmp/q36moe.gguf
+    python scripts/make_model.py --arch qwen35moe --mtp --mix q4_k_m --out /tmp/tiny-moe.gguf
     python scripts/make_model.py --arch qwen35 --mtp --mix f32 --seed 0 --out /tmp/tiny.gguf
     python scripts/make_model.py --arch llama --dims n_embd=128,n_layer=4 --out /tmp/l.gguf
 """
@@ -63,8 +75,9 @@ import numpy as np
 import gguf
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
-ARCHS = ("qwen35", "qwen3", "llama", "gemma3", "qwen3next")
-HYBRID_ARCHS = ("qwen35", "qwen3next")     # Gated DeltaNet + gated full attention
+ARCHS = ("qwen35", "qwen35moe", "qwen3", "llama", "gemma3", "qwen3next")
+HYBRID_ARCHS = ("qwen35", "qwen35moe", "qwen3next")     # Gated DeltaNet + gated full attention
+MTP_ARCHS = ("qwen35", "qwen35moe")
 MIXES = ("f32", "q8_0", "q4_k_m")
 # llama_ftype values written as general.file_type
 FILE_TYPE = {"f32": 0, "q8_0": 7, "q4_k_m": 15}
@@ -85,14 +98,14 @@ class ModelDims:
     rms_eps: float = 1e-6
     context_length: int = 4096
     tied: bool = False           # no output.weight: the head reuses token_embd
-    n_mtp: int = 0               # qwen35 only: NextN blocks appended after the trunk
+    n_mtp: int = 0               # qwen35 / qwen35moe: NextN blocks appended after the trunk
     sliding_window: int = 0      # gemma3 only: local layers see the last `sliding_window` positions
-    # qwen3next only: mixture-of-experts FFN
+    # qwen3next / qwen35moe: mixture-of-experts FFN
     n_expert: int = 0
     n_expert_used: int = 0
     n_ff_exp: int = 0
     n_ff_shexp: int = 0
-    # qwen35 / qwen3next
+    # qwen35 / qwen35moe / qwen3next
     full_attention_interval: int = 4
     ssm_conv: int = 4
     ssm_head_dim: int = 0        # ssm.state_size: GDN head dim (keys and values)
@@ -131,6 +144,12 @@ TINY_DEFAULTS: dict[str, ModelDims] = {
                            head_dim=16, n_rot=8, n_vocab=0, rope_base=1e7, ssm_head_dim=16,
                            ssm_k_heads=2, ssm_v_heads=4, n_expert=4, n_expert_used=2, n_ff_exp=32,
                            n_ff_shexp=64, name="tiny-qwen3next"),
+    # qwen35's trunk (tiled V heads, separate beta/alpha) with 16 experts (4 used) + a shared
+    # expert: enough experts that k <= 8 verify tokens share some and miss others
+    "qwen35moe": ModelDims(arch="qwen35moe", n_embd=64, n_layer=8, n_ff=64, n_head=4, n_head_kv=2,
+                           head_dim=16, n_rot=8, n_vocab=0, rope_base=1e7, ssm_head_dim=16,
+                           ssm_k_heads=2, ssm_v_heads=4, rope_sections=(2, 1, 1, 0), n_expert=16,
+                           n_expert_used=4, n_ff_exp=32, n_ff_shexp=64, name="tiny-qwen35moe"),
 }
 
 PRESETS: dict[str, tuple[ModelDims, str]] = {
@@ -140,6 +159,18 @@ PRESETS: dict[str, tuple[ModelDims, str]] = {
         n_rot=64, n_vocab=248320, rope_base=1e7, rms_eps=1e-6, context_length=262144, n_mtp=1,
         full_attention_interval=4, ssm_conv=4, ssm_head_dim=128, ssm_k_heads=16, ssm_v_heads=48,
         rope_sections=(11, 11, 10, 0), name="Qwen3.6-27B"), "q4_k_m"),
+    # Qwen3.6-35B-A3B with its MTP block, as a Q4_K_M file. These dims are the public
+    # Qwen3.5-35B-A3B config as recalled (hidden 2048, 40 layers = 30 GDN + 10 attention, 16 q / 2 kv
+    # heads of 256, 64 rotary dims, GDN 16 key / 32 value heads of 128, 256 experts with 8 used,
+    # expert and shared-expert FFN 512, vocabulary 248320, one MTP layer): verify them against a
+    # real file when one is available. feed_forward_length is not read by llama.cpp's qwen35moe
+    # loader (the expert widths are); 512 stands in for it.
+    "qwen3.6-35b-a3b": (ModelDims(
+        arch="qwen35moe", n_embd=2048, n_layer=40, n_ff=512, n_head=16, n_head_kv=2, head_dim=256,
+        n_rot=64, n_vocab=248320, rope_base=1e7, rms_eps=1e-6, context_length=262144, n_mtp=1,
+        full_attention_interval=4, ssm_conv=4, ssm_head_dim=128, ssm_k_heads=16, ssm_v_heads=32,
+        rope_sections=(11, 11, 10, 0), n_expert=256, n_expert_used=8, n_ff_exp=512, n_ff_shexp=512,
+        name="Qwen3.6-35B-A3B"), "q4_k_m"),
 }
 
 
@@ -258,6 +289,7 @@ def assign_types(specs: list[TensorSpec], mix: str, d: ModelDims) -> list[QT]:
         raise ValueError(f"unknown mix {mix!r}; expected one of {MIXES}")
     n_wv = sum(1 for s in specs if "attn_v.weight" in s.name or "attn_qkv.weight" in s.name)
     n_down = sum(1 for s in specs if "ffn_down" in s.name)
+    down_by_block = d.arch == "qwen35moe"     # llama-quantize's MoE rule (see the module notes)
     i_wv = i_down = 0
     types = []
     for s in specs:
@@ -274,6 +306,9 @@ def assign_types(specs: list[TensorSpec], mix: str, d: ModelDims) -> list[QT]:
         elif "attn_v.weight" in s.name or "attn_qkv.weight" in s.name:
             qtype = QT.Q6_K if _use_more_bits(i_wv, n_wv) else QT.Q4_K
             i_wv += 1
+        elif "ffn_down" in s.name and down_by_block:
+            block = int(s.name.split(".")[1])
+            qtype = QT.Q6_K if _use_more_bits(block, d.block_count) else QT.Q4_K
         elif "ffn_down" in s.name:
             qtype = QT.Q6_K if _use_more_bits(i_down, n_down) else QT.Q4_K
             i_down += 1
@@ -385,7 +420,7 @@ def _finish_tokenizer(arch: str, tokens: list[str], merges: list[str]) -> Tokeni
     first_special = len(tokens)
     tokens = tokens + specials
     types = [1] * first_special + [3] * len(specials)   # NORMAL, CONTROL
-    pre = {"qwen35": "qwen35", "qwen3": "qwen2", "qwen3next": "qwen2", "llama": "llama-bpe",
+    pre = {"qwen35": "qwen35", "qwen35moe": "qwen35", "qwen3": "qwen2", "qwen3next": "qwen2", "llama": "llama-bpe",
            "gemma3": "default"}[arch]
     if family == "qwen":
         return Tokenizer(tokens, types, merges, pre, bos_id=first_special, eos_id=first_special + 2,
@@ -452,7 +487,7 @@ def _add_metadata(w: gguf.GGUFWriter, d: ModelDims, tok: Tokenizer, mix: str) ->
         w.add_uint32(f"{a}.expert_used_count", d.n_expert_used)
         w.add_uint32(f"{a}.expert_feed_forward_length", d.n_ff_exp)
         w.add_uint32(f"{a}.expert_shared_feed_forward_length", d.n_ff_shexp)
-    if a == "qwen35":
+    if a in MTP_ARCHS:
         w.add_array(f"{a}.rope.dimension_sections", list(d.rope_sections))
     if a in HYBRID_ARCHS:
         w.add_uint32(f"{a}.ssm.conv_kernel", d.ssm_conv)
@@ -519,8 +554,8 @@ def tiny_dims(arch: str, mtp: bool = False, mix: str = "f32", overrides: dict | 
         d = dataclasses.replace(d, n_embd=256, n_ff=512, n_ff_exp=256 if d.n_expert else 0,
                                 n_ff_shexp=512 if d.n_expert else 0)
     if mtp:
-        if arch != "qwen35":
-            raise ValueError("--mtp is only defined for qwen35")
+        if arch not in MTP_ARCHS:
+            raise ValueError(f"--mtp is only defined for {' and '.join(MTP_ARCHS)}")
         d = dataclasses.replace(d, n_mtp=1)
     return dataclasses.replace(d, **(overrides or {}))
 
@@ -632,7 +667,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--preset", choices=sorted(PRESETS))
     ap.add_argument("--sparse", action="store_true", help="with --preset: leave the data as a hole")
     ap.add_argument("--arch", choices=ARCHS)
-    ap.add_argument("--mtp", action="store_true", help="qwen35: append one MTP (NextN) block")
+    ap.add_argument("--mtp", action="store_true", help="qwen35, qwen35moe: append one MTP (NextN) block")
     ap.add_argument("--mix", choices=MIXES, default="f32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dims", default="", help="overrides, e.g. n_embd=256,n_ff=512,n_layer=4")

@@ -10,6 +10,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3": "hybridrt.models.llama:Qwen3",
     "gemma3": "hybridrt.models.gemma3:Gemma3",
     "qwen35": "hybridrt.models.qwen35:Qwen35",
+    "qwen35moe": "hybridrt.models.qwen35:Qwen35Moe",
     "qwen3next": "hybridrt.models.qwen35:Qwen3Next",
 }
 

@@ -1,9 +1,12 @@
-"""`qwen35` (Qwen3.5/3.6 dense) and `qwen3next`: Gated DeltaNet layers with a gated full-attention
-layer every `full_attention_interval` layers, and an optional MTP (NextN) head after the trunk.
+"""`qwen35` (Qwen3.5/3.6 dense), `qwen35moe` (Qwen3.5/3.6 MoE, e.g. 35B-A3B) and `qwen3next`:
+Gated DeltaNet layers with a gated full-attention layer every `full_attention_interval` layers, and
+an optional MTP (NextN) head after the trunk.
 
 Layer i is full attention iff (i + 1) % interval == 0. The converter stored every RMSNorm weight
 with +1 folded in (except ssm_norm) and `ssm_a` as -exp(A_log), so no offsets appear here.
-qwen3next files always carry a mixture-of-experts FFN (llama.cpp refuses them without experts).
+qwen35moe is qwen35's trunk with a mixture-of-experts FFN in every layer, its MTP block included;
+qwen3next has the same MoE FFN but packs beta/alpha in one `ssm_ba` and groups (not tiles) its
+value heads. Both always carry experts (llama.cpp refuses them without).
 """
 from __future__ import annotations
 
@@ -18,9 +21,7 @@ from gpu_kernels.delta_net import causal_conv_step, delta_rule
 from gpu_kernels.norms import l2_norm, rms_norm
 from gpu_kernels.pointwise import per_token
 
-from cpu_kernels.dequant import dequantize
-
-from ..backends import CpuGluFFN, CpuQuantLinear, DeviceLinear, GluFFN, WeightBinder
+from ..backends import WeightBinder
 from ..errors import UserError
 from ..gguf_file import GGUFFile
 from ..kv_cache import KVCache, cache_dtype
@@ -116,50 +117,28 @@ class GatedDeltaNet:
         return self.w_out(y.reshape(n, s.value_dim))
 
 
-def _glu(gate, up, down, act: str = "silu"):
-    if all(isinstance(m, CpuQuantLinear) for m in (gate, up, down)):
-        return CpuGluFFN(gate, up, down, act)
-    return GluFFN(gate, up, down, act)
-
-
-def _expert_linear(w: WeightBinder, name: str, expert: int):
-    """Expert `expert` of a 3-D {n_in, n_out, n_expert} tensor: its n_out rows are contiguous."""
-    info = w.gguf.tensors[name]
-    n_in, n_out = info.shape[0], info.shape[1]
-    raw = w.gguf.tensor_bytes(name)[expert * n_out:(expert + 1) * n_out]
-    if w.where(name) == "cpu":
-        return CpuQuantLinear(raw, info.qtype, n_in, n_out, f"{name}[{expert}]")
-    weight = torch.from_numpy(dequantize(raw, info.qtype, n_in))
-    return DeviceLinear(weight.to(w.device, w.device_dtype), f"{name}[{expert}]")
-
-
 class MoEFFN:
-    """qwen3next's FFN: p = softmax(router x); the n_used most probable SwiGLU experts, weighted by
-    their p renormalised to sum 1; plus a shared SwiGLU expert scaled by sigmoid(shared_gate . x).
+    """The qwen3next / qwen35moe FFN: p = softmax(router x); the n_used most probable SwiGLU experts,
+    weighted by their p renormalised to sum 1 (no further scale); plus a shared SwiGLU expert scaled
+    by sigmoid(shared_gate . x).
 
-    Tokens are grouped by expert (each expert's weights are read once per batch), and every token
-    sums its experts in ascending id order, so its output does not depend on the batch."""
+    The routed experts are one backend (`WeightBinder.routed_experts`): it groups the batch's tokens
+    by expert, so each expert's weights are read once per batch, and a token's output does not
+    depend on which other tokens share it."""
 
     def __init__(self, w: WeightBinder, prefix: str, n_used: int):
         self.n_used = n_used
         self.router = w.linear(f"{prefix}.ffn_gate_inp.weight")
-        self.experts = [_glu(*(_expert_linear(w, f"{prefix}.ffn_{m}_exps.weight", e)
-                               for m in ("gate", "up", "down")))
-                        for e in range(self.router.n_out)]
-        self.shared = _glu(*(w.linear(f"{prefix}.ffn_{m}_shexp.weight") for m in ("gate", "up", "down")))
+        self.experts = w.routed_experts(prefix)
+        self.shared = w.glu_ffn(prefix, act="silu", suffix="_shexp")
         self.shared_gate = w.linear(f"{prefix}.ffn_gate_inp_shexp.weight")     # one output row
-        self.nbytes = sum(e.nbytes for e in self.experts) + self.shared.nbytes
+        self.nbytes = self.experts.nbytes + self.shared.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         probs = per_token(lambda r: torch.softmax(r, dim=-1), self.router(x))
         top_p, top_e = torch.topk(probs, self.n_used, dim=-1)
         weights = top_p / top_p.sum(-1, keepdim=True)
-        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        for e, expert in enumerate(self.experts):
-            rows, slot = (top_e == e).nonzero(as_tuple=True)
-            if rows.numel():
-                out.index_add_(0, rows, expert(x[rows]) * weights[rows, slot, None])
-        return out + self.shared(x) * per_token(torch.sigmoid, self.shared_gate(x))
+        return self.experts(x, top_e, weights) + self.shared(x) * per_token(torch.sigmoid, self.shared_gate(x))
 
 
 class Qwen35(Model):
@@ -181,7 +160,7 @@ class Qwen35(Model):
                                 head_dim=d_state, conv_kernel=int(g("ssm.conv_kernel")), eps=self.eps,
                                 tiled_heads=self.tiled_heads)
         split_ba = binder.has("blk.0.ssm_ba.weight")
-        n_used = int(g("expert_used_count", 0) or 0)
+        self.n_expert_used = int(g("expert_used_count", 0) or 0)
         self.layers, n_attn, n_gdn = [], 0, 0
         for i in range(self.n_layer):
             p = f"blk.{i}"
@@ -189,12 +168,17 @@ class Qwen35(Model):
                 mixer, n_attn = Attention(binder, p, self.attn_spec, cache_index=n_attn), n_attn + 1
             else:
                 mixer, n_gdn = GatedDeltaNet(binder, p, self.gdn_spec, n_gdn, split_ba), n_gdn + 1
-            ffn = MoEFFN(binder, p, n_used) if binder.has(f"{p}.ffn_gate_inp.weight") \
-                else binder.glu_ffn(p, act="silu")
+            ffn = self.make_ffn(binder, p)
             self.layers.append((binder.dense(f"{p}.attn_norm.weight"), mixer,
                                 binder.dense(f"{p}.post_attention_norm.weight"), ffn))
         self.n_attention_layers, self.n_gdn_layers = n_attn, n_gdn
         self.mtp = MTPHead(binder, self) if self.n_nextn else None
+
+    def make_ffn(self, w: WeightBinder, prefix: str):
+        """A block's FFN: the MoE one when the block has a router, else a dense SwiGLU."""
+        if w.has(f"{prefix}.ffn_gate_inp.weight"):
+            return MoEFFN(w, prefix, self.n_expert_used)
+        return w.glu_ffn(prefix, act="silu")
 
     # --- state ----------------------------------------------------------------------------------
     def new_state(self, n_ctx: int, cache_type: str = "f32", k_max: int = 4) -> HybridState:
@@ -242,6 +226,10 @@ class Qwen35(Model):
         return self.final_norm(h)
 
 
+class Qwen35Moe(Qwen35):
+    arch = "qwen35moe"
+
+
 class Qwen3Next(Qwen35):
     arch = "qwen3next"
     tiled_heads = False
@@ -251,7 +239,7 @@ class MTPHead:
     """The NextN block at index n_layer: drafts the token after next from (token, trunk hidden).
 
     e = RMSNorm(embed(t); enorm), hn = RMSNorm(h; hnorm), x = eh_proj [e ; hn]; then a gated
-    full-attention block with its own KV cache and FFN; logits = head(RMSNorm(x; shared_head_norm)).
+    full-attention block with its own KV cache and FFN (MoE for qwen35moe); logits = head(RMSNorm(x; shared_head_norm)).
     """
 
     def __init__(self, w: WeightBinder, model: Qwen35):
@@ -265,7 +253,7 @@ class MTPHead:
         # cache starts at position 1
         self.attn = Attention(w, p, dataclasses.replace(model.attn_spec, first_pos=1), cache_index=0)
         self.ffn_norm = w.dense(f"{p}.post_attention_norm.weight")
-        self.ffn = w.glu_ffn(p, act="silu")
+        self.ffn = model.make_ffn(w, p)        # qwen35moe: the same MoE FFN as the trunk's
         self.head_norm = w.dense(f"{p}.nextn.shared_head_norm.weight") \
             if w.has(f"{p}.nextn.shared_head_norm.weight") else model.output_norm
         self.head = w.linear(f"{p}.nextn.shared_head_head.weight") \

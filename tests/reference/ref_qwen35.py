@@ -1,5 +1,6 @@
-"""Float64 reference forward for ``qwen35`` (Gated DeltaNet hybrid, gated attention, MTP) and
-``qwen3next`` (the same trunk with grouped value heads, a packed ``ssm_ba`` and an MoE FFN).
+"""Float64 reference forward for ``qwen35`` (Gated DeltaNet hybrid, gated attention, MTP),
+``qwen35moe`` (qwen35 with an MoE FFN in every block, the MTP block's too) and ``qwen3next`` (the
+same trunk with grouped value heads, a packed ``ssm_ba`` and an MoE FFN).
 
 Straight from the reference notes:
 * layer i is Gated DeltaNet iff (i + 1) % full_attention_interval != 0, for i < n_layer;
@@ -16,6 +17,8 @@ Straight from the reference notes:
   head j reads key head j // r; the FFN is a mixture of experts: p = softmax(ffn_gate_inp x), the
   expert_used_count largest p renormalised to sum 1, each expert a SwiGLU (ffn_{gate,up,down}_exps),
   plus the shared SwiGLU expert (ffn_*_shexp) times sigmoid(ffn_gate_inp_shexp . x);
+* qwen35moe (llama.cpp's qwen35moe graph): qwen35's GDN and attention with that MoE FFN, in the
+  MTP block as well;
 * MTP step: x = eh_proj [enorm(embed t) ; hnorm(h_prev)], one full-attention block with its own
   KV cache and FFN, hidden = RMSNorm(x; shared_head_norm, else output_norm), logits = head(hidden).
 """
@@ -45,8 +48,8 @@ class MTPCache:
 class RefQwen35:
     def __init__(self, path: str | Path):
         W = self.W = GGUFWeights(path)
-        if W.arch not in ("qwen35", "qwen3next"):
-            raise ValueError(f"RefQwen35 handles qwen35 and qwen3next, not {W.arch}")
+        if W.arch not in ("qwen35", "qwen35moe", "qwen3next"):
+            raise ValueError(f"RefQwen35 handles qwen35, qwen35moe and qwen3next, not {W.arch}")
         self.n_embd = W.arch_meta("embedding_length")
         self.n_mtp = W.arch_meta("nextn_predict_layers", 0)
         self.n_layer = W.arch_meta("block_count") - self.n_mtp
