@@ -64,10 +64,12 @@ def serve(
     draft_n_min: int = typer.Option(0, "--spec-draft-n-min", "--draft-min", help="Drop proposals shorter than this."),
     draft_p_min: float = typer.Option(0.0, "--spec-draft-p-min", "--draft-p-min", help="Stop model drafting below this top-1 probability."),
     ngram_n: int = typer.Option(4, "--spec-ngram-size-n", help="ngram-simple: longest n-gram to match (tried down to 2)."),
+    adaptive: Optional[bool] = typer.Option(None, "--adaptive/--no-adaptive", help="Choose each step's draft count within --spec-draft-n-max (default: on for draft-mtp and draft-simple, as run)."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level (warning: no access log)."),
 ):
     """Serve the model over HTTP with OpenAI's API (/v1/chat/completions, /v1/completions, ...)."""
     uvicorn = _server_stack()
+    from .cli_run import adaptive_default, check_spec_flags
     from .kv_cache import cache_dtype, kv_cache_type
     from .loader import load_model
     from .registry import KNOWN_MODELS, resolve_model
@@ -83,6 +85,7 @@ def serve(
         raise UserError("--parallel must be >= 1 and --max-queue >= 0")
     if not 0 < port < 65536:
         raise UserError(f"--port {port} is not a TCP port")
+    check_spec_flags(draft_n_max)
     cache_type = kv_cache_type(cache_type_k, cache_type_v or cache_type_k)
     cache_dtype(cache_type)                     # an unknown type fails here, before loading
     _threadsafe_kernels(parallel)
@@ -92,8 +95,9 @@ def serve(
     if ctx_size is not None and ctx_size > m.n_ctx_train:
         raise UserError(f"-c {ctx_size} is larger than the model's training context {m.n_ctx_train}")
     n_ctx = m.n_ctx_train if ctx_size == 0 else ctx_size or min(4096, m.n_ctx_train)
-    spec = SpecConfig(n_max=draft_n_max, n_min=draft_n_min, p_min=draft_p_min)
     spec_type = spec_type or ("draft-simple" if model_draft else default_spec_type(m))
+    spec = SpecConfig(n_max=draft_n_max, n_min=draft_n_min, p_min=draft_p_min,
+                      adaptive=adaptive_default(spec_type) if adaptive is None else adaptive)
     draft_model = load_model(model_draft, threads=threads) if model_draft else None
     if threads is None:     # sessions decode at once: one pool of all cores each would oversubscribe
         import numba

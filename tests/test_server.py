@@ -266,19 +266,17 @@ def test_disconnect_mid_stream_frees_the_session(server):
         lines = r.iter_lines()
         while not next(lines).startswith("data: "):
             pass
-    t0 = time.monotonic()
-    assert server.wait_idle(5.0)["sessions_in_use"] == 0
-    assert time.monotonic() - t0 < 5.0
-    deadline = time.monotonic() + 5
+    assert server.wait_idle(10.0)["sessions_in_use"] == 0
+    deadline = time.monotonic() + 10
     while _metric(server, "hybridrt_requests_cancelled_total") == before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _metric(server, "hybridrt_requests_cancelled_total") == before + 1
 
     # a non-streaming client that gives up is noticed too (the handler polls for the disconnect)
-    with pytest.raises(httpx.ReadTimeout):
+    with pytest.raises(httpx.TimeoutException):
         httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=1.0)
-    assert server.wait_idle(5.0)["sessions_in_use"] == 0
-    deadline = time.monotonic() + 5
+    assert server.wait_idle(10.0)["sessions_in_use"] == 0
+    deadline = time.monotonic() + 10
     while _metric(server, "hybridrt_requests_cancelled_total") == before + 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _metric(server, "hybridrt_requests_cancelled_total") == before + 2

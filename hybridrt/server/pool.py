@@ -71,8 +71,8 @@ class Job:
 class SessionPool:
     def __init__(self, model: Model, cfg: ServeConfig, metrics: Metrics, draft_model: Model | None = None):
         self.model, self.cfg, self.metrics, self.draft_model = model, cfg, metrics, draft_model
-        self.sessions = [model.session(cfg.n_ctx, cfg.cache_type, k_max=cfg.spec.k_max)
-                         for _ in range(cfg.n_parallel)]
+        k_max = cfg.spec.k_max if cfg.spec_type != "none" else 1     # as `run`: no ring without drafts
+        self.sessions = [model.session(cfg.n_ctx, cfg.cache_type, k_max=k_max) for _ in range(cfg.n_parallel)]
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         # admitted = queued + decoding; counted here rather than by the queue's own bound so that
