@@ -51,9 +51,8 @@ def serve(
     port: int = typer.Option(8080, "--port", help="Port to listen on."),
     ctx_size: Optional[int] = typer.Option(None, "-c", "--ctx-size", show_default=False,
                                            help="Context per session (default: 4096 or the model's, if smaller; 0: the model's)."),
-    cache_type_k: str = typer.Option("f32", "-ctk", "--cache-type-k", help="K cache type: f32, f16, bf16, q8_0."),
-    cache_type_v: Optional[str] = typer.Option(None, "-ctv", "--cache-type-v", show_default=False,
-                                               help="V cache type (default: the K type)."),
+    cache_type_k: str = typer.Option("f16", "-ctk", "--cache-type-k", help="KV cache type for K: f16, f32, bf16, q8_0."),
+    cache_type_v: str = typer.Option("f16", "-ctv", "--cache-type-v", help="KV cache type for V: f16, f32, bf16, q8_0."),
     parallel: int = typer.Option(1, "-np", "--parallel", help="Sessions decoding at once (each has its own KV)."),
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for a session; more get 503."),
     threads: Optional[int] = typer.Option(None, "-t", "--threads", show_default=False,
@@ -86,7 +85,7 @@ def serve(
     if not 0 < port < 65536:
         raise UserError(f"--port {port} is not a TCP port")
     check_spec_flags(draft_n_max)
-    cache_type = kv_cache_type(cache_type_k, cache_type_v or cache_type_k)
+    cache_type = kv_cache_type(cache_type_k, cache_type_v)
     cache_dtype(cache_type)                     # an unknown type fails here, before loading
     _threadsafe_kernels(parallel)
     path = resolve_model(model)

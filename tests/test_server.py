@@ -137,7 +137,7 @@ def client(server):
 
 
 def _greedy_text(model, ids, n) -> str:
-    out, _ = generate(model, model.session(512), ids, n, SamplerConfig(temp=0.0))
+    out, _ = generate(model, model.session(512, "f16"), ids, n, SamplerConfig(temp=0.0))   # serve's default cache
     stream = model.tokenizer.stream()
     return "".join(stream.push(t) for t in out) + stream.flush()
 
