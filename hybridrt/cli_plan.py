@@ -89,7 +89,8 @@ def _print_report(p: Plan, host: dict, sources: dict) -> None:
                       _mib(line.cpu_bytes) if line.cpu_bytes else "·", line.detail)
     console.print(table)
     n_gpu, n_cpu = len(p.ffn_gpu_layers), len(p.ffn_cpu_layers)
-    console.print(f"FFN on GPU: {layer_ranges(p.ffn_gpu_layers) or 'none'} ({n_gpu} layers), "
+    what = "routed experts" if p.line("ffn").label == "routed experts" else "FFN"
+    console.print(f"{what} on GPU: {layer_ranges(p.ffn_gpu_layers) or 'none'} ({n_gpu} layers), "
                   f"CPU: {layer_ranges(p.ffn_cpu_layers) or 'none'} ({n_cpu} layers)"
                   + (f"; layer {p.ffn_split.layer} split, {p.ffn_split.gpu_units}/{p.ffn_split.n_ff} units "
                      f"({_mib(p.ffn_split.gpu_bytes)} MiB) on the GPU" if p.ffn_split else ""))
@@ -136,6 +137,9 @@ def plan(
     cpu_bw: Optional[float] = typer.Option(None, "--cpu-bw", help="CPU memory bandwidth in GB/s (default: measured)"),
     k_max: Optional[int] = typer.Option(None, "--k-max", help="largest token batch evaluated at once "
                                         "(default: N + 1; prompts are processed in chunks of it)"),
+    n_cpu_moe: int = typer.Option(0, "-ncmoe", "--n-cpu-moe", help="MoE: keep the routed experts of the "
+                                  "first N layers on the CPU (as llama.cpp's flag); the rest are placed "
+                                  "front first while they fit"),
     as_json: bool = typer.Option(False, "--json", help="print the whole plan as JSON"),
 ):
     """Plan GPU/CPU placement for a model before loading it: memory per category, layers, speed."""
@@ -180,7 +184,7 @@ def plan(
     options = PlanOptions(vram_bytes=budget, margin_bytes=margin_bytes, n_ctx=ctx_size,
                           cache_type_k=cache_type_k, cache_type_v=cache_type_v, spec_type=spec_type,
                           spec_draft_n_max=spec_draft_n_max, draft=draft, accept_rate=accept_rate,
-                          gpu_bw=gbw, cpu_bw=cbw, k_max=k_max)
+                          gpu_bw=gbw, cpu_bw=cbw, k_max=k_max, n_cpu_moe=n_cpu_moe)
     try:
         p = make_plan(profile, options)
     except PlanError as exc:

@@ -1,7 +1,8 @@
 """An opened GGUF described to the planner as plain data (`placement.ModelProfile`).
 
 Roles come from the tensor names every supported architecture shares (llama.cpp's naming): the
-token embedding, `output.weight`, `blk.N.ffn_*` (dense, MoE router, experts, shared expert),
+token embedding, `output.weight`, `blk.N.ffn_*` (a dense FFN, or a MoE layer's routed experts
+`ffn_*_exps`, flagged `expert`; its router and shared expert are `moe_shared`, trunk-side),
 `*norm.weight`, and the mixer tensors of each layer; a layer is a gated-delta-net layer when it has
 `ssm_*` tensors. Blocks at index >= n_layer are NextN (MTP) blocks. Widths come from the tensor
 shapes where they can, so a profile matches the file even when metadata is sparse.
@@ -42,7 +43,11 @@ def _is_norm(part: str) -> bool:
     return "norm" in part.split(".")[0] and not part.startswith("ssm_norm")
 
 
-def _role(layer: int | None, part: str, n_layer: int, kinds: dict[int, str], tied: bool) -> str:
+def _is_expert(part: str) -> bool:
+    return "_exps." in part
+
+
+def _role(layer: int | None, part: str, n_layer: int, kinds: dict[int, str], tied: bool, moe: set[int]) -> str:
     if layer is None:
         if part.startswith("token_embd."):
             return "output" if tied else "embedding"
@@ -54,7 +59,7 @@ def _role(layer: int | None, part: str, n_layer: int, kinds: dict[int, str], tie
     if _is_norm(part):
         return "norm"
     if part.startswith("ffn_"):
-        return "ffn"
+        return "moe_shared" if layer in moe and not _is_expert(part) else "ffn"
     return kinds.get(layer, "other")
 
 
@@ -92,6 +97,7 @@ def profile_from_gguf(f: GGUFFile) -> ModelProfile:
     kinds = {i: "gdn" if any(p.startswith("ssm_") for p in by_layer.get(i, {})) else "attention"
              for i in range(block_count)}
     tied = "output.weight" not in f.tensors
+    moe = {i for i, parts in by_layer.items() if any(_is_expert(p) for p in parts)}
     n_embd, n_vocab = f.tensors["token_embd.weight"].shape[:2]
 
     head_count, head_count_kv = f.get("attention.head_count"), f.get("attention.head_count_kv")
@@ -122,8 +128,8 @@ def profile_from_gguf(f: GGUFFile) -> ModelProfile:
     tensors, mixer = [], []
     for name, t in f.tensors.items():
         layer, part = _split_name(name)
-        role = _role(layer, part, n_layer, kinds, tied)
-        tensors.append(TensorEntry(name, role, t.nbytes, layer, expert="_exps." in part))
+        role = _role(layer, part, n_layer, kinds, tied, moe)
+        tensors.append(TensorEntry(name, role, t.nbytes, layer, expert=_is_expert(part)))
         if role in ("attention", "gdn", "mtp") and len(t.shape) == 2 and not part.startswith("ffn_"):
             mixer.append(t.shape[1])
 

@@ -29,6 +29,8 @@ class PlanOptions:
     layer_overhead_s: float = 30e-6     # per layer per step: kernel launches and Python dispatch
     handoff_overhead_s: float = 20e-6   # per CPU FFN layer per step: two small copies and a sync
     split_ffn: bool = True              # give the VRAM left after whole layers to part of the next one
+    n_cpu_moe: int = 0                  # llama.cpp's --n-cpu-moe: the routed experts of trunk layers
+                                        # 0..N-1 stay on the CPU (MoE models; ignored for dense ones)
 
     @property
     def n_draft(self) -> int:

@@ -3,9 +3,13 @@
 Order of reservation, each a line of the report:
   1. fixed overhead: CUDA context, allocator slack, safety margin (`margin_bytes`);
   2. speculation state: the GDN snapshot ring, the draft's KV cache, the draft's weights;
-  3. the trunk: embedding (row gather on the CPU), attention / GDN projections, norms, output head,
-     main KV cache, live recurrent state, activation and logits scratch for k_max tokens;
+  3. the trunk: embedding (row gather on the CPU), attention / GDN projections, MoE routers and
+     shared experts, norms, output head, main KV cache, live recurrent state, activation and logits
+     scratch for k_max tokens;
   4. FFN layers, whole, front layers first, while they fit; the rest run on the CPU from the mmap.
+     For a MoE model an FFN layer is the layer's routed experts (all of them: which ones a token
+     needs is known only after its router ran), and `n_cpu_moe` keeps those of the first N layers
+     on the CPU before any is placed (llama.cpp's --n-cpu-moe).
 Stages 1-3 must fit or there is no plan (PlanError says the minimum VRAM and what would fit).
 
 Snapshot ring: N slots for N drafts. A verify batch is [last token, d1..dN]; after it the state must
@@ -25,6 +29,12 @@ With position free, front-first keeps the rule simple: the GPU holds a run of la
 only grows with the budget. When the next layer does not fit, later (smaller, e.g. Q4_K-only vs
 Q6_K ffn_down) layers that still fit the remainder are taken too: the bandwidth saved per VRAM byte
 is the same for every FFN byte, so the leftover is worth filling.
+
+MoE: routed experts are the natural CPU residents. A token reads only n_used of n_expert experts per
+layer, so a CPU expert layer costs the CPU that share of its bytes per step (more for a verify batch:
+1 - (1 - used/experts)^k), while the router and shared expert are read in full by every token and
+are small: they are trunk (stage 3). Expert layers are not split by units: a split would go by
+experts, not intermediate units.
 """
 from __future__ import annotations
 
@@ -170,6 +180,8 @@ def _check(profile: ModelProfile, opt: PlanOptions) -> None:
         raise PlanError(f"k_max {opt.k_max} is smaller than a verify batch ({opt.n_draft + 1} tokens)")
     if opt.gpu_bw <= 0 or opt.cpu_bw <= 0:
         raise PlanError("bandwidths must be positive")
+    if opt.n_cpu_moe < 0:
+        raise PlanError(f"--n-cpu-moe must be at least 0, got {opt.n_cpu_moe}")
     for model in (profile, opt.draft if opt.spec_type == "draft-simple" else None):
         try:
             if model is not None:
@@ -246,6 +258,7 @@ def _fixed_lines(profile: ModelProfile, opt: PlanOptions) -> tuple[list[Line], d
 
     tied = " (tied: also the token embedding)" if profile.output_tied else ""
     kv_tok = profile.kv_bytes_per_token(ctk, ctv)
+    n_moe = len({t.layer for t in profile.tensors if t.role == "moe_shared"})
     lines += [
         Line(3, "embedding", "token embedding", 0, cpu_embedding,
              detail="rows gathered on the CPU, k rows copied up per step" if cpu_embedding
@@ -254,6 +267,9 @@ def _fixed_lines(profile: ModelProfile, opt: PlanOptions) -> tuple[list[Line], d
              detail=f"{profile.n_attention_layers} attention layers"),
         Line(3, "gdn_weights", "GDN projections", role_gpu.get("gdn", 0),
              detail=f"{profile.n_gdn_layers} GDN layers"),
+        Line(3, "moe_shared", "shared experts, routers", role_gpu.get("moe_shared", 0),
+             detail=f"{n_moe} MoE layers: router and shared expert, read by every token" if n_moe
+             else "no MoE layers"),
         Line(3, "norms", "norms", role_gpu.get("norm", 0)),
         Line(3, "output_head", "output head", role_gpu.get("output", 0), detail=f"{profile.n_vocab:,} x {profile.n_embd}{tied}"),
         Line(3, "other_weights", "other trunk tensors", role_gpu.get("other", 0)),
@@ -357,9 +373,10 @@ def plan(profile: ModelProfile, options: PlanOptions) -> Plan:
 
     left = options.vram_bytes - fixed
     ffn = profile.ffn_layer_bytes()
+    kept = [layer for layer in ffn if layer < options.n_cpu_moe] if profile.n_expert else []
     on_gpu: list[int] = []
     for layer, nbytes in ffn.items():          # front first, then any later layer that still fits
-        if nbytes <= left:
+        if nbytes <= left and layer not in kept:
             on_gpu.append(layer)
             left -= nbytes
     on_cpu = [layer for layer in ffn if layer not in set(on_gpu)]
@@ -372,16 +389,25 @@ def plan(profile: ModelProfile, options: PlanOptions) -> Plan:
     split_gpu = split.gpu_bytes if split else 0
     gpu_ffn = sum(ffn[i] for i in on_gpu) + split_gpu
     cpu_ffn = sum(ffn[i] for i in on_cpu) - split_gpu
+    what = "routed experts" if profile.n_expert else "FFN layers"
+    which = "routed experts of layers" if profile.n_expert else "FFN layers"
     detail = (f"GPU: {layer_ranges(on_gpu) or 'none'} ({len(on_gpu)} layers), "
               f"CPU: {layer_ranges(on_cpu) or 'none'} ({len(on_cpu)} layers)")
     if split:
         detail += f"; layer {split.layer} split: {split.gpu_units} of {split.n_ff} units on the GPU"
-    lines.append(Line(4, "ffn", "FFN layers", gpu_ffn, cpu_ffn, detail=detail))
+    if profile.n_expert:
+        detail += f"; {profile.n_expert} experts per layer, {profile.n_expert_used} used per token"
+    lines.append(Line(4, "ffn", what, gpu_ffn, cpu_ffn, detail=detail))
     not_fitted = []
-    if on_cpu:
-        smallest = min(ffn[i] for i in on_cpu)
+    if kept:
+        not_fitted.append(f"{which} {layer_ranges(kept)} ({_mib(sum(ffn[i] for i in kept))}) "
+                          f"stay on the CPU: --n-cpu-moe {options.n_cpu_moe}")
+    unfit = [layer for layer in on_cpu if layer not in kept]
+    if unfit:
+        smallest = min(ffn[i] for i in unfit)
         not_fitted.append(
-            f"FFN layers {layer_ranges(on_cpu)} ({len(on_cpu)} layers, {_mib(cpu_ffn + split_gpu)}) run on the CPU: "
+            f"{which} {layer_ranges(unfit)} ({len(unfit)} layers, {_mib(sum(ffn[i] for i in unfit))}) "
+            "run on the CPU: "
             f"{_mib(left)} of VRAM was left and the smallest of them needs {_mib(smallest)}"
             + (f"; {_mib(split_gpu)} of it holds the first {split.gpu_units} units of layer {split.layer}, "
                "which runs on both at once" if split else ""))

@@ -10,10 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # Tensor roles. "attention" and "gdn" are the trunk's mixer projections (and their small vectors),
-# "ffn" is everything of a trunk layer's feed-forward block (MoE router, experts, shared expert),
-# "mtp" is everything of the NextN blocks appended after the trunk, "other" is any trunk tensor the
-# model side could not name (kept on the GPU with the trunk).
-ROLES = ("embedding", "attention", "gdn", "norm", "output", "ffn", "mtp", "other")
+# "ffn" is a trunk layer's feed-forward block as the planner moves it: a dense FFN whole, or a MoE
+# layer's routed experts; "moe_shared" is the rest of a MoE layer's FFN (router, shared expert and
+# its gate): small and read by every token, so it stays with the trunk; "mtp" is everything of the
+# NextN blocks appended after the trunk, "other" is any trunk tensor the model side could not name
+# (kept on the GPU with the trunk).
+ROLES = ("embedding", "attention", "gdn", "norm", "output", "ffn", "moe_shared", "mtp", "other")
 LAYER_KINDS = ("attention", "gdn")
 
 F32 = 4
@@ -134,7 +136,8 @@ class ModelProfile:
         return sum(t.nbytes for t in self.tensors if t.role == role)
 
     def ffn_layer_bytes(self) -> dict[int, int]:
-        """Bytes of each trunk layer's whole FFN block, by layer index (layers without one omitted)."""
+        """Bytes of each trunk layer's FFN as the planner moves it (a dense FFN, or a MoE layer's
+        routed experts), by layer index (layers without one omitted)."""
         out: dict[int, int] = {}
         for t in self.tensors:
             if t.role == "ffn":

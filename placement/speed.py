@@ -8,7 +8,8 @@ both the GPU matmul and the CPU k-input matvec stream a weight row once for all 
 with bytes_gpu = GPU weights + KV read (k query rows, each over the context at the decode depth; the
 bit-stable attention runs row by row) + recurrent state read and written once, plus one write per
 snapshot; bytes_cpu = CPU FFN weights once per step (+ k embedding rows). Routed-expert tensors are
-read in the share k tokens touch: 1 - (1 - used/experts)^k, for independent routing.
+read in the share k tokens touch: 1 - (1 - used/experts)^k, for independent routing (the MTP block's
+experts too: one token per draft, the verify batch's tokens in its KV rewrite).
 GPU and CPU work is serial (each CPU FFN layer waits for its layer's attention), so times add, except
 in the split boundary layer, whose GPU and CPU halves run at the same time.
 
@@ -98,12 +99,15 @@ def _draft_token(profile: ModelProfile, opt: PlanOptions, device: dict[str, str]
     """Seconds per draft token, and seconds of the MTP KV rewrite per step (0 for other drafts)."""
     ctk, ctv, depth = opt.cache_type_k, opt.cache_type_v, opt.depth
     if opt.spec_type == "draft-mtp":
-        block = sum(t.nbytes for t in profile.tensors if device[t.name] == "gpu" and profile.in_mtp(t))
+        def block(k: int) -> float:      # a MoE block's experts are read in the share k tokens touch
+            return sum(t.nbytes * _read_fraction(profile, t.expert, k) for t in profile.tensors
+                       if device[t.name] == "gpu" and profile.in_mtp(t))
         head = 0 if profile.mtp_has_head else profile.role_bytes("output")
         kv = depth * profile.mtp_kv_bytes_per_token(ctk, ctv)
         n_blocks = len(profile.mtp_layers)
-        token = (block + head + kv) / opt.gpu_bw + n_blocks * opt.layer_overhead_s + opt.handoff_overhead_s
-        rewrite = (block + kv) / opt.gpu_bw + n_blocks * opt.layer_overhead_s
+        token = (block(1) + head + kv) / opt.gpu_bw + n_blocks * opt.layer_overhead_s + opt.handoff_overhead_s
+        # the rewrite passes the verify batch's tokens through the block at once
+        rewrite = (block(opt.n_draft + 1) + kv) / opt.gpu_bw + n_blocks * opt.layer_overhead_s
         return token, rewrite
     if opt.spec_type == "draft-simple":
         d = opt.draft

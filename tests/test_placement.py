@@ -263,7 +263,8 @@ def test_real_models_split_under_a_small_budget(path):
 
 
 def test_qwen35moe_tensor_table(tmp_path):
-    """A tiny qwen35moe-shaped header: experts, router and shared expert are FFN; GDN layers found."""
+    """A tiny qwen35moe-shaped header: routed experts are FFN (flagged expert), router and shared
+    expert are trunk-side (moe_shared); GDN layers found."""
     path = tmp_path / "moe.gguf"
     w = GGUFWriter(str(path), "qwen35moe")
     n_embd, n_exp, n_used, ff_exp, ff_sh = 64, 8, 2, 32, 48
@@ -308,8 +309,8 @@ def test_qwen35moe_tensor_table(tmp_path):
     assert prof.layers[0].gdn == GDNShape(n_v_heads=4, head_dim=16, conv_channels=128, conv_kernel=4)
     roles = {t.name: (t.role, t.expert) for t in prof.tensors}
     assert roles["blk.0.ffn_up_exps.weight"] == ("ffn", True)
-    assert roles["blk.0.ffn_gate_inp.weight"] == ("ffn", False)
-    assert roles["blk.0.ffn_up_shexp.weight"] == ("ffn", False)
+    assert roles["blk.0.ffn_gate_inp.weight"] == ("moe_shared", False)
+    assert roles["blk.0.ffn_up_shexp.weight"] == ("moe_shared", False)
     assert roles["blk.0.ssm_norm.weight"] == ("gdn", False)
     assert roles["token_embd.weight"] == ("embedding", False)
     assert prof.n_ff == n_used * ff_exp + ff_sh and (prof.n_expert, prof.n_expert_used) == (n_exp, n_used)

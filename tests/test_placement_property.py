@@ -7,12 +7,20 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from placement import MiB, PlanError, PlanOptions, plan, split_granule
+from placement import MiB, PlanError, PlanOptions, TensorEntry, plan, split_granule
 from tests.test_placement import synthetic_profile
 
 STAGE_OF = {"overhead": 1, "gdn_snapshot_ring": 2, "draft_kv": 2, "draft_weights": 2, "draft_state": 2,
-            "embedding": 3, "attention_weights": 3, "gdn_weights": 3, "norms": 3, "output_head": 3,
+            "embedding": 3, "attention_weights": 3, "gdn_weights": 3, "moe_shared": 3, "norms": 3, "output_head": 3,
             "other_weights": 3, "kv_cache": 3, "recurrent_state": 3, "scratch": 3, "ffn": 4}
+
+
+def as_moe(prof):
+    """The profile with MoE layers: each FFN tensor becomes routed experts (64, 4 used), and each
+    layer gains a 1 MiB router + shared expert (trunk-side)."""
+    tensors = [replace(t, expert=True) if t.role == "ffn" else t for t in prof.tensors]
+    tensors += [TensorEntry(f"blk.{i}.ffn_up_shexp.weight", "moe_shared", MiB, i) for i in range(prof.n_layer)]
+    return replace(prof, tensors=tuple(tensors), n_expert=64, n_expert_used=4)
 
 
 @st.composite
@@ -21,6 +29,8 @@ def cases(draw):
     mtp = draw(st.booleans())
     prof = synthetic_profile(ffn_sizes=tuple(ffn), interval=draw(st.integers(1, 5)), mtp=mtp,
                              tied=draw(st.booleans()))
+    if draw(st.booleans()):
+        prof = as_moe(prof)
     spec = draw(st.sampled_from(["none", "ngram-simple"] + (["draft-mtp"] if mtp else [])))
     opt = PlanOptions(
         vram_bytes=draw(st.integers(1, 3000)) * MiB,
@@ -31,6 +41,7 @@ def cases(draw):
         spec_type=spec,
         spec_draft_n_max=draw(st.integers(1, 8)),
         accept_rate=draw(st.floats(0, 1)),
+        n_cpu_moe=draw(st.integers(0, 30)),
     )
     return prof, opt
 
@@ -59,8 +70,12 @@ def test_plan_respects_budget_and_order(case):
     split_gpu = split.gpu_bytes if split else 0
     assert p.line("ffn").gpu_bytes == sum(ffn[i] for i in p.ffn_gpu_layers) + split_gpu
     assert p.line("ffn").cpu_bytes == sum(ffn[i] for i in p.ffn_cpu_layers) - split_gpu
-    if p.ffn_cpu_layers:                          # a layer is on the CPU only because it did not fit
-        assert p.free_bytes < min(ffn[i] for i in p.ffn_cpu_layers)
+    kept = [i for i in ffn if i < opt.n_cpu_moe] if prof.n_expert else []     # --n-cpu-moe's layers
+    assert not set(kept) & set(p.ffn_gpu_layers)
+    unfit = [i for i in p.ffn_cpu_layers if i not in kept]
+    if unfit:                                     # otherwise a layer is on the CPU only because it did not fit
+        assert p.free_bytes < min(ffn[i] for i in unfit)
+    assert p.line("moe_shared").gpu_bytes == prof.role_bytes("moe_shared")
     if split:                                     # the boundary layer takes what is left, in whole granules
         granule = split_granule(split.n_ff)
         assert split.layer == p.ffn_cpu_layers[0] and not prof.n_expert
