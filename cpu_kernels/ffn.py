@@ -7,6 +7,10 @@ up products back to back (x's chunks stay in L2) and writes act(gate) * up strai
 buffer, so the gate and up outputs never go to memory. Then the down projection is a matvec. Each
 weight byte is read once per call for any k, and a token's output does not depend on k (same
 kernels and accumulation order as `matvec`).
+
+As `matvec`, the default runs the integer kernels (matvec_int): x is quantized once and gate and
+up read the same int8 rows when their types share an activation block; `exact=True` runs the
+float32 kernels.
 """
 from __future__ import annotations
 
@@ -16,8 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
-from .matvec import CHUNK, TOKEN_TILE, check_operands, matvec, n_groups_for, tile_products
+from .matvec import CHUNK, TOKEN_TILE, check_operands, matvec, n_groups_for, tile_products, use_int
+from .matvec_int import act_block, n_row_groups, quantize_for, row_dots
 from .matvec_simd import TILE_ROWS
+from .simd_int import CACHE
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -65,14 +71,28 @@ def _gate_up_kernel(w_gate, t_gate, be_gate, w_up, t_up, be_up, x, hidden, act, 
                     hidden[t, r0 + r] = _act_times(gate[t, r], up[t, r], act)
 
 
+@njit(cache=CACHE, nogil=True, parallel=True)
+def _gate_up_int_kernel(w_gate, t_gate, w_up, t_up, xq, xd, xs, hidden, act, n_groups):
+    rows = w_gate.shape[0]
+    k = xq.shape[0]
+    for g in prange(n_groups):
+        gu = np.zeros((k, 2), np.float32)          # column 0: gate, 1: up, for all k tokens
+        for r in range(g * rows // n_groups, (g + 1) * rows // n_groups):
+            row_dots(t_gate, w_gate, r, xq, xd, xs, gu, 0)
+            row_dots(t_up, w_up, r, xq, xd, xs, gu, 1)
+            for t in range(k):
+                hidden[t, r] = _act_times(gu[t, 0], gu[t, 1], act)
+
+
 def ffn_glu(x: np.ndarray, w_gate: np.ndarray, t_gate: int, w_up: np.ndarray, t_up: int,
             w_down: np.ndarray, t_down: int, act: str = "silu",
-            scratch: FfnScratch | None = None) -> np.ndarray:
+            scratch: FfnScratch | None = None, *, exact: bool | None = None) -> np.ndarray:
     """(k, n_embd) float32 = W_down (act(W_gate x) * W_up x) for x of shape (k, n_embd).
 
     Weights are raw (rows, row_bytes) byte matrices in ggml layout (gate/up: n_ff rows, down:
     n_embd rows) with their ggml type ids. act: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma).
     With `scratch`, no allocation: the result is a view of scratch.out, valid until the next call.
+    exact: as for `matvec` (False: int8 activations, True: float32, None: the process default).
     """
     if act not in ACTIVATIONS:
         raise ValueError(f"unknown FFN activation {act!r} (expected one of {', '.join(ACTIVATIONS)})")
@@ -87,7 +107,11 @@ def ffn_glu(x: np.ndarray, w_gate: np.ndarray, t_gate: int, w_up: np.ndarray, t_
     if k > 0 and n_ff > 0:
         if x.shape[1] == 0:
             hidden.fill(0.0)
+        elif use_int(t_gate, exact) and use_int(t_up, exact) and act_block(t_gate) == act_block(t_up):
+            xq, xd, xs = quantize_for(t_gate, x)
+            _gate_up_int_kernel(w_gate, int(t_gate), w_up, int(t_up), xq, xd, xs, hidden,
+                                ACTIVATIONS[act], n_row_groups(n_ff))
         else:
             _gate_up_kernel(w_gate, int(t_gate), be_gate, w_up, int(t_up), be_up, x, hidden,
                             ACTIVATIONS[act], n_groups_for(n_ff))
-    return matvec(w_down, t_down, hidden, out)
+    return matvec(w_down, t_down, hidden, out, exact=exact)

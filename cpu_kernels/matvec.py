@@ -13,10 +13,14 @@ Bit identity: a (token, row) result is the same sequence of float operations how
 are in the call, where the token sits in it, and how many threads run (tiles, chunks and the
 accumulator lanes are fixed; threads only change which core computes a tile). Tested for every type.
 
-Activations stay float32 (no Q8 quantization of x): a result is within float32 rounding of the
-float64 product of the dequantized weights (tests: relative error <= 1e-5).
+This float kernel is the exact path: activations stay float32, a result is within float32
+rounding of the float64 product of the dequantized weights (tests: relative error <= 1e-5).
+`matvec` runs it for `exact=True` and for the types matvec_int has no integer kernel for (float
+and IQ types); otherwise the default is matvec_int's integer dot products on int8 activations.
 """
 from __future__ import annotations
+
+import os
 
 import numba
 import numpy as np
@@ -30,6 +34,7 @@ from .matvec_kquants import (decode_chunk_iq4_xs, decode_chunk_q2_k, decode_chun
                              decode_chunk_q5_k, decode_chunk_q6_k)
 from .matvec_legacy import (decode_chunk_iq4_nl, decode_chunk_q4_0, decode_chunk_q4_1, decode_chunk_q5_0,
                             decode_chunk_q5_1, decode_chunk_q8_0)
+from .matvec_int import INT_TYPES, matvec_int_into
 from .matvec_simd import LANES, TILE_ROWS, dot_tile_1, dot_tile_2, dot_tile_3, dot_tile_4
 
 CHUNK = 1024        # columns decoded per step: 4 rows x 4 KiB of float32 stay in L1 with x's chunk
@@ -165,12 +170,26 @@ def check_operands(w: np.ndarray, qtype: int, x: np.ndarray, out: np.ndarray | N
     return w, fmt.block_elems, x, out
 
 
-def matvec(w: np.ndarray, qtype: int, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+# The process-wide default of `exact` (HYBRIDRT_EXACT_ACTIVATIONS=1: float activations everywhere,
+# e.g. for a whole test session compared with a float64 reference).
+EXACT_DEFAULT = os.environ.get("HYBRIDRT_EXACT_ACTIVATIONS", "") not in ("", "0")
+
+
+def use_int(qtype: int, exact: bool | None) -> bool:
+    """Whether a call runs the integer kernel: not asked to be exact, and the type has one."""
+    return not (EXACT_DEFAULT if exact is None else exact) and int(qtype) in INT_TYPES
+
+
+def matvec(w: np.ndarray, qtype: int, x: np.ndarray, out: np.ndarray | None = None, *,
+           exact: bool | None = None) -> np.ndarray:
     """out[t, r] = sum_i W[r, i] * x[t, i] for W stored as ggml type `qtype`.
 
     w: raw bytes (rows, row_bytes) as in the file (a zero-copy mmap view is fine); row r holds output
     row r. x: (k, n_in) float32, any k >= 1, one pass over w. out: optional (k, rows) float32
     C-contiguous buffer to write into. Releases the GIL; runs on numba's threads.
+    exact: False runs the integer kernel on int8-quantized x (matvec_int; relative error ~5e-3,
+    llama.cpp's numerics), True the float32 kernel (float32 rounding only); None: EXACT_DEFAULT.
+    Either way a token's result does not depend on k or on the other tokens.
     """
     w, block_elems, x, out = check_operands(w, qtype, x, out)
     if x.shape[0] == 0 or w.shape[0] == 0:
@@ -178,5 +197,7 @@ def matvec(w: np.ndarray, qtype: int, x: np.ndarray, out: np.ndarray | None = No
     if x.shape[1] == 0:
         out.fill(0.0)
         return out
+    if use_int(qtype, exact):
+        return matvec_int_into(w, qtype, x, out)
     _matvec_kernel(w, int(qtype), block_elems, x, out, n_groups_for(w.shape[0]))
     return out

@@ -14,7 +14,7 @@ from .matvec_legacy import IQ4_LEVELS
 from .matvec_simd import block_decoder, load_f16
 
 
-def _k_scales_mins(v, off):
+def k_scales_mins(v, off):
     """The 8 six-bit (scale, min) pairs of Q4_K/Q5_K packed in the 12 bytes at off, as i32 x 8.
 
     j < 4: sc = q[j] & 63, m = q[j+4] & 63;
@@ -29,6 +29,16 @@ def _k_scales_mins(v, off):
     sc = v.shuf(v.and_(a, 63), first_low_then_high, v.or_(v.and_(a, 15), v.shl(v.shr(c, 6), 4)))
     m = v.shuf(v.and_(b, 63), first_low_then_high, v.or_(v.shr(a, 4), v.shl(v.shr(d, 6), 4)))
     return sc, m
+
+
+def q3_k_scales(v):
+    """The 16 signed 6-bit sub-block scales of Q3_K (12 bytes at 96), as i32 x 16, minus 32."""
+    s_lo = v.u8(96, 8)                          # two loads: 16 bytes from 96 would leave the block
+    s_hi = v.u8(104, 4)
+    low8 = v.shuf(s_lo, list(range(8)) * 2)
+    low = v.shuf(v.and_(low8, 15), list(range(8)) + list(range(24, 32)), v.shr(low8, 4))
+    high = v.and_(v.shr(v.shuf(s_hi, [0, 1, 2, 3] * 4), [0] * 4 + [2] * 4 + [4] * 4 + [6] * 4), 3)
+    return v.add(v.or_(low, v.shl(high, 4)), -32)
 
 
 @block_decoder
@@ -55,12 +65,7 @@ def _q3_k(v):
     Sub-blocks as Q2_K; the high bit of sub-block j is bit 4*half+shift of hmask[16*group + l].
     """
     d = v.f16(108)
-    s_lo = v.u8(96, 8)                          # two loads: 16 bytes from 96 would leave the block
-    s_hi = v.u8(104, 4)
-    low8 = v.shuf(s_lo, list(range(8)) * 2)
-    low = v.shuf(v.and_(low8, 15), list(range(8)) + list(range(24, 32)), v.shr(low8, 4))
-    high = v.and_(v.shr(v.shuf(s_hi, [0, 1, 2, 3] * 4), [0] * 4 + [2] * 4 + [4] * 4 + [6] * 4), 3)
-    dl = v.fmul(v.to_f32(v.add(v.or_(low, v.shl(high, 4)), -32)), v.splat(d, 16))
+    dl = v.fmul(v.to_f32(q3_k_scales(v)), v.splat(d, 16))
     hm = [v.u8(16 * g, 16) for g in range(2)]
     qs = [v.u8(32 + 16 * i, 16) for i in range(4)]
     for j in range(16):
@@ -76,7 +81,7 @@ def _q4_k(v):
     """Q4_K: d, dmin; scales[12]; qs[128]. Chunk c of 64: low nibbles of qs[32c:32c+32] with
     sub-block 2c, then high nibbles with 2c+1. y = d*sc*q - dmin*m."""
     d, dmin = v.f16(0), v.f16(2)
-    sc, m = _k_scales_mins(v, 4)
+    sc, m = k_scales_mins(v, 4)
     dsc = v.fmul(v.to_f32(sc), v.splat(d, 8))
     dm = v.fneg(v.fmul(v.to_f32(m), v.splat(dmin, 8)))
     qs = [v.u8(16 + 32 * c, 32) for c in range(4)]
@@ -92,7 +97,7 @@ def _q5_k(v):
     """Q5_K: d, dmin; scales[12]; qh[32]; qs[128]. As Q4_K, plus bit j of qh[l] as the 5th bit of
     element l of sub-block j."""
     d, dmin = v.f16(0), v.f16(2)
-    sc, m = _k_scales_mins(v, 4)
+    sc, m = k_scales_mins(v, 4)
     dsc = v.fmul(v.to_f32(sc), v.splat(d, 8))
     dm = v.fneg(v.fmul(v.to_f32(m), v.splat(dmin, 8)))
     qh = v.u8(16, 32)

@@ -1,4 +1,7 @@
-"""cpu_kernels.matvec: accuracy against gguf-py's dequantize, bit identity across k and threads."""
+"""cpu_kernels.matvec: accuracy against gguf-py's dequantize, bit identity across k and threads.
+
+The float64-reference accuracy test runs the exact (float activation) path; bit identity holds for
+both paths. The integer path's own accuracy tests are in test_matvec_int.py."""
 from __future__ import annotations
 
 import numba
@@ -39,28 +42,29 @@ def test_matches_float64_reference(qtype):
     w = random_weights(qtype, rows, cols, rng)
     for k in (1, 3, 8, 19):
         x = rng.standard_normal((k, cols)).astype(np.float32)
-        y = matvec(w, qtype, x)
+        y = matvec(w, qtype, x, exact=True)
         ref = _reference(w, qtype, x)
         assert y.shape == (k, rows) and y.dtype == np.float32
         rel = np.linalg.norm(y - ref) / np.linalg.norm(ref)
         assert rel <= 1e-5, f"{qtype.name} k={k}: relative error {rel:.2e}"
 
 
+@pytest.mark.parametrize("exact", [True, False], ids=["float", "int"])
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
-def test_token_result_does_not_depend_on_batch_or_threads(qtype):
+def test_token_result_does_not_depend_on_batch_or_threads(qtype, exact):
     rng = np.random.default_rng(2000 + int(qtype))
     rows, cols = 22, _cols(qtype, 6)
     w = random_weights(qtype, rows, cols, rng)
     x = rng.standard_normal((16, cols)).astype(np.float32)
     x[5] *= 1e3                                        # magnitudes differ between tokens
-    alone = np.stack([matvec(w, qtype, x[t:t + 1])[0] for t in range(16)])
+    alone = np.stack([matvec(w, qtype, x[t:t + 1], exact=exact)[0] for t in range(16)])
     for threads in (1, 2):
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         for k in (1, 2, 3, 4, 5, 8, 16):
             for start in sorted({0, 1, 16 - k}):
                 if start + k > 16:
                     continue
-                y = matvec(w, qtype, x[start:start + k])
+                y = matvec(w, qtype, x[start:start + k], exact=exact)
                 assert np.array_equal(y.view(np.uint32), alone[start:start + k].view(np.uint32)), \
                     f"{qtype.name}: tokens {start}..{start + k - 1} differ in a batch of {k}, {threads} threads"
 
@@ -75,14 +79,15 @@ def test_writes_into_preallocated_out():
     assert np.array_equal(y, matvec(w, T.Q4_K, x))
 
 
-def test_zero_copy_mmap_rows(tmp_path):
+@pytest.mark.parametrize("exact", [True, False], ids=["float", "int"])
+def test_zero_copy_mmap_rows(tmp_path, exact):
     rng = np.random.default_rng(4)
     w = random_weights(T.Q6_K, 13, 768, rng)
     path = tmp_path / "w.bin"
     path.write_bytes(b"\0" * 40 + w.tobytes())        # an unaligned offset, as tensors in a GGUF file
     mm = np.memmap(path, dtype=np.uint8, mode="r", offset=40, shape=w.shape)
     x = rng.standard_normal((2, 768)).astype(np.float32)
-    assert np.array_equal(matvec(mm, T.Q6_K, x), matvec(w, T.Q6_K, x))
+    assert np.array_equal(matvec(mm, T.Q6_K, x, exact=exact), matvec(w, T.Q6_K, x, exact=exact))
 
 
 def test_rejects_bad_operands():

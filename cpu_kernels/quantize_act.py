@@ -1,0 +1,80 @@
+"""Activation rows quantized to int8 blocks, once per call, for the integer matvec (matvec_int).
+
+llama.cpp does not multiply quantized weights with float activations: it quantizes each activation
+row into the weight type's "vec_dot type" (Q8_K for the K-quants, Q8_0/Q8_1 for the 32-weight
+types) and dots integers. This module makes those rows:
+
+    q[t, i]  int8 in [-127, 127]       round(x[t, i] / d[t, b]) for i in block b
+    d[t, b]  float32 block scale       max |x| over the block / 127 (0 for an all-zero block)
+    s[t, g]  int16 group sums          sum of q over group g (16 values for K, 32 for legacy)
+
+block = 256 with 16-value sums for the K-quants (Q8_K: the sums serve the sub-block mins and the
+constant offsets of Q3_K/Q6_K), block = 32 with 32-value sums for the legacy types (Q8_1's s).
+The scale is kept in float32 (ggml's Q8_0 stores it as float16): the kernel reads it once per
+block, so the extra precision is free. Rows are quantized independently, so a token's q, d, s are
+the same whatever else is in the batch. Rows of the legacy layout are padded to a multiple of 64
+values (zeros, d = 0, s = 0) so the kernel can always take two blocks at a time.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+QK_K = 256          # K-quant super-block
+QK_LEGACY = 32      # Q4_0 .. Q8_0 block
+PAD_LEGACY = 64     # legacy rows padded to pairs of blocks
+
+
+@njit(cache=True, nogil=True)
+def _quantize_rows(x, block, group, q, d, s):
+    k, n = x.shape
+    for t in range(k):
+        for b in range(n // block):
+            c0 = b * block
+            amax = np.float32(0.0)
+            for i in range(c0, c0 + block):
+                a = abs(x[t, i])
+                if a > amax:
+                    amax = a
+            # max|x| / 127 as the scale; multiply by 127 / max|x| (one division per block) so the
+            # largest value maps to exactly +-127.
+            scale = amax / np.float32(127.0)
+            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+            d[t, b] = scale
+            for i in range(c0, c0 + block):
+                v = np.rint(x[t, i] * inv)
+                q[t, i] = np.int8(min(max(v, np.float32(-127.0)), np.float32(127.0)))
+        for g in range(n // group):
+            acc = 0
+            for i in range(g * group, (g + 1) * group):
+                acc += np.int32(q[t, i])
+            s[t, g] = np.int16(acc)
+
+
+def quantize_rows(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(q int8 (k, n_pad), d float32 (k, n_pad/block), s int16 (k, n_pad/group)) for x (k, n).
+
+    block 256: Q8_K-like (group sums of 16). block 32: Q8_0-like (sums of 32, rows padded to 64).
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    k, n = x.shape
+    if n % block:
+        raise ValueError(f"{n} activations are not a whole number of {block}-value blocks")
+    if block == QK_K:
+        group, n_pad = 16, n
+    elif block == QK_LEGACY:
+        group, n_pad = QK_LEGACY, -(-n // PAD_LEGACY) * PAD_LEGACY
+    else:
+        raise ValueError(f"activation block must be {QK_K} or {QK_LEGACY}, got {block}")
+    q = np.zeros((k, n_pad), np.int8)
+    d = np.zeros((k, n_pad // block), np.float32)
+    s = np.zeros((k, n_pad // group), np.int16)
+    _quantize_rows(x, block, group, q, d, s)
+    return q, d, s
+
+
+def dequantize_rows(q: np.ndarray, d: np.ndarray, n: int) -> np.ndarray:
+    """The float32 activations the integer kernel actually multiplies (for references and tests)."""
+    block = q.shape[1] // d.shape[1]
+    return (q[:, :n].astype(np.float32).reshape(q.shape[0], -1, block)
+            * d[:, : n // block, None]).reshape(q.shape[0], n)

@@ -1,0 +1,156 @@
+"""The integer matvec (cpu_kernels.matvec_int) on int8-quantized activations.
+
+1. Exactness: against float64 on the dequantized weights and the *dequantized int8 activations*
+   the kernel only rounds its float32 scaling steps (relative error ~1e-7).
+2. Against float activations: every output is within the bound the activation quantization allows,
+   |y - W x| <= sum_i |W[r, i]| * d[t, block(i)] / 2 (each value is off by at most half a step).
+3. Every lowering (avx512vnni, avxvnni, avx2, portable) gives the same bits: integer sums are exact
+   and the float steps after them are the same.
+Bit identity across k and threads is in test_matvec.py (both paths).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf.constants import GGMLQuantizationType as T
+from gguf.quants import dequantize
+
+from cpu_kernels.matvec import matvec
+from cpu_kernels.matvec_int import INT_TYPES, act_block, quantize_for
+from cpu_kernels.matvec_testdata import random_weights
+from cpu_kernels.quantize_act import dequantize_rows, quantize_rows
+from cpu_kernels.simd_int import ISA, _host_features
+from test_matvec import _two_threads  # noqa: F401  (autouse: 2 numba threads)
+
+INT = [T(t) for t in sorted(INT_TYPES)]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cols(qtype):
+    # legacy: an odd number of 32-blocks (the kernel takes pairs), K: 5 super-blocks
+    return 32 * 41 if act_block(qtype) == 32 else 256 * 5
+
+
+def _x(rng, k, cols):
+    x = rng.standard_normal((k, cols)).astype(np.float32)
+    x[:, 40:80] *= 30.0                                # outliers: blocks with a coarse scale
+    x[0, : 2 * act_block(T.Q4_0)] = 0.0                # an all-zero block (d = 0)
+    return x
+
+
+@pytest.mark.parametrize("qtype", INT, ids=lambda t: t.name)
+def test_exact_on_quantized_activations(qtype):
+    rng = np.random.default_rng(100 + int(qtype))
+    rows, cols = 37, _cols(qtype)
+    w = random_weights(qtype, rows, cols, rng)
+    wd = dequantize(w, qtype).astype(np.float64)
+    for k in (1, 3, 8):
+        x = _x(rng, k, cols)
+        y = matvec(w, qtype, x)
+        q, d, _ = quantize_for(qtype, x)
+        ref = dequantize_rows(q, d, cols).astype(np.float64) @ wd.T
+        rel = np.linalg.norm(y - ref) / np.linalg.norm(ref)
+        assert rel <= 2e-6, f"{qtype.name} k={k}: relative error {rel:.2e} vs the quantized activations"
+
+
+@pytest.mark.parametrize("qtype", INT, ids=lambda t: t.name)
+def test_within_activation_quantization_bound(qtype):
+    rng = np.random.default_rng(200 + int(qtype))
+    rows, cols = 29, _cols(qtype)
+    w = random_weights(qtype, rows, cols, rng)
+    wd = dequantize(w, qtype).astype(np.float64)
+    x = _x(rng, 5, cols)
+    y = matvec(w, qtype, x).astype(np.float64)
+    exact = matvec(w, qtype, x, exact=True).astype(np.float64)
+    ref = x.astype(np.float64) @ wd.T
+    _, d, _ = quantize_for(qtype, x)
+    half_step = np.repeat(d[:, : cols // act_block(qtype)], act_block(qtype), axis=1) / 2
+    bound = half_step.astype(np.float64) @ np.abs(wd).T                  # (k, rows)
+    slack = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(wd).T)        # float32 rounding
+    assert np.all(np.abs(y - ref) <= bound + slack), f"{qtype.name}: an output is outside the quantization bound"
+    # and the exact path is much closer than the bound allows the integer one to be
+    assert np.all(np.abs(exact - ref) <= slack)
+    rel = np.linalg.norm(y - ref) / np.linalg.norm(ref)
+    assert rel < 3e-2, f"{qtype.name}: relative error {rel:.2e} vs float activations"
+
+
+def test_quantize_rows_blocks():
+    rng = np.random.default_rng(3)
+    x = _x(rng, 3, 512)
+    for block, group in ((256, 16), (32, 32)):
+        q, d, s = quantize_rows(x, block)
+        assert q.dtype == np.int8 and d.dtype == np.float32 and s.dtype == np.int16
+        assert q.min() >= -127 and q.max() <= 127
+        blocks = x.reshape(3, -1, block)
+        assert np.array_equal(d, (np.abs(blocks).max(-1) / np.float32(127)).astype(np.float32))
+        assert np.array_equal(np.abs(q.reshape(3, -1, block)).max(-1)[d > 0], np.full(np.sum(d > 0), 127))
+        assert np.array_equal(s, q.reshape(3, -1, group).astype(np.int32).sum(-1))
+        err = np.abs(dequantize_rows(q, d, 512) - x).reshape(3, -1, block)
+        assert np.all(err <= d[..., None] * (0.5 + 1e-6))
+    q, d, s = quantize_rows(np.ones((1, 96), np.float32), 32)          # 3 blocks: padded to 4
+    assert q.shape == (1, 128) and d.shape == (1, 4) and s.shape == (1, 4)
+    assert not q[0, 96:].any() and d[0, 3] == 0 and s[0, 3] == 0
+
+
+def test_gate_of_a_zero_row_is_zero():
+    rng = np.random.default_rng(4)
+    for qtype in INT:
+        w = random_weights(qtype, 4, 256, rng)
+        y = matvec(w, qtype, np.zeros((2, 256), np.float32))
+        assert np.array_equal(y, np.zeros_like(y)), qtype.name
+
+
+_ISA_SCRIPT = """
+import json, sys
+import numpy as np
+from cpu_kernels.matvec import matvec
+from cpu_kernels import simd_int
+req = json.load(open(sys.argv[1]))
+data = np.load(req["data"])
+res = {}
+for name in req["types"]:
+    res[name] = matvec(data["w_" + name], int(data["t_" + name]), data["x_" + name]).view(np.uint32).tolist()
+json.dump({"isa": simd_int.ISA, "res": res}, open(req["out"], "w"))
+"""
+
+
+def _runnable_isas():
+    f = _host_features()
+    isas = ["portable"]
+    if "avx2" in f:
+        isas.append("avx2")
+    if {"avx2", "avxvnni"} <= f or {"avx512vnni", "avx512vl"} <= f:
+        isas.append("avxvnni")     # the VEX ymm forms; AVX512-VL VNNI runs the same IR
+    if {"avx512f", "avx512bw", "avx512vnni"} <= f:
+        isas.append("avx512vnni")
+    return [i for i in isas if i != ISA]
+
+
+@pytest.mark.parametrize("isa", _runnable_isas())
+def test_every_lowering_gives_the_same_bits(tmp_path, isa):
+    rng = np.random.default_rng(5)
+    arrays, names = {}, []
+    for qtype in INT:
+        cols = _cols(qtype)
+        arrays[f"w_{qtype.name}"] = random_weights(qtype, 9, cols, rng)
+        arrays[f"t_{qtype.name}"] = np.int64(qtype)
+        arrays[f"x_{qtype.name}"] = _x(rng, 5, cols)
+        names.append(qtype.name)
+    np.savez(tmp_path / "data.npz", **arrays)
+    req = {"data": str(tmp_path / "data.npz"), "types": names, "out": str(tmp_path / "out.json")}
+    (tmp_path / "req.json").write_text(json.dumps(req))
+    env = dict(os.environ, HYBRIDRT_INT_ISA=isa, NUMBA_CACHE_DIR=str(tmp_path / "cache"), NUMBA_NUM_THREADS="2")
+    proc = subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(tmp_path / "req.json")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads((tmp_path / "out.json").read_text())
+    assert got["isa"] == isa
+    for qtype in INT:
+        here = matvec(arrays[f"w_{qtype.name}"], qtype, arrays[f"x_{qtype.name}"]).view(np.uint32)
+        assert here.tolist() == got["res"][qtype.name], f"{qtype.name}: {isa} differs from {ISA}"
