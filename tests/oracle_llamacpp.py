@@ -7,11 +7,17 @@ Every helper calls ``pytest.skip`` when the venv is missing, so oracle tests ski
 
 ``llamacpp_logits`` evaluates the tokens teacher-forced in one ``eval`` (logits for every
 position); ``llamacpp_tokenize`` is llama.cpp's tokenizer on the file's vocabulary.
+
+A broken oracle fails with one line, not a crash dump: before the first logits request on a model,
+a 2-token batch runs in its own subprocess (a llama-cpp-python built with ggml's AMX path dies
+there with SIGSEGV on AMX Xeons); if it dies, every oracle test on that model fails saying so and
+how to rebuild. A failing request reports its signal or exit code and the last stderr line.
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -46,8 +52,25 @@ json.dump([int(i) for i in ids], open(req["out"], "w"))
 """
 
 
+REBUILD_HINT = "rebuild it: bash scripts/oracle_setup.sh (GGML_NATIVE=OFF, AMX off, SIMD flags from /proc/cpuinfo)"
+
+_health: dict[str, str | None] = {}      # model path -> None (a 2-token batch ran) or why not
+
+
 def oracle_available() -> bool:
     return ORACLE_PYTHON.exists()
+
+
+def _how_it_ended(proc: subprocess.CompletedProcess) -> str:
+    if proc.returncode < 0:
+        try:
+            how = f"died with {signal.Signals(-proc.returncode).name}"
+        except ValueError:
+            how = f"died with signal {-proc.returncode}"
+    else:
+        how = f"exited with code {proc.returncode}"
+    last = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    return how + (f" ({last[-1].strip()[:300]})" if last else "")
 
 
 def _run(script: str, request: dict, timeout: float) -> None:
@@ -60,13 +83,38 @@ def _run(script: str, request: dict, timeout: float) -> None:
         proc = subprocess.run([str(ORACLE_PYTHON), "-c", script, str(req_path)],
                               capture_output=True, text=True, timeout=timeout, env=env)
         if proc.returncode != 0:
-            raise RuntimeError(f"llama.cpp failed on {request['model']}:\n{proc.stderr[-4000:]}")
+            raise RuntimeError(f"llama.cpp oracle {_how_it_ended(proc)} on {request['model']}")
+
+
+def oracle_health(model_path: str | Path, timeout: float = 300) -> str | None:
+    """None when llama.cpp evaluates a 2-token batch of `model_path`, else one line saying why not
+    (checked once per model per process)."""
+    key = str(model_path)
+    if key not in _health:
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                _run(_LOGITS_SCRIPT, {"model": key, "tokens": [1, 2], "threads": 2,
+                                      "out": str(Path(tmp) / "probe.npy")}, timeout)
+                _health[key] = None
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                _health[key] = f"{e}".splitlines()[0] if not isinstance(e, subprocess.TimeoutExpired) \
+                    else f"llama.cpp oracle hung on a 2-token batch of {key} (> {timeout:.0f} s)"
+    return _health[key]
+
+
+def require_healthy_oracle(model_path: str | Path) -> None:
+    """Fail the calling test with one line when the oracle cannot run a 2-token batch."""
+    why = oracle_health(model_path)
+    if why is not None:
+        pytest.fail(f"llama.cpp oracle is broken: a 2-token batch {why.removeprefix('llama.cpp oracle ')}; "
+                    f"{REBUILD_HINT}", pytrace=False)
 
 
 def llamacpp_logits(model_path: str | Path, tokens, threads: int = 2,
                     timeout: float = 600) -> np.ndarray:
     """Teacher-forced logits [len(tokens), n_vocab] (float32) from llama.cpp."""
     tokens = [int(t) for t in tokens]
+    require_healthy_oracle(model_path)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "logits.npy"
         _run(_LOGITS_SCRIPT, {"model": str(model_path), "tokens": tokens, "threads": threads,
