@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark cpu_kernels.matvec against this machine's memory read bandwidth and a torch baseline.
 
-    python scripts/bench_matvec.py [--quick] [--json PATH] [--threads N]
+    python scripts/bench_matvec.py [--quick] [--json PATH] [--threads N] [--kernel int|float|both]
 
 1. Read bandwidth: a parallel Numba streaming sum over a 1 GiB float32 array, best of 3.
 2. For each type, FFN shape and k in {1, 2, 3, 4, 8}: median time of `matvec` on random valid
@@ -11,6 +11,9 @@
    weight GB/s (bytes of quantized weights / time), % of the measured bandwidth, multiply-adds/s,
    and per-token cost relative to k=1 ((ms_k / k) / ms_1). Times are medians (minimums also go to
    the JSON: on a shared machine the minimum shows the kernel, the median the neighbours).
+   --kernel: "int" is matvec's default (matvec_int: int8 activations, integer dot products with
+   the lowering simd_int picked, e.g. "int-avx512vnni"), "float" the exact path (exact=True),
+   "both" (default) runs each row with both, side by side; the JSON rows carry a "kernel" field.
 3. torch baseline: the matrix dequantized once to float32, then `torch.matmul(x, W.T)`.
 4. First matvec call in a fresh process with a warm Numba cache (import + call).
 
@@ -37,7 +40,9 @@ from numba import njit, prange
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from cpu_kernels.formats import SUPPORTED_TYPES, format_of  # noqa: E402
 from cpu_kernels.matvec import matvec  # noqa: E402
+from cpu_kernels.matvec_int import INT_TYPES  # noqa: E402
 from cpu_kernels.matvec_testdata import F16_FIELDS  # noqa: E402
+from cpu_kernels.simd_int import ISA  # noqa: E402
 
 # (label, rows, cols): rows = outputs, cols = inputs; FFN up/gate (n_embd -> n_ff) and down.
 SHAPES = [
@@ -128,11 +133,27 @@ def first_call_seconds() -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def _row(qtype, label, rows, cols, k, kernel, cold, cold_min, hot, hot_min, torch_ms, base_ms, nbytes, bw) -> dict:
+    """One result row (times in ms; per_token_vs_k1 against the same kernel's k=1 time)."""
+    gbps = nbytes / cold / 1e6
+    return {
+        "type": T(qtype).name, "shape": label, "rows": rows, "cols": cols, "k": k, "kernel": kernel,
+        "ms": round(cold, 4), "weight_gbps": round(gbps, 2), "pct_of_bw": round(100 * gbps / bw, 1),
+        "per_token_vs_k1": round(cold / k / base_ms, 3),
+        "gmacs": round(rows * cols * k / cold / 1e6, 2),
+        "ms_min": round(cold_min, 4), "ms_hot": round(hot, 4), "ms_hot_min": round(hot_min, 4),
+        "weight_gbps_hot": round(nbytes / hot / 1e6, 2),
+        "torch_ms": round(torch_ms, 4), "weight_bytes": int(nbytes),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="5 main types, 27B shapes, fewer repeats")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--threads", type=int, default=numba.config.NUMBA_NUM_THREADS)
+    ap.add_argument("--kernel", choices=("int", "float", "both"), default="both",
+                    help="matvec's default integer kernel, the exact float kernel, or both (default)")
     args = ap.parse_args()
     numba.set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
@@ -146,7 +167,9 @@ def main() -> None:
     print(f"threads {args.threads}; read bandwidth (parallel streaming sum, 1 GiB, best of 3): {bw:.1f} GB/s")
     pool = WeightPool(rng)
     rows_out = []
-    hdr = f"{'type':7} {'shape':18} {'k':>2} {'cold ms':>8} {'GB/s':>6} {'%bw':>5} {'GMAC/s':>7} {'tok/k1':>6} " \
+    kernels = ("int", "float") if args.kernel == "both" else (args.kernel,)
+    print(f"integer lowering: {ISA}")
+    hdr = f"{'type':7} {'shape':18} {'kernel':15} {'k':>2} {'cold ms':>8} {'GB/s':>6} {'%bw':>5} {'GMAC/s':>7} {'tok/k1':>6} " \
           f"{'hot ms':>7} {'torch ms':>8}"
     print(hdr)
     for qtype in types:
@@ -154,35 +177,35 @@ def main() -> None:
             mats = pool.matrices(qtype, rows, cols)
             w_hot = mats[0]
             w_f32 = torch.from_numpy(dequantize(w_hot, qtype).astype(np.float32))
-            base_ms = None
+            base_ms = {}
             for k in KS:
                 x = rng.standard_normal((k, cols)).astype(np.float32)
                 out = np.empty((k, rows), np.float32)
-                matvec(w_hot, qtype, x, out)          # compile / warm up
-                cold, cold_min = time_ms(lambda i: matvec(mats[(i * 7 + 1) % len(mats)], qtype, x, out), repeats)
-                hot, hot_min = time_ms(lambda i: matvec(w_hot, qtype, x, out), repeats)
                 xt = torch.from_numpy(x)
                 torch.matmul(xt, w_f32.T)
                 torch_ms, _ = time_ms(lambda i: torch.matmul(xt, w_f32.T), repeats)
-                base_ms = base_ms or cold
-                gbps = w_hot.nbytes / cold / 1e6
-                row = {
-                    "type": T(qtype).name, "shape": label, "rows": rows, "cols": cols, "k": k,
-                    "ms": round(cold, 4), "weight_gbps": round(gbps, 2), "pct_of_bw": round(100 * gbps / bw, 1),
-                    "per_token_vs_k1": round(cold / k / base_ms, 3),
-                    "gmacs": round(rows * cols * k / cold / 1e6, 2),
-                    "ms_min": round(cold_min, 4), "ms_hot": round(hot, 4), "ms_hot_min": round(hot_min, 4), "weight_gbps_hot": round(w_hot.nbytes / hot / 1e6, 2),
-                    "torch_ms": round(torch_ms, 4), "weight_bytes": int(w_hot.nbytes),
-                }
-                rows_out.append(row)
-                print(f"{row['type']:7} {label:18} {k:>2} {cold:8.2f} {gbps:6.1f} {row['pct_of_bw']:5.1f} "
-                      f"{row['gmacs']:7.1f} {row['per_token_vs_k1']:6.2f} {hot:7.2f} {torch_ms:8.2f}", flush=True)
+                for kernel in kernels:
+                    if kernel == "int" and int(qtype) not in INT_TYPES:
+                        continue
+                    exact = kernel == "float"
+                    name = f"int-{ISA}" if kernel == "int" else "float"
+                    matvec(w_hot, qtype, x, out, exact=exact)          # compile / warm up
+                    cold, cold_min = time_ms(lambda i: matvec(mats[(i * 7 + 1) % len(mats)], qtype, x, out,
+                                                              exact=exact), repeats)
+                    hot, hot_min = time_ms(lambda i: matvec(w_hot, qtype, x, out, exact=exact), repeats)
+                    base_ms.setdefault(kernel, cold)
+                    row = _row(qtype, label, rows, cols, k, name, cold, cold_min, hot, hot_min, torch_ms,
+                               base_ms[kernel], w_hot.nbytes, bw)
+                    rows_out.append(row)
+                    print(f"{row['type']:7} {label:18} {name:15} {k:>2} {cold:8.2f} {row['weight_gbps']:6.1f} "
+                          f"{row['pct_of_bw']:5.1f} {row['gmacs']:7.1f} {row['per_token_vs_k1']:6.2f} {hot:7.2f} "
+                          f"{torch_ms:8.2f}", flush=True)
             del w_f32
     first = first_call_seconds()
     print(f"first matvec call in a fresh process, warm cache (import + call): {first:.2f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"read_bw_gbps": round(bw, 2), "threads": args.threads, "quick": args.quick,
+            json.dump({"read_bw_gbps": round(bw, 2), "threads": args.threads, "quick": args.quick, "isa": ISA,
                        "first_call_warm_cache_s": round(first, 3), "rows": rows_out}, f, indent=1)
 
 
