@@ -189,3 +189,38 @@ def test_cli_writes_a_tiny_model(tmp_path, capsys):
                      "--out", str(tmp_path / "l.gguf")])
     _, kv, t = _reader_kv(tmp_path / "l.gguf")
     assert kv["llama.block_count"] == 2 and "output.weight" in t
+
+
+def test_sparse_35b_a3b_table_matches_q4_k_m_mix():
+    """qwen35moe preset: 40 trunk blocks (30 GDN + 10 attention) + the MTP block, every block's FFN
+    a MoE (256 experts, 8 used); llama-quantize's MoE rule gives ffn_down_exps and ffn_down_shexp
+    of a block the same type, Q6_K where use_more_bits(block, block_count)."""
+    d, mix = make_model.PRESETS["qwen3.6-35b-a3b"]
+    specs = make_model.tensor_table(d)
+    types = dict(zip((s.name for s in specs), make_model.assign_types(specs, mix, d)))
+    assert d.arch == "qwen35moe" and d.block_count == 41
+    assert sum(1 for s in specs if s.name.endswith("ffn_gate_inp.weight")) == 41
+    assert not any(s.name.endswith("ffn_up.weight") for s in specs)
+    spec = {s.name: s for s in specs}
+    assert spec["blk.0.ffn_gate_exps.weight"].ne == (2048, 512, 256)
+    assert spec["blk.0.ffn_down_exps.weight"].ne == (512, 2048, 256)
+    assert spec["blk.40.ffn_up_shexp.weight"].ne == (2048, 512)
+    for i in range(41):
+        want = QT.Q6_K if make_model._use_more_bits(i, 41) else QT.Q4_K
+        assert types[f"blk.{i}.ffn_down_exps.weight"] == types[f"blk.{i}.ffn_down_shexp.weight"] == want
+    assert types["blk.0.ffn_gate_inp.weight"] == types["blk.0.ffn_gate_inp_shexp.weight"] == QT.F32
+    assert set(types.values()) == {QT.F32, QT.Q4_K, QT.Q6_K}
+    total = sum(make_model.tensor_nbytes(s.ne, types[s.name]) for s in specs)
+    assert 21.0e9 < total < 22.5e9
+
+
+def test_existing_archs_keep_their_bytes(tmp_path):
+    """Adding qwen35moe changed no other arch's output: digests of seed-1 f32 files (tensor table,
+    metadata, tokenizer and weights; f32 so that quantizer changes do not move them)."""
+    import hashlib
+
+    want = {("qwen35", "f32"): "94d8ce8c90a3e237", ("qwen3next", "f32"): "67589ad5cafb031b",
+            ("gemma3", "f32"): "0677a3416dcc5b91", ("llama", "f32"): "839a00df96c70c60"}
+    for (arch, mix), digest in want.items():
+        path = make_model.write_model(tmp_path / f"{arch}-{mix}.gguf", arch, mix=mix, seed=1)
+        assert hashlib.sha256(path.read_bytes()).hexdigest()[:16] == digest, (arch, mix)
