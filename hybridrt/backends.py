@@ -32,9 +32,11 @@ def _cpu_f32(x: torch.Tensor) -> torch.Tensor:
 class CpuQuantLinear:
     """y = W x for k rows of x, W quantized in the mmap (ggml layout: one output row per row)."""
 
-    def __init__(self, raw: np.ndarray, qtype: int, n_in: int, n_out: int, name: str = ""):
+    def __init__(self, raw: np.ndarray, qtype: int, n_in: int, n_out: int, name: str = "",
+                 exact: bool | None = None):
         format_of(qtype)    # fail at load time, naming the type, not at the first token
         self.raw, self.qtype, self.n_in, self.n_out, self.name = raw, qtype, n_in, n_out, name
+        self.exact = exact  # float32 activations (True), int8 (False), the process default (None)
         self.nbytes = raw.nbytes
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -43,7 +45,7 @@ class CpuQuantLinear:
             y = torch.empty(xc.shape[0], self.n_out, dtype=torch.float32)
         else:
             y = out
-        matvec(self.raw, self.qtype, xc.numpy(), y.numpy())
+        matvec(self.raw, self.qtype, xc.numpy(), y.numpy(), exact=self.exact)
         if out is not None and y is not out:
             out.copy_(y)
             return out
@@ -76,7 +78,7 @@ class CpuGluFFN:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         xc = _cpu_f32(x)
         y = ffn_glu(xc.numpy(), self.gate.raw, self.gate.qtype, self.up.raw, self.up.qtype,
-                    self.down.raw, self.down.qtype, act=self.act)
+                    self.down.raw, self.down.qtype, act=self.act, exact=self.gate.exact)
         y = torch.from_numpy(y)
         return y.to(x.device) if x.device.type != "cpu" else y
 
@@ -158,13 +160,17 @@ class WeightBinder:
 
     def __init__(self, gguf: GGUFFile, device: torch.device, tensor_devices: dict[str, str] | None = None,
                  default: str = "cpu", device_dtype: torch.dtype = torch.float32,
-                 executor: Executor | None = None, split: tuple[int, int] | None = None):
+                 executor: Executor | None = None, split: tuple[int, int] | None = None,
+                 exact: bool | None = None):
         self.gguf, self.device = gguf, device
         self.tensor_devices = tensor_devices or {}
         self.default, self.device_dtype = default, device_dtype
-        self.executor, self.split = executor, split
+        self.executor, self.split, self.exact = executor, split, exact
         self.trace = executor.trace if executor is not None else None
         self.scratch = TileScratch(device, device_dtype)    # one dequantization tile for all QuantLinears
+
+    def _cpu(self, raw: np.ndarray, qtype: int, n_in: int, n_out: int, name: str = "") -> CpuQuantLinear:
+        return CpuQuantLinear(raw, qtype, n_in, n_out, name, exact=self.exact)
 
     def has(self, name: str) -> bool:
         return name in self.gguf.tensors
@@ -183,7 +189,7 @@ class WeightBinder:
         info = self.gguf.tensors[name]
         n_in, n_out = info.shape[0], info.n_rows
         if self.where(name) == "cpu":
-            return CpuQuantLinear(self.gguf.tensor_bytes(name), info.qtype, n_in, n_out, name)
+            return self._cpu(self.gguf.tensor_bytes(name), info.qtype, n_in, n_out, name)
         return self._device_linear(self.gguf.tensor_bytes(name), info.qtype, n_in, n_out, name)
 
     def _device_linear(self, raw: np.ndarray, qtype: int, n_in: int, n_out: int, name: str):
@@ -209,7 +215,7 @@ class WeightBinder:
         qtype, n_in, n_out = infos[0].qtype, infos[0].shape[0], raw.shape[0]
         name = "+".join(names)
         if self.where(names[0]) == "cpu":
-            linear = CpuQuantLinear(raw, qtype, n_in, n_out, name)
+            linear = self._cpu(raw, qtype, n_in, n_out, name)
         else:
             linear = self._device_linear(raw, qtype, n_in, n_out, name)
         return linear, [i.n_rows for i in infos]
@@ -244,7 +250,7 @@ class WeightBinder:
             n_in, n_out = info.shape[0], info.shape[1]
             raw = self.gguf.tensor_bytes(name)[expert * n_out:(expert + 1) * n_out]   # its rows are contiguous
             if self.where(name) == "cpu":
-                linears.append(CpuQuantLinear(raw, info.qtype, n_in, n_out, f"{name}[{expert}]"))
+                linears.append(self._cpu(raw, info.qtype, n_in, n_out, f"{name}[{expert}]"))
             else:
                 linears.append(self._device_linear(raw, info.qtype, n_in, n_out, f"{name}[{expert}]"))
         if all(isinstance(m, CpuQuantLinear) for m in linears):
@@ -261,9 +267,9 @@ class WeightBinder:
                      self._device_linear(_ffn_units(raws[2], d.qtype, n_ff, 0, units), d.qtype, units, n_embd,
                                          f"{names[2]}[:, :{units}]"), act)
         rest = n_ff - units
-        host = CpuGluFFN(CpuQuantLinear(raws[0][units:], g.qtype, n_embd, rest, f"{names[0]}[{units}:]"),
-                         CpuQuantLinear(raws[1][units:], u.qtype, n_embd, rest, f"{names[1]}[{units}:]"),
-                         CpuQuantLinear(_ffn_units(raws[2], d.qtype, n_ff, units, n_ff), d.qtype, rest, n_embd,
+        host = CpuGluFFN(self._cpu(raws[0][units:], g.qtype, n_embd, rest, f"{names[0]}[{units}:]"),
+                         self._cpu(raws[1][units:], u.qtype, n_embd, rest, f"{names[1]}[{units}:]"),
+                         self._cpu(_ffn_units(raws[2], d.qtype, n_ff, units, n_ff), d.qtype, rest, n_embd,
                                         f"{names[2]}[:, {units}:]"), act)
         return SplitFFN(dev, HostFFN(host, self.executor, f"{prefix} [{units}:]"), self.executor, prefix)
 

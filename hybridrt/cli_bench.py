@@ -149,6 +149,7 @@ def bench(
     cache_type_v: str = typer.Option("f16", "-ctv", "--cache-type-v", help="KV cache type for V (planned runs)."),
     cpu_bw: Optional[float] = typer.Option(None, "--cpu-bw", help="CPU memory bandwidth in GB/s for the prediction (default: measured)."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome/Perfetto trace of the bench to this file."),
+    exact_activations: bool = typer.Option(False, "--exact-activations", help="Run the mmap'd matrices on float32 activations (exact; slower) instead of int8 activations with integer dot products (llama.cpp's numerics)."),
     adaptive: Optional[bool] = typer.Option(None, "--adaptive/--no-adaptive", help="Adaptive draft length (default: on for draft-mtp and draft-simple)."),
 ):
     """Prompt and decode tokens/s, plus achieved weight bandwidth (bytes per token x tokens/s) and the
@@ -169,7 +170,8 @@ def bench(
                                 spec_type or "none", draft_n_max, model_draft, margin)
     if request is not None:
         request = dataclasses.replace(request, cpu_bw=cbw)
-    m = load_model(model, device=device, threads=threads, placement=request, trace=trace is not None)
+    m = load_model(model, device=device, threads=threads, placement=request, trace=trace is not None,
+                   exact_activations=True if exact_activations else None)
     if m.plan is not None:
         print(placement_line(m.plan, device), file=sys.stderr)
     try:

@@ -79,6 +79,7 @@ def run(
     draft_n_min: int = typer.Option(0, "--spec-draft-n-min", "--draft-min", help="Drop proposals shorter than this."),
     draft_p_min: float = typer.Option(0.0, "--spec-draft-p-min", "--draft-p-min", help="Stop model drafting below this top-1 probability."),
     ngram_n: int = typer.Option(4, "--spec-ngram-size-n", help="ngram-simple: longest n-gram to match (tried down to 2)."),
+    exact_activations: bool = typer.Option(False, "--exact-activations", help="Run the mmap'd matrices on float32 activations (exact; slower) instead of int8 activations with integer dot products (llama.cpp's numerics)."),
     adaptive: Optional[bool] = typer.Option(None, "--adaptive/--no-adaptive", help="Choose each step's draft count within --spec-draft-n-max from the live acceptance and measured verify cost (default: on for draft-mtp and draft-simple)."),
 ):
     """Generate text from a prompt (streams tokens; timings on stderr like llama.cpp)."""
@@ -86,6 +87,7 @@ def run(
     from .kv_cache import cache_dtype, kv_cache_type
     from .loader import load_model
     from .place import draft_devices, placement_line
+    from .warmup import announce_and_compile
     from .registry import resolve_model
     from .sampling import SamplerConfig
     from .speculative.loop import SpecConfig, speculative_generate
@@ -100,7 +102,9 @@ def run(
     cache_dtype(cache_type)         # an unknown type is one line now, not after loading
     request = placement_options(model, vram, device, ctx_size, cache_type_k, cache_type_v, spec_type,
                                 draft_n_max, model_draft, margin)
-    m = load_model(model, device=device, threads=threads, placement=request, trace=trace is not None)
+    announce_and_compile(model)     # one line, and the compile, on a cold kernel cache only
+    m = load_model(model, device=device, threads=threads, placement=request, trace=trace is not None,
+                   exact_activations=True if exact_activations else None)
     if m.plan is not None:
         print(placement_line(m.plan, device), file=sys.stderr)
     if chat:
@@ -119,8 +123,8 @@ def run(
     spec_type = spec_type or ("draft-simple" if model_draft else default_spec_type(m))
     spec = SpecConfig(n_max=draft_n_max, n_min=draft_n_min, p_min=draft_p_min,
                       adaptive=adaptive_default(spec_type) if adaptive is None else adaptive)
-    draft_model = load_model(model_draft, device=device, tensor_devices=draft_devices(m.plan, str(resolve_model(model_draft)))) \
-        if model_draft else None
+    draft_model = load_model(model_draft, device=device, tensor_devices=draft_devices(m.plan, str(resolve_model(model_draft))),
+                             exact_activations=True if exact_activations else None) if model_draft else None
     session = m.session(n_ctx, cache_type, k_max=spec.k_max if spec_type != "none" else 1)
     source = build_source(spec_type, session, sampler, spec, draft_model, ngram_n_max=ngram_n, cache_type=cache_type)
     if display_prompt and not chat:

@@ -37,7 +37,7 @@ def set_threads(n: int | None, trunk_on_cpu: bool = True) -> None:
 def load_model(model: str | os.PathLike | None = None, device: str = "cpu",
                tensor_devices: dict[str, str] | None = None, threads: int | None = None,
                placement: PlacementRequest | None = None, vram: int | str | None = None,
-               trace: Tracer | bool | None = None) -> Model:
+               trace: Tracer | bool | None = None, exact_activations: bool | None = None) -> Model:
     """Load a GGUF model.
 
     With `placement` (or just `vram`: a byte count or a size like "12GiB"), the planner decides
@@ -47,7 +47,10 @@ def load_model(model: str | os.PathLike | None = None, device: str = "cpu",
     (device backends on CPU tensors), which is how the placed path is tested without one.
     Without either, `tensor_devices` maps tensor names to "cpu" / "device" by hand, and by default
     every matrix stays quantized in the mmap and the trunk math runs on `device`.
-    `trace`: a Tracer (or True for a new one) that records device work, CPU FFN layers and transfers."""
+    `trace`: a Tracer (or True for a new one) that records device work, CPU FFN layers and transfers.
+    `exact_activations`: True runs the mmap'd matrices on float32 activations (the exact path the
+    float64 reference tests use), False on int8 activations with integer dot products (llama.cpp's
+    numerics, several times faster); None: the process default (HYBRIDRT_EXACT_ACTIVATIONS)."""
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is available (use --device cpu)")
@@ -65,7 +68,8 @@ def load_model(model: str | os.PathLike | None = None, device: str = "cpu",
     executor = Executor(dev, tracer)
     dtype = torch.float32 if dev.type == "cpu" else torch.float16
     binder = WeightBinder(gguf, dev, tensor_devices, device_dtype=dtype,
-                          executor=executor if plan is not None else None, split=split)
+                          executor=executor if plan is not None else None, split=split,
+                          exact=exact_activations)
     m = model_class(gguf.arch)(gguf, binder)
     m.executor, m.plan = executor, plan
     return m

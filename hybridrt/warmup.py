@@ -13,11 +13,12 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
-from .models.base import Model
+if TYPE_CHECKING:       # torch stays unimported for `info` and `plan`, which import the CLI
+    from .models.base import Model
 
 MESSAGE = "compiling CPU kernels (first run only) ..."
 
@@ -26,9 +27,10 @@ def _dispatchers() -> list:
     """The Numba kernels a model calls from Python (the rest are compiled into these): the
     k-input matvec, the fused gate/up FFN, and the row decoder behind embedding gathers and
     load-time dequantization."""
-    from cpu_kernels import blocks, ffn, matvec
+    from cpu_kernels import blocks, ffn, matvec, matvec_int
 
-    return [matvec._matvec_kernel, ffn._gate_up_kernel, blocks.decode_rows]
+    return [matvec._matvec_kernel, ffn._gate_up_kernel, matvec_int._matvec_int_kernel, ffn._gate_up_int_kernel,
+            blocks.decode_rows]
 
 
 def kernels_cold() -> bool:
@@ -42,14 +44,14 @@ def kernels_cold() -> bool:
     return False
 
 
-def compile_kernels(model: Model) -> None:
+def compile_kernels(model: "Model") -> None:
     """One token through a 2-position session: compiles (or loads) every kernel the model uses."""
     session = model.session(n_ctx=2)
     token = model.tokenizer.bos_id if model.tokenizer.bos_id is not None else 0
     session.eval([token], logits="last")
 
 
-def announce_and_compile(model: Model | str | os.PathLike | None) -> bool:
+def announce_and_compile(model: "Model | str | os.PathLike | None") -> bool:
     """On a cold kernel cache: print MESSAGE on stderr and compile what `model` needs (a loaded
     Model, or a path / known name: then it is loaded here, which compiles the load-time kernels
     after the message rather than before it). On a warm cache: nothing. Returns whether it
@@ -57,7 +59,7 @@ def announce_and_compile(model: Model | str | os.PathLike | None) -> bool:
     if not kernels_cold():
         return False
     print(MESSAGE, file=sys.stderr, flush=True)
-    if not isinstance(model, Model):
+    if model is None or isinstance(model, (str, os.PathLike)):
         from .loader import load_model
 
         model = load_model(model)

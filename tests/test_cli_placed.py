@@ -17,7 +17,7 @@ PROMPT = "The capital of France is"
 
 def test_smollm2_700mib_plan_prints_placement_and_same_tokens():
     model = str(require(SMOLLM2))
-    common = ["run", "-m", model, "-c", "4096", "-p", PROMPT, "--temp", "0", "-n", "24"]
+    common = ["run", "-m", model, "-c", "4096", "-p", PROMPT, "--temp", "0", "-n", "24", "--exact-activations"]
     placed = run_cli(*common, "--vram", "700MiB", "--device", "cpu")
     plain = run_cli(*common, "--device", "cpu")
     assert placed.returncode == 0 and plain.returncode == 0, placed.stderr + plain.stderr

@@ -52,7 +52,7 @@ def tokens_for(model, n: int, seed: int) -> list[int]:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logits_match_float64_reference(tiny_file, arch, mix):
     path = tiny_file(arch, mix)
-    model = load_model(path)
+    model = load_model(path, exact_activations=True)     # float32 activations: the exact path
     tokens = tokens_for(model, N_POS, seed=10 * ARCHS.index(arch) + (mix == "q8_0"))
     got = model.session(64).eval(tokens).numpy()
     ref = reference_for(path).forward(tokens)

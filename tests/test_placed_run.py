@@ -47,13 +47,16 @@ def ffn_of(model, layer: int):
 
 @pytest.fixture(scope="module")
 def smollm2_placed():
-    """SmolLM2 with the issue's budget: 14 of 30 FFN layers on the device, layer 14 split."""
-    return load_model(require(SMOLLM2), placement=PlacementRequest(vram_bytes=700 * MiB, n_ctx=4096))
+    """SmolLM2 with the issue's budget: 14 of 30 FFN layers on the device, layer 14 split. Both this
+    and the mmap model run the mmap'd matrices on float32 activations, as the device backends do:
+    the default int8 activations would differ from the device layers by their quantization noise."""
+    return load_model(require(SMOLLM2), placement=PlacementRequest(vram_bytes=700 * MiB, n_ctx=4096),
+                      exact_activations=True)
 
 
 @pytest.fixture(scope="module")
 def smollm2_mmap():
-    return load_model(require(SMOLLM2))
+    return load_model(require(SMOLLM2), exact_activations=True)
 
 
 def test_smollm2_binds_exactly_what_the_plan_says(smollm2_placed):
@@ -86,7 +89,7 @@ def test_smollm2_placed_logits_within_1e4(smollm2_mmap):
     """With an f32 cache (an f16 cache rounds K/V, which turns 1e-7 matvec differences into
     1e-3 jumps of single elements), the placed logits are the mmap ones to float32 reordering."""
     req = PlacementRequest(vram_bytes=790 * MiB, n_ctx=4096, cache_type_k="f32", cache_type_v="f32")
-    placed = load_model(require(SMOLLM2), placement=req)
+    placed = load_model(require(SMOLLM2), placement=req, exact_activations=True)
     assert len(placed.plan.ffn_gpu_layers) >= 10 and placed.plan.ffn_cpu_layers
     ids = smollm2_mmap.tokenize(PROMPT)
     ref = smollm2_mmap.session(512, "f32").eval(ids).double()
