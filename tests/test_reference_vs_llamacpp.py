@@ -86,3 +86,14 @@ def test_files_without_mtp_refuse_the_mtp_step(tiny_qwen35):
     ref = RefQwen35(tiny_qwen35)
     with pytest.raises(ValueError):
         ref.mtp_step(1, np.zeros(ref.n_embd), 1, ref.new_mtp_cache())
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("mix,max_rel,min_top1", [("f32", 1e-3, 0.99), ("q8_0", 5e-2, 0.95), ("q4_k_m", 5e-2, 0.95)])
+def test_qwen35moe_logits_match_llamacpp(mix, max_rel, min_top1, tmp_path):
+    """qwen35moe (issue 14): the MoE FFN (softmax router, top-k renormalised, gated shared expert)
+    in every block, with an MTP block, against llama.cpp's qwen35moe loader."""
+    path = make_model.write_model(tmp_path / f"moe-{mix}.gguf", "qwen35moe", mtp=True, mix=mix, seed=4)
+    rel, top1 = _compare(path, RefQwen35, seed=13)
+    print(f"\nqwen35moe {mix}: rel {rel:.3g}, top-1 {top1:.3f}")
+    assert rel <= max_rel and top1 >= min_top1, (rel, top1)
