@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 
 import torch
+from gguf.constants import GGMLQuantizationType as T
 
 from .attention import ROWWISE_MAX
 from .quant import QUANTIZED_TYPES, dequantize_torch, row_bytes, type_name
@@ -37,6 +38,25 @@ TILE_ELEMS = 1 << 22    # weights per dequantized tile: 8 MiB in float16, ~820 r
 def fused_kernel_fits(qtype: int, n_in: int) -> bool:
     """Whether the fused Triton matvec has a kernel for this type and row length."""
     return int(qtype) in TRITON_MATVEC_TYPES and n_in % CHUNK == 0
+
+
+# The activation block the CPU's integer kernel of each type reads (cpu_kernels.matvec_int.act_block,
+# restated: gpu_kernels does not import cpu_kernels; tests/test_qlinear.py checks the two agree):
+# Q8_K-style 256-value blocks for the K-quants, Q8_0-style 32-value blocks for the legacy types.
+ACT_BLOCK = {**{int(t): 256 for t in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)},
+             **{int(t): 32 for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)}}
+
+
+def int8_round_trip(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x [k, n] float32 quantized per `block` values to int8 and back, exactly as the CPU's
+    activation quantizer does it (scale max|x| / 127, q = rint(x * 127 / max|x|), float32 steps):
+    the float values the integer kernel effectively multiplies. Rows are independent."""
+    k, n = x.shape
+    xb = x.reshape(k, n // block, block)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv).clamp_(-127.0, 127.0)
+    return (q * (amax / 127.0)).reshape(k, n)
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -81,7 +101,8 @@ class QuantLinear:
 
     def __init__(self, raw: torch.Tensor, qtype: int, n_in: int, n_out: int,
                  compute_dtype: torch.dtype = torch.float32, name: str = "",
-                 scratch: TileScratch | None = None, tile_rows: int | None = None, kernel: str = "auto"):
+                 scratch: TileScratch | None = None, tile_rows: int | None = None, kernel: str = "auto",
+                 int8_activations: bool = False):
         if int(qtype) not in QUANTIZED_TYPES:
             raise ValueError(f"{name or 'QuantLinear'}: {type_name(qtype)} is not a quantized type")
         if kernel not in KERNELS:
@@ -114,11 +135,17 @@ class QuantLinear:
         else:
             self.fused_max = 0
 
+        # the CPU's integer kernels multiply int8-quantized activations; doing the same quantization
+        # here keeps a placed model's device layers on the numerics of its mmap'd layers
+        self.act_block = ACT_BLOCK.get(self.qtype) if int8_activations else None
+
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [k, n_in] -> float32 [k, n_out] on the weights' device (written into `out` if given)."""
         n_tok = x.shape[0]
         direct = out is not None and out.dtype == torch.float32 and out.device == self.device and out.is_contiguous()
         y = out if direct else torch.empty(n_tok, self.n_out, dtype=torch.float32, device=self.device)
+        if self.act_block is not None:
+            x = int8_round_trip(x.to(self.device, torch.float32), self.act_block)
         if n_tok <= self.fused_max:
             self._fused(x.to(self.device, torch.float32), y)
         else:

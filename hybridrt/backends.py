@@ -172,6 +172,11 @@ class WeightBinder:
     def _cpu(self, raw: np.ndarray, qtype: int, n_in: int, n_out: int, name: str = "") -> CpuQuantLinear:
         return CpuQuantLinear(raw, qtype, n_in, n_out, name, exact=self.exact)
 
+    def _exact(self) -> bool:
+        from cpu_kernels.matvec import EXACT_DEFAULT
+
+        return EXACT_DEFAULT if self.exact is None else self.exact
+
     def has(self, name: str) -> bool:
         return name in self.gguf.tensors
 
@@ -197,7 +202,8 @@ class WeightBinder:
         for the rest."""
         if qtype in QUANTIZED_TYPES:
             on_device = torch.from_numpy(np.array(raw)).to(self.device)    # a copy: the mmap is read-only
-            linear = QuantLinear(on_device, qtype, n_in, n_out, self.device_dtype, name, self.scratch)
+            linear = QuantLinear(on_device, qtype, n_in, n_out, self.device_dtype, name, self.scratch,
+                                 int8_activations=not self._exact())
         else:
             weight = torch.from_numpy(dequantize(raw, qtype, n_in))
             linear = DeviceLinear(weight.to(self.device, self.device_dtype), name)

@@ -201,3 +201,21 @@ def test_python_api_vram_string_plans_like_the_cli():
         m.session(8192)
     with pytest.raises(UserError, match="differs from the plan"):
         m.session(512, "f32")
+
+
+def test_default_int8_activations_placed_equals_mmap():
+    """By default the mmap'd layers run on int8 activations; device layers quantize theirs the same
+    way (QuantLinear's int8 round trip), so the placed run keeps the all-mmap run's tokens."""
+    mmap = load_model(require(SMOLLM2))
+    placed = load_model(require(SMOLLM2), placement=PlacementRequest(vram_bytes=700 * MiB, n_ctx=4096))
+    assert all(w.act_block for w in (ffn_of(placed, 0).gate, placed.output))
+    ids = mmap.tokenize(PROMPT)
+    ref, _ = generate(mmap, mmap.session(512, "f16"), ids, 32, GREEDY)
+    got, _ = generate(placed, placed.session(512), ids, 32, GREEDY)
+    assert got == ref
+    batch = placed.session(512)
+    batch.eval(ids[:-4])
+    together = batch.eval(ids[-4:])
+    single = placed.session(512)
+    single.eval(ids[:-4])
+    assert torch.equal(together, torch.cat([single.eval([t]) for t in ids[-4:]]))

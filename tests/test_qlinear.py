@@ -152,9 +152,10 @@ def greedy(model, prompt, n_steps):
 def test_smollm2_on_the_device_matches_the_mmap_path():
     path = require(SMOLLM2)
     torch.manual_seed(0)
-    mmap_model = load_model(path, threads=1)
+    # float32 activations on both sides: int8 activations turn 1e-7 differences into rounding flips
+    mmap_model = load_model(path, threads=1, exact_activations=True)
     names = [n for n, t in mmap_model.gguf.tensors.items() if len(t.shape) == 2]
-    dev_model = load_model(path, tensor_devices={n: "device" for n in names}, threads=1)
+    dev_model = load_model(path, tensor_devices={n: "device" for n in names}, threads=1, exact_activations=True)
     prompt = mmap_model.tokenize("The capital of France is")
     ref_logits, ref_tokens, _ = greedy(mmap_model, prompt, 16)
     logits, tokens, session = greedy(dev_model, prompt, 16)
@@ -166,3 +167,24 @@ def test_smollm2_on_the_device_matches_the_mmap_path():
     batch = session.eval(tokens[-4:], start_pos=start)
     alone = torch.cat([session.eval([t], start_pos=start + i) for i, t in enumerate(tokens[-4:])])
     assert torch.equal(batch, alone)
+
+
+def test_int8_round_trip_is_the_cpu_activation_quantizer():
+    """Device layers of a placed model see the activations the CPU's integer kernels multiply."""
+    import numpy as np
+
+    from cpu_kernels.matvec_int import INT_TYPES, act_block
+    from cpu_kernels.quantize_act import dequantize_rows, quantize_rows
+    from gpu_kernels.qlinear import ACT_BLOCK, int8_round_trip
+
+    assert ACT_BLOCK == {int(t): act_block(t) for t in INT_TYPES}
+    rng = np.random.default_rng(7)
+    for block in (32, 256):
+        x = (rng.standard_normal((5, 512)) * rng.uniform(0.01, 30, (5, 1))).astype(np.float32)
+        x[1, :block] = 0.0                      # an all-zero block keeps scale 0
+        q, d, _ = quantize_rows(x, block)
+        want = dequantize_rows(q, d, 512)
+        got = int8_round_trip(torch.from_numpy(x), block).numpy()
+        assert np.array_equal(got, want)        # same values (a -0.0 from rounding small negatives equals 0.0)
+        # a row's values do not depend on the other rows
+        assert torch.equal(int8_round_trip(torch.from_numpy(x[2:3]), block)[0], torch.from_numpy(got[2]))
