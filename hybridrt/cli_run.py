@@ -102,7 +102,6 @@ def run(
     cache_dtype(cache_type)         # an unknown type is one line now, not after loading
     request = placement_options(model, vram, device, ctx_size, cache_type_k, cache_type_v, spec_type,
                                 draft_n_max, model_draft, margin)
-    announce_and_compile(model)     # one line, and the compile, on a cold kernel cache only
     m = load_model(model, device=device, threads=threads, placement=request, trace=trace is not None,
                    exact_activations=True if exact_activations else None)
     if m.plan is not None:
@@ -117,6 +116,9 @@ def run(
     n_ctx = min(ctx_size, m.n_ctx_train) if ctx_size > 0 else m.n_ctx_train
     if len(ids) >= n_ctx:
         raise UserError(f"prompt is {len(ids)} tokens, the context is {n_ctx} (raise -c or shorten the prompt)")
+    # after every input check, so a bad input stays one error line: on a cold kernel cache one line
+    # says why the first token takes a while, and the kernels compile
+    announce_and_compile(m)
     sampler = SamplerConfig(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     if m.plan is not None:
         spec_type = m.plan.options.spec_type

@@ -29,8 +29,11 @@ def _dispatchers() -> list:
     load-time dequantization."""
     from cpu_kernels import blocks, ffn, matvec, matvec_int
 
-    return [matvec._matvec_kernel, ffn._gate_up_kernel, matvec_int._matvec_int_kernel, ffn._gate_up_int_kernel,
-            blocks.decode_rows]
+    # the path quantized matrices take by default: integer kernels on int8 activations, or the float
+    # ones with HYBRIDRT_EXACT_ACTIVATIONS (kernels the run never calls would read as cold forever)
+    if matvec.EXACT_DEFAULT:
+        return [matvec._matvec_kernel, ffn._gate_up_kernel, blocks.decode_rows]
+    return [matvec_int._matvec_int_kernel, ffn._gate_up_int_kernel, blocks.decode_rows]
 
 
 def kernels_cold() -> bool:
@@ -58,6 +61,11 @@ def announce_and_compile(model: "Model | str | os.PathLike | None") -> bool:
     compiled. Call it before `load_model` with the name, or after with the model."""
     if not kernels_cold():
         return False
+    if model is None or isinstance(model, (str, os.PathLike)):
+        from .gguf_file import GGUFFile
+        from .registry import resolve_model
+
+        GGUFFile(resolve_model(model))      # a bad path or file stays one error line, no message first
     print(MESSAGE, file=sys.stderr, flush=True)
     if model is None or isinstance(model, (str, os.PathLike)):
         from .loader import load_model
