@@ -42,15 +42,13 @@ from numba.extending import intrinsic
 from gguf.constants import GGMLQuantizationType as _T
 
 from .matvec_kquants import k_scales_mins, q3_k_scales
-from .matvec_simd import _array, _fma, _load_vec, _reduce_tree
+from .matvec_simd import _array, _fma, _load_vec
 from .quantize_act import QK_K, QK_LEGACY, quantize_rows
-from .simd_int import CACHE, F32, I8, I16, I32, I64, IntBlockIR, dpbusd, dpwssd, maddubs, pmaddwd
+from .simd_int import CACHE, F32, I8, I16, I32, I64, IntBlockIR, _concat, dpbusd, dpwssd, maddubs, pmaddwd
 
 GROUPS_PER_THREAD = 4
-TOKEN_TILES = (4, 2, 1)     # tokens per row pass: unrolled copies of the token step (8 spills: no faster)
 
-_F32V16 = ir.VectorType(F32, 16)
-_F32V8 = ir.VectorType(F32, 8)
+
 
 
 def _f32x2(b, x, y):
@@ -58,8 +56,6 @@ def _f32x2(b, x, y):
     return b.insert_element(v, y, ir.Constant(I32, 1))
 
 
-_LANE0_AND_8 = [0] + [2] * 7 + [1] + [2] * 7     # shuffle (v2 ++ zeros2): v[0] in lane 0, v[1] in lane 8
-_HALF_EACH = [0] * 8 + [1] * 8
 
 
 # --------------------------------------------------------------------------- K-quant decoders
@@ -151,34 +147,14 @@ def _q2_k(v):
                   negdmin=v.fneg(v.f16(82)))
 
 
-def _k_token(v, blk, a_ptr, dx, s_ptr, facc, macc):
-    """One token's contribution of one super-block: (facc, macc) updated."""
-    b = v.b
-    # two integer chains (chunks 0, 1 and 2, 3): half the dpwssd latency on the critical path
-    accs = [v.zeros(I32, 16), v.zeros(I32, 16)]
-    for c in range(4):
-        a = _load_vec(b, b.gep(a_ptr, [ir.Constant(I64, 64 * c)]), I8, 64, 1)
-        accs[c // 2] = dpwssd(b, accs[c // 2], maddubs(b, blk.chunks[c], a), blk.sc16[c])
-    acc = b.add(accs[0], accs[1])
-    bs = _load_vec(b, s_ptr, I16, 16, 2)
-    if blk.off16 is not None:
-        corr = pmaddwd(b, blk.off16, bs)
-        acc = b.add(acc, v.concat(corr, v.zeros(I32, 8)))
-    facc = _fma(b, b.sitofp(acc, _F32V16), v.fsplat(b.fmul(blk.d, dx), 16), facc)
-    if blk.min16 is not None:
-        mins = b.sitofp(pmaddwd(b, blk.min16, bs), _F32V8)
-        macc = _fma(b, mins, v.fsplat(b.fmul(blk.negdmin, dx), 8), macc)
-    return facc, macc
-
-
 # --------------------------------------------------------------------------- legacy decoders
 # Each takes n_blk = 2 (a pair of blocks) or 1 (the odd last block: the second half is zeros)
 # and returns 64 unsigned weight bytes, the block scales per lane, the integer offset and the
 # per-block mins (lanes 0 and 8).
 
 class PairBlock:
-    def __init__(self, w, dv, off=0, mv=None, wide=False):
-        self.w, self.dv, self.off, self.mv, self.wide = w, dv, off, mv, wide
+    def __init__(self, w, d2, off=0, m2=None, wide=False):
+        self.w, self.d2, self.off, self.m2, self.wide = w, d2, off, m2, wide
 
 
 def _pair(v, n_blk, block_bytes, one_block, off=0, with_min=False, wide=False):
@@ -189,11 +165,9 @@ def _pair(v, n_blk, block_bytes, one_block, off=0, with_min=False, wide=False):
     if n_blk == 1:
         parts.append((v.zeros(I8, 32), zero, zero))
     w = v.concat(parts[0][0], parts[1][0])
-    dv = v.shuf(_f32x2(b, parts[0][1], parts[1][1]), _HALF_EACH)
-    mv = None
-    if with_min:
-        mv = v.shuf(_f32x2(b, parts[0][2], parts[1][2]), _LANE0_AND_8, ir.Constant(ir.VectorType(F32, 2), [0.0, 0.0]))
-    return PairBlock(w, dv, off, mv, wide)
+    d2 = _f32x2(b, parts[0][1], parts[1][1])
+    m2 = _f32x2(b, parts[0][2], parts[1][2]) if with_min else None
+    return PairBlock(w, d2, off, m2, wide)
 
 
 def _nibbles32(v, off):
@@ -230,22 +204,6 @@ def _q8_0(v, n_blk):
     return _pair(v, n_blk, 34, lambda v, o: (v.bxor(v.bytes(o + 2, 32), 0x80), v.f16(o), None), off=-128, wide=True)
 
 
-def _pair_token(v, blk, a_ptr, d_ptr, s_ptr, facc):
-    b = v.b
-    a = _load_vec(b, a_ptr, I8, 64, 1)
-    acc = dpbusd(b, v.zeros(I32, 16), blk.w, a, blk.wide)
-    bs2 = b.sext(_load_vec(b, s_ptr, I16, 2, 2), ir.VectorType(I32, 2))
-    if blk.off:
-        corr = b.mul(bs2, ir.Constant(ir.VectorType(I32, 2), [blk.off] * 2))
-        acc = b.add(acc, v.shuf(corr, _LANE0_AND_8, v.zeros(I32, 2)))
-    dx2 = _load_vec(b, d_ptr, F32, 2, 4)
-    facc = _fma(b, b.sitofp(acc, _F32V16), b.fmul(blk.dv, v.shuf(dx2, _HALF_EACH)), facc)
-    if blk.mv is not None:
-        s2 = b.fmul(dx2, b.sitofp(bs2, ir.VectorType(F32, 2)))
-        facc = _fma(b, blk.mv, v.shuf(s2, _LANE0_AND_8, ir.Constant(ir.VectorType(F32, 2), [0.0, 0.0])), facc)
-    return facc
-
-
 # --------------------------------------------------------------------------- the row kernel
 
 # qtype -> (kind, decoder, weight bytes per step): a K step is one super-block, a legacy step a pair.
@@ -263,27 +221,162 @@ def act_block(qtype: int) -> int:
     return QK_K if SPECS[int(qtype)][0] == "k" else QK_LEGACY
 
 
-class _Row:
-    """Pointers of one row pass: weight row, and per token its q, d, s rows and output slot."""
-
-    def __init__(self, context, builder, sig, args, n_tok):
-        b = builder
-        _, _, w, r, xq, xd, xs, t0, out, oc = args
-        W = _array(context, b, sig.args[2], w)
-        self.rb = cgutils.unpack_tuple(b, W.shape, 2)[1]
-        self.wrow = b.gep(W.data, [b.mul(r, self.rb)])
-        rows = []
-        for arr, aty in ((xq, sig.args[4]), (xd, sig.args[5]), (xs, sig.args[6]), (out, sig.args[8])):
-            A = _array(context, b, aty, arr)
-            width = cgutils.unpack_tuple(b, A.shape, 2)[1]
-            rows.append([b.gep(A.data, [b.mul(b.add(t0, ir.Constant(I64, t)), width)]) for t in range(n_tok)])
-        self.q, self.d, self.s, out_rows = rows
-        self.n_cols = cgutils.unpack_tuple(b, _array(context, b, sig.args[4], xq).shape, 2)[1]
-        self.out = [b.gep(p, [oc]) for p in out_rows]
 
 
-def _loop(b, count, init, body):
-    """for i in range(count): state = body(i, state); returns the final state (a list of values)."""
+def steps_per_row(qtype: int, row_bytes: int) -> int:
+    """Steps of a weight row: super-blocks (K-quants) or pairs of blocks, the odd last one a step."""
+    kind, _, nbytes = SPECS[int(qtype)]
+    n = row_bytes // nbytes
+    return n if kind == "k" else (n + 1) // 2
+
+
+def _c64(x):
+    return ir.Constant(I64, x)
+
+
+# --------------------------------------------------------------------------- token groups
+# A group is g (1, 2 or 4) tokens whose float accumulators share one vector of 4g lanes, lanes
+# 4u .. 4u+3 for token u. After a step's integer dot products, each token's i32 lanes are folded
+# (exactly) to 4 partial sums, the group's partials packed into one vector and scaled by one
+# sitofp + fma: a token's float work per step is a quarter of a 16-lane accumulator's, and an
+# 8- or 16-token pass keeps its float state in 2-4 registers (a pass with 16-lane accumulators
+# per token spilled beyond 4 tokens). Which i32 lanes make a partial, and every float operation
+# on it, are the same for g = 1, 2, 4 and in both accumulator modes below: bit identity across k.
+
+K_FOLD = ((16, range(8), range(8, 16)), (8, range(4), range(4, 8)))       # partial l: lanes l, l+4, l+8, l+12
+# legacy: lanes 0-7 block A, 8-15 block B -> per token [A, A, B, B] partials
+PAIR_FOLD = ((16, [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]), (8, [0, 1, 4, 5], [2, 3, 6, 7]))
+
+
+def _fold(b, vecs, per, lo, hi):
+    """vecs hold whole tokens of `per` lanes each. Returns vectors holding, token by token in the
+    same order, the lanes v[lo] + v[hi]; each pair of input vectors becomes one output vector."""
+    out = []
+    for j in range(0, len(vecs), 2):
+        u = vecs[j]
+        w = vecs[j + 1] if j + 1 < len(vecs) else None
+        n = u.type.count
+        toks = [t * per for t in range(n // per)] + ([] if w is None else [n + t * per for t in range(n // per)])
+
+        def idx(sel):
+            lanes = [base + x for base in toks for x in sel]
+            return ir.Constant(ir.VectorType(I32, len(lanes)), lanes)
+        other = u if w is None else w
+        out.append(b.add(b.shuffle_vector(u, other, idx(lo)), b.shuffle_vector(u, other, idx(hi))))
+    return out
+
+
+def _fold_all(b, vecs, stages):
+    for per, lo, hi in stages:
+        vecs = _fold(b, vecs, per, list(lo), list(hi))
+    assert len(vecs) == 1
+    return vecs[0]
+
+
+def _concat_all(b, vecs):
+    while len(vecs) > 1:
+        vecs = [_concat(b, vecs[j], vecs[j + 1]) for j in range(0, len(vecs), 2)]
+    return vecs[0]
+
+
+def _spread(b, vec, idx):
+    return b.shuffle_vector(vec, ir.Constant(vec.type, ir.Undefined), ir.Constant(ir.VectorType(I32, len(idx)), idx))
+
+
+def _k_group(v, blk, i, toks, facc):
+    """facc (4g lanes) + the group's share of super-block i; toks: per token its (q, d, s) rows."""
+    b = v.b
+    g = len(toks)
+    accs, bss, dxs = [], [], []
+    for q, d, s in toks:
+        a_ptr = b.gep(q, [b.mul(i, _c64(QK_K))])
+        # alone, a token runs two integer chains (chunks 0, 1 and 2, 3): half the dpwssd latency
+        chains = [v.zeros(I32, 16)] * (2 if g == 1 else 1)
+        for c in range(4):
+            a = _load_vec(b, b.gep(a_ptr, [_c64(64 * c)]), I8, 64, 1)
+            n = c * len(chains) // 4
+            chains[n] = dpwssd(b, chains[n], maddubs(b, blk.chunks[c], a), blk.sc16[c])
+        acc = chains[0] if len(chains) == 1 else b.add(chains[0], chains[1])
+        bs = _load_vec(b, b.gep(s, [b.mul(i, _c64(16))]), I16, 16, 2)
+        if blk.off16 is not None:
+            acc = b.add(acc, v.concat(pmaddwd(b, blk.off16, bs), v.zeros(I32, 8)))
+        accs.append(acc)
+        bss.append(bs)
+        dxs.append(b.load(b.gep(d, [i])))
+    n = 4 * g
+    fv = ir.VectorType(F32, n)
+    dx = _spread(b, _concat_all(b, [_f32x1(b, x) for x in dxs]), [u for u in range(g) for _ in range(4)])
+    part = _fold_all(b, accs, K_FOLD)
+    facc = _fma(b, b.sitofp(part, fv), b.fmul(v.fsplat(blk.d, n), dx), facc)
+    if blk.min16 is not None:
+        ms = []
+        for j in range(0, g, 2):
+            if j + 1 < g:
+                ms.append(pmaddwd(b, v.concat(blk.min16, blk.min16), v.concat(bss[j], bss[j + 1])))
+            else:
+                ms.append(pmaddwd(b, blk.min16, bss[j]))
+        mins = _fold_all(b, ms, K_FOLD[1:])
+        facc = _fma(b, b.sitofp(mins, fv), b.fmul(v.fsplat(blk.negdmin, n), dx), facc)
+    return facc
+
+
+def _f32x1(b, x):
+    return b.insert_element(ir.Constant(ir.VectorType(F32, 1), ir.Undefined), x, ir.Constant(I32, 0))
+
+
+def _pair_group(v, blk, i, toks, facc):
+    """facc (4g lanes) + the group's share of block pair i (lanes per token: A, A, B, B)."""
+    b = v.b
+    g = len(toks)
+    accs, bs2, dx2 = [], [], []
+    for q, d, s in toks:
+        a = _load_vec(b, b.gep(q, [b.mul(i, _c64(64))]), I8, 64, 1)
+        accs.append(dpbusd(b, v.zeros(I32, 16), blk.w, a, blk.wide))
+        bs2.append(b.sext(_load_vec(b, b.gep(s, [b.mul(i, _c64(2))]), I16, 2, 2), ir.VectorType(I32, 2)))
+        dx2.append(_load_vec(b, b.gep(d, [b.mul(i, _c64(2))]), F32, 2, 4))
+    n = 4 * g
+    fv = ir.VectorType(F32, n)
+    aabb = [2 * u + h for u in range(g) for h in (0, 0, 1, 1)]
+    part = _fold_all(b, accs, PAIR_FOLD)
+    # the block sums in lanes A and B of each token, 0 in the others (Z: a lane of the zero vector)
+    bs = _concat_all(b, bs2)
+    z = 2 * g
+    bsv = b.shuffle_vector(bs, v.zeros(I32, 2 * g), ir.Constant(ir.VectorType(I32, n),
+                                                                [x for u in range(g) for x in (2 * u, z, 2 * u + 1, z)]))
+    if blk.off:
+        part = b.add(part, b.mul(bsv, ir.Constant(bsv.type, [blk.off] * n)))
+    dx = _spread(b, _concat_all(b, dx2), aabb)
+    tile = [h for _ in range(g) for h in (0, 0, 1, 1)]
+    facc = _fma(b, b.sitofp(part, fv), b.fmul(_spread(b, blk.d2, tile), dx), facc)
+    if blk.m2 is not None:
+        facc = _fma(b, b.sitofp(bsv, fv), b.fmul(_spread(b, blk.m2, tile), dx), facc)
+    return facc
+
+
+# --------------------------------------------------------------------------- the row kernels
+
+class _Tokens:
+    """Data pointers and row widths of xq, xd, xs: the (q, d, s) rows of any token."""
+
+    def __init__(self, context, b, tys, vals):
+        self.b = b
+        self.arrs = []
+        for aty, val in zip(tys, vals):
+            A = _array(context, b, aty, val)
+            self.arrs.append((A.data, cgutils.unpack_tuple(b, A.shape, 2)[1]))
+
+    def rows(self, tok):
+        return tuple(self.b.gep(data, [self.b.mul(tok, width)]) for data, width in self.arrs)
+
+
+def _weight_row(context, b, aty, w, r):
+    W = _array(context, b, aty, w)
+    rb = cgutils.unpack_tuple(b, W.shape, 2)[1]
+    return b.gep(W.data, [b.mul(r, rb)]), rb
+
+
+def _loop(b, start, end, init, body):
+    """for i in range(start, end): state = body(i, state); returns the final state (a list)."""
     entry = b.basic_block
     head = b.append_basic_block("int.head")
     loop = b.append_basic_block("int.body")
@@ -291,87 +384,83 @@ def _loop(b, count, init, body):
     b.branch(head)
     b.position_at_end(head)
     i = b.phi(I64)
-    i.add_incoming(ir.Constant(I64, 0), entry)
+    i.add_incoming(start, entry)
     state = []
     for x in init:
         p = b.phi(x.type)
         p.add_incoming(x, entry)
         state.append(p)
-    b.cbranch(b.icmp_signed("<", i, count), loop, done)
+    b.cbranch(b.icmp_signed("<", i, end), loop, done)
     b.position_at_end(loop)
     new = body(i, state)
-    end = b.basic_block
-    i.add_incoming(b.add(i, ir.Constant(I64, 1)), end)
+    end_bb = b.basic_block
+    i.add_incoming(b.add(i, _c64(1)), end_bb)
     for p, x in zip(state, new):
-        p.add_incoming(x, end)
+        p.add_incoming(x, end_bb)
     b.branch(head)
     b.position_at_end(done)
     return state
 
 
-def _emit_k_row(b, row, decode, step_bytes, n_tok):
-    n_blocks = b.sdiv(row.n_cols, ir.Constant(I64, QK_K))
-    zero16, zero8 = ir.Constant(_F32V16, [0.0] * 16), ir.Constant(_F32V8, [0.0] * 8)
-
-    def body(i, state):
-        v = IntBlockIR(b, b.gep(row.wrow, [b.mul(i, ir.Constant(I64, step_bytes))]), None)
-        blk = decode(v)
-        new = []
-        for t in range(n_tok):
-            a_ptr = b.gep(row.q[t], [b.mul(i, ir.Constant(I64, QK_K))])
-            dx = b.load(b.gep(row.d[t], [i]))
-            s_ptr = b.gep(row.s[t], [b.mul(i, ir.Constant(I64, 16))])
-            new += _k_token(v, blk, a_ptr, dx, s_ptr, state[2 * t], state[2 * t + 1])
-        return new
-
-    state = _loop(b, n_blocks, [zero16, zero8] * n_tok, body)
-    for t in range(n_tok):
-        y = b.fadd(_reduce_tree(b, state[2 * t], 16), _reduce_tree(b, state[2 * t + 1], 8))
-        b.store(y, row.out[t])
-
-
-def _emit_pair_row(b, row, decode, block_bytes, n_tok):
-    n_blocks = b.sdiv(row.rb, ir.Constant(I64, block_bytes))     # weight blocks (odd counts allowed)
-    zero16 = ir.Constant(_F32V16, [0.0] * 16)
-
+def _steps(b, kind, decode, nbytes, wrow, rb, i0, i1, init, apply):
+    """Steps i0 .. i1-1 of a weight row: state = apply(v, blk, i, state) after decoding step i.
+    A legacy row of an odd number of blocks ends in a step of one block (the other half zeros)."""
     def step(i, state, n_blk):
-        v = IntBlockIR(b, b.gep(row.wrow, [b.mul(i, ir.Constant(I64, 2 * block_bytes))]), None)
-        blk = decode(v, n_blk)
-        return [_pair_token(v, blk, b.gep(row.q[t], [b.mul(i, ir.Constant(I64, 64))]),
-                            b.gep(row.d[t], [b.mul(i, ir.Constant(I64, 2))]),
-                            b.gep(row.s[t], [b.mul(i, ir.Constant(I64, 2))]), state[t])
-                for t in range(n_tok)]
+        if kind == "k":
+            v = IntBlockIR(b, b.gep(wrow, [b.mul(i, _c64(nbytes))]), None)
+            return apply(v, decode(v), i, state)
+        v = IntBlockIR(b, b.gep(wrow, [b.mul(i, _c64(2 * nbytes))]), None)
+        return apply(v, decode(v, n_blk), i, state)
 
-    n_pairs = b.sdiv(n_blocks, ir.Constant(I64, 2))
-    state = _loop(b, n_pairs, [zero16] * n_tok, lambda i, s: step(i, s, 2))
-    # the odd last block: activations are padded to pairs, the weight half is zeros
-    has_tail = b.icmp_signed("!=", b.srem(n_blocks, ir.Constant(I64, 2)), ir.Constant(I64, 0))
+    if kind == "k":
+        return _loop(b, i0, i1, init, lambda i, s: step(i, s, None))
+    n_blocks = b.sdiv(rb, _c64(nbytes))
+    n_full = b.sdiv(n_blocks, _c64(2))
+    end = b.select(b.icmp_signed("<", i1, n_full), i1, n_full)
+    state = _loop(b, i0, end, init, lambda i, s: step(i, s, 2))
+    has_tail = b.icmp_signed(">", i1, n_full)
     before = b.basic_block
     tail = b.append_basic_block("int.tail")
     join = b.append_basic_block("int.join")
     b.cbranch(has_tail, tail, join)
     b.position_at_end(tail)
-    tailed = step(n_pairs, state, 1)
+    tailed = step(n_full, state, 1)
     tail_end = b.basic_block
     b.branch(join)
     b.position_at_end(join)
     merged = []
-    for t in range(n_tok):          # all phis first: LLVM wants them at the top of the block
-        p = b.phi(_F32V16)
-        p.add_incoming(state[t], before)
-        p.add_incoming(tailed[t], tail_end)
+    for x, y in zip(state, tailed):          # all phis first: LLVM wants them at the top of the block
+        p = b.phi(x.type)
+        p.add_incoming(x, before)
+        p.add_incoming(y, tail_end)
         merged.append(p)
-    for t in range(n_tok):
-        b.store(_reduce_tree(b, merged[t], 16), row.out[t])
+    return merged
+
+
+def _token_sum(b, facc, u):
+    """Token u's result from its 4 lanes: (l0 + l2) + (l1 + l3), as token_sum below."""
+    lane = [b.extract_element(facc, ir.Constant(I32, 4 * u + j)) for j in range(4)]
+    return b.fadd(b.fadd(lane[0], lane[2]), b.fadd(lane[1], lane[3]))
+
+
+def _by_type(b, qtype, done, emit):
+    """switch over SPECS on qtype; emit(kind, decode, nbytes) writes each case's code."""
+    by_type = b.switch(qtype, done)
+    for qt, spec in SPECS.items():
+        bb = b.append_basic_block(f"int.t{qt}")
+        by_type.add_case(ir.Constant(I64, qt), bb)
+        b.position_at_end(bb)
+        emit(*spec)
+        b.branch(done)
 
 
 @intrinsic
 def row_dot(typingctx, qtype, n_tok, w, r, xq, xd, xs, t0, out, oc):
     """out[t0 + t, oc] = (row r of W) . (activation row t0 + t), for t < n_tok (1, 2 or 4).
 
-    w: (rows, row_bytes) uint8 of type qtype; xq int8, xd float32, xs int16 rows from
-    quantize_act.quantize_rows with the block act_block(qtype); out float32 (k, >= oc + 1).
-    Unchecked: the caller validated shapes.
+    Float state in registers for the whole row. w: (rows, row_bytes) uint8 of type qtype; xq int8,
+    xd float32, xs int16 rows from quantize_act.quantize_rows with the block act_block(qtype); out
+    float32 (k, >= oc + 1). Unchecked: the caller validated shapes.
     """
     for a in (w, xq, xd, xs, out):
         if not isinstance(a, types.Array) or a.layout != "C" or a.ndim != 2:
@@ -380,23 +469,74 @@ def row_dot(typingctx, qtype, n_tok, w, r, xq, xd, xs, t0, out, oc):
 
     def codegen(context, builder, signature, args):
         b = builder
+        qt, ntok, w_, r_, xq_, xd_, xs_, t0_, out_, oc_ = args
         done = b.append_basic_block("row_dot.done")
-        by_type = b.switch(args[0], done)
-        for qt, (kind, decode, nbytes) in SPECS.items():
-            type_bb = b.append_basic_block(f"row_dot.t{qt}")
-            by_type.add_case(ir.Constant(I64, qt), type_bb)
-            b.position_at_end(type_bb)
-            by_tok = b.switch(args[1], done)
-            for n_tok in TOKEN_TILES:
-                tok_bb = b.append_basic_block(f"row_dot.t{qt}.n{n_tok}")
-                by_tok.add_case(ir.Constant(I64, n_tok), tok_bb)
-                b.position_at_end(tok_bb)
-                row = _Row(context, b, signature, args, n_tok)
-                if kind == "k":
-                    _emit_k_row(b, row, decode, nbytes, n_tok)
-                else:
-                    _emit_pair_row(b, row, decode, nbytes, n_tok)
+
+        def emit(kind, decode, nbytes):
+            by_tok = b.switch(ntok, done)
+            for n in (4, 2, 1):
+                bb = b.append_basic_block(f"row_dot.n{n}")
+                by_tok.add_case(ir.Constant(I64, n), bb)
+                b.position_at_end(bb)
+                wrow, rb = _weight_row(context, b, signature.args[2], w_, r_)
+                tok = _Tokens(context, b, signature.args[4:7], (xq_, xd_, xs_))
+                toks = [tok.rows(b.add(t0_, _c64(u))) for u in range(n)]
+                group = _k_group if kind == "k" else _pair_group
+                n_steps = b.sdiv(rb, _c64(nbytes))
+                if kind != "k":
+                    n_steps = b.sdiv(b.add(n_steps, _c64(1)), _c64(2))
+                zero = ir.Constant(ir.VectorType(F32, 4 * n), [0.0] * (4 * n))
+                (facc,) = _steps(b, kind, decode, nbytes, wrow, rb, _c64(0), n_steps, [zero],
+                                 lambda v, blk, i, s: [group(v, blk, i, toks, s[0])])
+                O = _array(context, b, signature.args[8], out_)
+                width = cgutils.unpack_tuple(b, O.shape, 2)[1]
+                for u in range(n):
+                    row = b.gep(O.data, [b.mul(b.add(t0_, _c64(u)), width)])
+                    b.store(_token_sum(b, facc, u), b.gep(row, [oc_]))
                 b.branch(done)
+            b.position_at_end(b.append_basic_block("row_dot.unreachable"))
+
+        _by_type(b, qt, done, emit)
+        b.position_at_end(done)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def row_groups(typingctx, qtype, w, r, xq, xd, xs, tg0, ng, s0, s1, acc, a0):
+    """acc[a0 + j, :] += steps s0 .. s1-1 of row r for token group tg0 + j (tokens 4(tg0 + j) + u,
+    u < 4), j < ng. Float state in acc (float32 (rows, 16)): each step is decoded once into
+    registers and applied to all ng groups. xq's rows must cover 4 (tg0 + ng) tokens."""
+    for a in (w, xq, xd, xs, acc):
+        if not isinstance(a, types.Array) or a.layout != "C" or a.ndim != 2:
+            return None
+    sig = types.void(types.int64, w, types.intp, xq, xd, xs, types.intp, types.intp, types.intp, types.intp,
+                     acc, types.intp)
+
+    def codegen(context, builder, signature, args):
+        b = builder
+        qt, w_, r_, xq_, xd_, xs_, tg0_, ng_, s0_, s1_, acc_, a0_ = args
+        done = b.append_basic_block("row_groups.done")
+
+        def emit(kind, decode, nbytes):
+            wrow, rb = _weight_row(context, b, signature.args[1], w_, r_)
+            tok = _Tokens(context, b, signature.args[3:6], (xq_, xd_, xs_))
+            A = _array(context, b, signature.args[10], acc_)
+            group = _k_group if kind == "k" else _pair_group
+            fv = ir.VectorType(F32, 16)
+
+            def apply(v, blk, i, state):
+                def one_group(j, _):
+                    first = b.mul(b.add(tg0_, j), _c64(4))
+                    toks = [tok.rows(b.add(first, _c64(u))) for u in range(4)]
+                    p = b.bitcast(b.gep(A.data, [b.mul(b.add(a0_, j), _c64(16))]), fv.as_pointer())
+                    b.store(group(v, blk, i, toks, b.load(p, align=4)), p, align=4)
+                    return []
+                _loop(b, _c64(0), ng_, [], one_group)
+                return []
+            _steps(b, kind, decode, nbytes, wrow, rb, s0_, s1_, [], apply)
+
+        _by_type(b, qt, done, emit)
         b.position_at_end(done)
         return context.get_dummy_value()
     return sig, codegen
@@ -413,6 +553,32 @@ def row_dots(qtype, w, r, xq, xd, xs, out, oc):
         t0 += n
 
 
+@njit(cache=CACHE, nogil=True, inline="always")
+def token_sum(acc, j, u):
+    """Token u of group row j of acc: (l0 + l2) + (l1 + l3), as the register kernel's _token_sum."""
+    return (acc[j, 4 * u] + acc[j, 4 * u + 2]) + (acc[j, 4 * u + 1] + acc[j, 4 * u + 3])
+
+
+ROW_TILE = 8          # rows sharing an L1-resident chunk of the activations
+TILE_GROUPS = 4       # token groups (16 tokens) per pass over a chunk: weights decoded once per 16 tokens
+ACT_L1_BYTES = 16384  # activation bytes of a chunk (all the pass's tokens) kept in L1
+TILED_MIN_K = 4       # k from which matvec runs the tiled kernel (below: row_dots, state in registers)
+
+
+@njit(cache=CACHE, nogil=True, inline="always")
+def tile_sums(qtype, w, r0, n_rows, xq, xd, xs, n_steps, chunk, acc):
+    """acc[r * G + j] = the float lanes of row r0 + r (r < n_rows) for token group j < G = rows of
+    xq / 4: column chunks of `chunk` steps, each swept by the tile's rows for 16 tokens at a time."""
+    n_grp = xq.shape[0] // 4
+    acc[: n_rows * n_grp] = 0.0
+    for tg0 in range(0, n_grp, TILE_GROUPS):
+        ng = min(TILE_GROUPS, n_grp - tg0)
+        for s0 in range(0, n_steps, chunk):
+            s1 = min(n_steps, s0 + chunk)
+            for r in range(n_rows):
+                row_groups(qtype, w, r0 + r, xq, xd, xs, tg0, ng, s0, s1, acc, r * n_grp + tg0)
+
+
 @njit(cache=CACHE, nogil=True, parallel=True)
 def _matvec_int_kernel(w, qtype, xq, xd, xs, out, n_groups):
     rows = w.shape[0]
@@ -421,9 +587,37 @@ def _matvec_int_kernel(w, qtype, xq, xd, xs, out, n_groups):
             row_dots(qtype, w, r, xq, xd, xs, out, r)
 
 
+@njit(cache=CACHE, nogil=True, parallel=True)
+def _matvec_tiled_kernel(w, qtype, xq, xd, xs, out, n_steps, chunk, n_groups):
+    rows = w.shape[0]
+    k = out.shape[0]
+    n_grp = xq.shape[0] // 4
+    n_tiles = (rows + ROW_TILE - 1) // ROW_TILE
+    for g in prange(n_groups):
+        acc = np.empty((ROW_TILE * n_grp, 16), np.float32)
+        for tile in range(g * n_tiles // n_groups, (g + 1) * n_tiles // n_groups):
+            r0 = tile * ROW_TILE
+            n_rows = min(ROW_TILE, rows - r0)
+            tile_sums(qtype, w, r0, n_rows, xq, xd, xs, n_steps, chunk, acc)
+            for t in range(k):
+                for r in range(n_rows):
+                    out[t, r0 + r] = token_sum(acc, r * n_grp + t // 4, t % 4)
+
+
 def n_row_groups(rows: int) -> int:
     """Parallel work items: a few per thread so a slow core does not hold up the call."""
     return max(1, min(rows, GROUPS_PER_THREAD * numba.get_num_threads()))
+
+
+def n_tile_groups(rows: int) -> int:
+    return n_row_groups((rows + ROW_TILE - 1) // ROW_TILE)
+
+
+def tiling(qtype: int, row_bytes: int, k: int) -> tuple[int, int]:
+    """(steps per row, steps per column chunk) of the tiled kernel for k tokens."""
+    step_cols = QK_K if SPECS[int(qtype)][0] == "k" else 2 * QK_LEGACY
+    tokens = min(-(-k // 4) * 4, 4 * TILE_GROUPS)
+    return steps_per_row(qtype, row_bytes), max(1, ACT_L1_BYTES // (tokens * step_cols))
 
 
 def quantize_for(qtype: int, x: np.ndarray):
@@ -431,9 +625,20 @@ def quantize_for(qtype: int, x: np.ndarray):
     return quantize_rows(x, act_block(qtype))
 
 
+def quantize_tiled(qtype: int, x: np.ndarray):
+    """As quantize_for, with zero rows up to a multiple of 4 tokens (the tiled kernel's groups)."""
+    return quantize_rows(x, act_block(qtype), pad_rows=-x.shape[0] % 4)
+
+
 def matvec_int_into(w: np.ndarray, qtype: int, x: np.ndarray, out: np.ndarray, xq=None) -> np.ndarray:
     """out = W x on int8 activations. Operands already checked (matvec.check_operands); xq: x
-    already quantized for this type (quantize_for), e.g. shared by gate and up."""
-    q, d, s = quantize_for(qtype, x) if xq is None else xq
-    _matvec_int_kernel(w, int(qtype), q, d, s, out, n_row_groups(w.shape[0]))
+    already quantized for this type (quantize_for or quantize_tiled), e.g. shared by gate and up."""
+    k = x.shape[0]
+    if k < TILED_MIN_K:
+        q, d, s = quantize_for(qtype, x) if xq is None else xq
+        _matvec_int_kernel(w, int(qtype), q, d, s, out, n_row_groups(w.shape[0]))
+        return out
+    q, d, s = quantize_tiled(qtype, x) if xq is None or xq[0].shape[0] % 4 else xq
+    n_steps, chunk = tiling(qtype, w.shape[1], k)
+    _matvec_tiled_kernel(w, int(qtype), q, d, s, out, n_steps, chunk, n_tile_groups(w.shape[0]))
     return out

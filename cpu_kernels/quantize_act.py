@@ -51,10 +51,11 @@ def _quantize_rows(x, block, group, q, d, s):
             s[t, g] = np.int16(acc)
 
 
-def quantize_rows(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def quantize_rows(x: np.ndarray, block: int, pad_rows: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(q int8 (k, n_pad), d float32 (k, n_pad/block), s int16 (k, n_pad/group)) for x (k, n).
 
     block 256: Q8_K-like (group sums of 16). block 32: Q8_0-like (sums of 32, rows padded to 64).
+    pad_rows: that many all-zero rows (q = d = s = 0) after the k rows.
     """
     x = np.ascontiguousarray(x, dtype=np.float32)
     k, n = x.shape
@@ -66,9 +67,9 @@ def quantize_rows(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np
         group, n_pad = QK_LEGACY, -(-n // PAD_LEGACY) * PAD_LEGACY
     else:
         raise ValueError(f"activation block must be {QK_K} or {QK_LEGACY}, got {block}")
-    q = np.zeros((k, n_pad), np.int8)
-    d = np.zeros((k, n_pad // block), np.float32)
-    s = np.zeros((k, n_pad // group), np.int16)
+    q = np.zeros((k + pad_rows, n_pad), np.int8)
+    d = np.zeros((k + pad_rows, n_pad // block), np.float32)
+    s = np.zeros((k + pad_rows, n_pad // group), np.int16)
     _quantize_rows(x, block, group, q, d, s)
     return q, d, s
 
