@@ -21,8 +21,8 @@ import numpy as np
 from numba import njit, prange
 
 from .matvec import CHUNK, TOKEN_TILE, check_operands, matvec, n_groups_for, tile_products, use_int
-from .matvec_int import (ROW_TILE, TILED_MIN_K, act_block, n_row_groups, n_tile_groups, quantize_for,
-                         quantize_tiled, row_dots, tile_sums, tiling, token_sum)
+from .matvec_int import (TILED_MIN_K, act_block, n_row_groups, quantize_for, quantize_tiled, row_dots, tile_sums,
+                         tiling)
 from .matvec_simd import TILE_ROWS
 from .simd_int import CACHE
 
@@ -86,25 +86,24 @@ def _gate_up_int_kernel(w_gate, t_gate, w_up, t_up, xq, xd, xs, hidden, act, n_g
 
 
 @njit(cache=CACHE, nogil=True, parallel=True)
-def _gate_up_tiled_kernel(w_gate, t_gate, w_up, t_up, xq, xd, xs, hidden, act, n_steps, chunk, n_groups):
+def _gate_up_tiled_kernel(w_gate, t_gate, w_up, t_up, xa, xb, xc, k_pad, hidden, act, n_steps, chunk, row_tile,
+                          n_groups):
     """As _gate_up_int_kernel for k >= TILED_MIN_K: a tile of rows' gate and up sums for all tokens
-    (matvec_int.tile_sums: each weight chunk decoded once per 16 tokens), then act(gate) * up."""
+    (matvec_int.tile_sums: each weight chunk decoded once per pass of tokens), then act(gate) * up."""
     rows = w_gate.shape[0]
     k = hidden.shape[0]
-    n_grp = xq.shape[0] // 4
-    n_tiles = (rows + ROW_TILE - 1) // ROW_TILE
+    n_tiles = (rows + row_tile - 1) // row_tile
     for g in prange(n_groups):
-        gate = np.empty((ROW_TILE * n_grp, 16), np.float32)
-        up = np.empty((ROW_TILE * n_grp, 16), np.float32)
+        gate = np.empty((row_tile, k_pad), np.float32)
+        up = np.empty((row_tile, k_pad), np.float32)
         for tile in range(g * n_tiles // n_groups, (g + 1) * n_tiles // n_groups):
-            r0 = tile * ROW_TILE
-            n_rows = min(ROW_TILE, rows - r0)
-            tile_sums(t_gate, w_gate, r0, n_rows, xq, xd, xs, n_steps, chunk, gate)
-            tile_sums(t_up, w_up, r0, n_rows, xq, xd, xs, n_steps, chunk, up)
+            r0 = tile * row_tile
+            n_rows = min(row_tile, rows - r0)
+            tile_sums(t_gate, w_gate, r0, n_rows, xa, xb, xc, n_steps, chunk, gate)
+            tile_sums(t_up, w_up, r0, n_rows, xa, xb, xc, n_steps, chunk, up)
             for t in range(k):
                 for r in range(n_rows):
-                    j = r * n_grp + t // 4
-                    hidden[t, r0 + r] = _act_times(token_sum(gate, j, t % 4), token_sum(up, j, t % 4), act)
+                    hidden[t, r0 + r] = _act_times(gate[r, t], up[r, t], act)
 
 
 def ffn_glu(x: np.ndarray, w_gate: np.ndarray, t_gate: int, w_up: np.ndarray, t_up: int,
@@ -132,10 +131,9 @@ def ffn_glu(x: np.ndarray, w_gate: np.ndarray, t_gate: int, w_up: np.ndarray, t_
             hidden.fill(0.0)
         elif use_int(t_gate, exact) and use_int(t_up, exact) and act_block(t_gate) == act_block(t_up) \
                 and k >= TILED_MIN_K:
-            xq, xd, xs = quantize_tiled(t_gate, x)
-            n_steps, chunk = tiling(t_gate, w_gate.shape[1], k)
-            _gate_up_tiled_kernel(w_gate, int(t_gate), w_up, int(t_up), xq, xd, xs, hidden, ACTIVATIONS[act],
-                                  n_steps, chunk, n_tile_groups(n_ff))
+            xa, xb, xc, k_pad = quantize_tiled(t_gate, x)
+            _gate_up_tiled_kernel(w_gate, int(t_gate), w_up, int(t_up), xa, xb, xc, k_pad, hidden, ACTIVATIONS[act],
+                                  *tiling(t_gate, w_gate.shape, k))
         elif use_int(t_gate, exact) and use_int(t_up, exact) and act_block(t_gate) == act_block(t_up):
             xq, xd, xs = quantize_for(t_gate, x)
             _gate_up_int_kernel(w_gate, int(t_gate), w_up, int(t_up), xq, xd, xs, hidden,

@@ -42,7 +42,7 @@ from numba.extending import intrinsic
 from gguf.constants import GGMLQuantizationType as _T
 
 from .matvec_kquants import k_scales_mins, q3_k_scales
-from .matvec_simd import _array, _fma, _load_vec
+from .matvec_simd import _array, _fma, _load_vec, _splat
 from .quantize_act import QK_K, QK_LEGACY, quantize_rows
 from .simd_int import CACHE, F32, I8, I16, I32, I64, IntBlockIR, _concat, dpbusd, dpwssd, maddubs, pmaddwd
 
@@ -234,18 +234,26 @@ def _c64(x):
     return ir.Constant(I64, x)
 
 
-# --------------------------------------------------------------------------- token groups
-# A group is g (1, 2 or 4) tokens whose float accumulators share one vector of 4g lanes, lanes
-# 4u .. 4u+3 for token u. After a step's integer dot products, each token's i32 lanes are folded
-# (exactly) to 4 partial sums, the group's partials packed into one vector and scaled by one
-# sitofp + fma: a token's float work per step is a quarter of a 16-lane accumulator's, and an
-# 8- or 16-token pass keeps its float state in 2-4 registers (a pass with 16-lane accumulators
-# per token spilled beyond 4 tokens). Which i32 lanes make a partial, and every float operation
-# on it, are the same for g = 1, 2, 4 and in both accumulator modes below: bit identity across k.
+# --------------------------------------------------------------------------- numerics
+# Every path computes, per (token, row), the same exact integers and the same float operations in
+# the same order (bit identity across k, batch position, threads and kernels):
+#
+#   K step (super-block) i:  isum = sum_e q_e a_e sc(e) [+ sum_g off_g bs_g]  msum = sum_g m_g bs_g
+#                            y = fma(float(isum), d dx, y);  y = fma(float(msum), -dmin dx, y)
+#   legacy block b (A, B of a pair step, in order):
+#                            isum = sum_e q_e a_e + off bs_b
+#                            y = fma(float(isum), d_b dx_b, y);  y = fma(float(bs_b), m_b dx_b, y)
+#
+# starting from y = 0 (the msum / bs_b terms only for the types with mins). One float lane per
+# (token, row): the kernels differ only in how they reach the integers and which lanes hold which
+# tokens.
 
-K_FOLD = ((16, range(8), range(8, 16)), (8, range(4), range(4, 8)))       # partial l: lanes l, l+4, l+8, l+12
-# legacy: lanes 0-7 block A, 8-15 block B -> per token [A, A, B, B] partials
-PAIR_FOLD = ((16, [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]), (8, [0, 1, 4, 5], [2, 3, 6, 7]))
+K_FOLD = ((16, range(8), range(8, 16)), (8, range(4), range(4, 8)), (4, [0, 1], [2, 3]), (2, [0], [1]))
+# legacy: lanes 0-7 block A, 8-15 block B -> per token [A, B]
+PAIR_FOLD = ((16, [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]), (8, [0, 1, 4, 5], [2, 3, 6, 7]),
+             (4, [0, 2], [1, 3]))
+# K-quant sub-block (weights sharing one scale): 32 for Q4_K / Q5_K, 16 for the others
+K_SUB = {int(_T.Q4_K): 32, int(_T.Q5_K): 32, int(_T.Q6_K): 16, int(_T.Q3_K): 16, int(_T.Q2_K): 16}
 
 
 def _fold(b, vecs, per, lo, hi):
@@ -279,18 +287,35 @@ def _concat_all(b, vecs):
     return vecs[0]
 
 
-def _spread(b, vec, idx):
+def _lanes(b, vec, idx):
     return b.shuffle_vector(vec, ir.Constant(vec.type, ir.Undefined), ir.Constant(ir.VectorType(I32, len(idx)), idx))
 
 
-def _k_group(v, blk, i, toks, facc):
-    """facc (4g lanes) + the group's share of super-block i; toks: per token its (q, d, s) rows."""
-    b = v.b
-    g = len(toks)
-    accs, bss, dxs = [], [], []
-    for q, d, s in toks:
+def _vec1(b, x):
+    return b.insert_element(ir.Constant(ir.VectorType(x.type, 1), ir.Undefined), x, ir.Constant(I32, 0))
+
+
+# --------------------------------------------------------------------------- lane groups
+# A group is g (1, 2 or 4) (row, token) pairs, one float lane each: g tokens of one row (k = 2..15)
+# or g rows for one token (k = 1). Each pair's step is dotted in 64-byte vectors (its integers
+# spread over 16 lanes), folded exactly to one lane (two for a legacy pair: A, B), and the group
+# scaled together: one sitofp + fma per term for g pairs. An entry is (vb, (q, d, s)): the decoded
+# step of its row, (v, blk) or a function emitting the decoder (rows decoded one after the other,
+# each next to its dot product: 4 decoded blocks at once would not fit the registers), and its
+# token's activation row pointers.
+
+
+def _decoded(vb):
+    return vb() if callable(vb) else vb
+
+def _k_group(b, entries, i, facc):
+    """facc (g lanes) after super-block i."""
+    g = len(entries)
+    accs, bss, dxs, ds, ms, m16 = [], [], [], [], [], []
+    for vb, (q, d, s) in entries:
+        v, blk = _decoded(vb)
         a_ptr = b.gep(q, [b.mul(i, _c64(QK_K))])
-        # alone, a token runs two integer chains (chunks 0, 1 and 2, 3): half the dpwssd latency
+        # alone, a pair runs two integer chains (chunks 0, 1 and 2, 3): half the dpwssd latency
         chains = [v.zeros(I32, 16)] * (2 if g == 1 else 1)
         for c in range(4):
             a = _load_vec(b, b.gep(a_ptr, [_c64(64 * c)]), I8, 64, 1)
@@ -302,61 +327,140 @@ def _k_group(v, blk, i, toks, facc):
             acc = b.add(acc, v.concat(pmaddwd(b, blk.off16, bs), v.zeros(I32, 8)))
         accs.append(acc)
         bss.append(bs)
-        dxs.append(b.load(b.gep(d, [i])))
-    n = 4 * g
-    fv = ir.VectorType(F32, n)
-    dx = _spread(b, _concat_all(b, [_f32x1(b, x) for x in dxs]), [u for u in range(g) for _ in range(4)])
-    part = _fold_all(b, accs, K_FOLD)
-    facc = _fma(b, b.sitofp(part, fv), b.fmul(v.fsplat(blk.d, n), dx), facc)
-    if blk.min16 is not None:
-        ms = []
+        dxs.append(_vec1(b, b.load(b.gep(d, [i]))))
+        ds.append(_vec1(b, blk.d))
+        ms.append(None if blk.min16 is None else _vec1(b, blk.negdmin))
+        m16.append(blk.min16)
+    fv = ir.VectorType(F32, g)
+    dx = _concat_all(b, dxs)
+    isum = _fold_all(b, accs, K_FOLD)
+    facc = _fma(b, b.sitofp(isum, fv), b.fmul(_concat_all(b, ds), dx), facc)
+    if ms[0] is not None:
+        mins = []
         for j in range(0, g, 2):
             if j + 1 < g:
-                ms.append(pmaddwd(b, v.concat(blk.min16, blk.min16), v.concat(bss[j], bss[j + 1])))
+                mins.append(pmaddwd(b, _concat(b, m16[j], m16[j + 1]), _concat(b, bss[j], bss[j + 1])))
             else:
-                ms.append(pmaddwd(b, blk.min16, bss[j]))
-        mins = _fold_all(b, ms, K_FOLD[1:])
-        facc = _fma(b, b.sitofp(mins, fv), b.fmul(v.fsplat(blk.negdmin, n), dx), facc)
+                mins.append(pmaddwd(b, m16[j], bss[j]))
+        msum = _fold_all(b, mins, K_FOLD[1:])
+        facc = _fma(b, b.sitofp(msum, fv), b.fmul(_concat_all(b, ms), dx), facc)
     return facc
 
 
-def _f32x1(b, x):
-    return b.insert_element(ir.Constant(ir.VectorType(F32, 1), ir.Undefined), x, ir.Constant(I32, 0))
-
-
-def _pair_group(v, blk, i, toks, facc):
-    """facc (4g lanes) + the group's share of block pair i (lanes per token: A, A, B, B)."""
-    b = v.b
-    g = len(toks)
-    accs, bs2, dx2 = [], [], []
-    for q, d, s in toks:
+def _pair_group(b, entries, i, facc):
+    """facc (g lanes) after block pair i: block A's terms, then block B's."""
+    g = len(entries)
+    accs, bs2, dx2, d2, m2 = [], [], [], [], []
+    for vb, (q, d, s) in entries:
+        v, blk = _decoded(vb)
         a = _load_vec(b, b.gep(q, [b.mul(i, _c64(64))]), I8, 64, 1)
         accs.append(dpbusd(b, v.zeros(I32, 16), blk.w, a, blk.wide))
         bs2.append(b.sext(_load_vec(b, b.gep(s, [b.mul(i, _c64(2))]), I16, 2, 2), ir.VectorType(I32, 2)))
         dx2.append(_load_vec(b, b.gep(d, [b.mul(i, _c64(2))]), F32, 2, 4))
-    n = 4 * g
-    fv = ir.VectorType(F32, n)
-    aabb = [2 * u + h for u in range(g) for h in (0, 0, 1, 1)]
-    part = _fold_all(b, accs, PAIR_FOLD)
-    # the block sums in lanes A and B of each token, 0 in the others (Z: a lane of the zero vector)
+        d2.append(blk.d2)
+        m2.append(blk.m2)
+    fv = ir.VectorType(F32, g)
+    ab = _fold_all(b, accs, PAIR_FOLD)         # 2g lanes: pair 0 A, pair 0 B, pair 1 A, ...
     bs = _concat_all(b, bs2)
-    z = 2 * g
-    bsv = b.shuffle_vector(bs, v.zeros(I32, 2 * g), ir.Constant(ir.VectorType(I32, n),
-                                                                [x for u in range(g) for x in (2 * u, z, 2 * u + 1, z)]))
-    if blk.off:
-        part = b.add(part, b.mul(bsv, ir.Constant(bsv.type, [blk.off] * n)))
-    dx = _spread(b, _concat_all(b, dx2), aabb)
-    tile = [h for _ in range(g) for h in (0, 0, 1, 1)]
-    facc = _fma(b, b.sitofp(part, fv), b.fmul(_spread(b, blk.d2, tile), dx), facc)
-    if blk.m2 is not None:
-        facc = _fma(b, b.sitofp(bsv, fv), b.fmul(_spread(b, blk.m2, tile), dx), facc)
+    if blk.off:             # the type's constants: the same for every entry
+        ab = b.add(ab, b.mul(bs, ir.Constant(bs.type, [blk.off] * (2 * g))))
+    dx, dw = _concat_all(b, dx2), _concat_all(b, d2)
+    mw = None if blk.m2 is None else _concat_all(b, m2)
+    for h in range(2):
+        sel = [2 * u + h for u in range(g)]
+        dxh = _lanes(b, dx, sel)
+        facc = _fma(b, b.sitofp(_lanes(b, ab, sel), fv), b.fmul(_lanes(b, dw, sel), dxh), facc)
+        if mw is not None:
+            facc = _fma(b, b.sitofp(_lanes(b, bs, sel), fv), b.fmul(_lanes(b, mw, sel), dxh), facc)
+    return facc
+
+
+# --------------------------------------------------------------------------- token lanes (prompts)
+# For 16 and more tokens the activations are transposed (quantize_lanes): 16 tokens' 4-byte
+# groups side by side in one 64-byte vector. A decoded weight step goes to a small stack buffer;
+# each 4 weight bytes are broadcast to all lanes and one vpdpbusd adds 4 products for 16 tokens,
+# so a token's integers land in its own lane: no folding, and every scaling step is one vector
+# instruction for 16 tokens. This is the prompt-processing GEMM: per 16 tokens and 256 weights
+# 64 vpdpbusd plus about 25 instructions of scales, vs about 16 instructions per token above.
+
+def _bcast32(b, buf, j):
+    """The i32 at dword j of the byte buffer, broadcast to 64 bytes (a load-port broadcast)."""
+    x = b.load(b.bitcast(b.gep(buf, [_c64(4 * j)]), I32.as_pointer()), align=1)
+    return b.bitcast(_splat(b, x, 16), ir.VectorType(I8, 64))
+
+
+def _store_bytes(b, buf, off, vec):
+    b.store(vec, b.bitcast(b.gep(buf, [_c64(off)]), vec.type.as_pointer()), align=1)
+
+
+def _k_lanes(v, blk, i, toks, facc, bufs, sub):
+    """facc (16 tokens) after super-block i; toks: the token vector's (qT, dT, sT) rows."""
+    b = v.b
+    q, d, s = toks
+    wbuf, sbuf, mbuf, obuf = bufs
+    for c in range(4):
+        _store_bytes(b, wbuf, 64 * c, blk.chunks[c])
+        _store_bytes(b, sbuf, 64 * c, b.bitcast(blk.sc16[c], ir.VectorType(I8, 64)))
+    step_q = b.gep(q, [b.mul(i, _c64(64 * 64))])
+    isum = v.zeros(I32, 16)
+    for e0 in range(0, QK_K, sub):
+        raw = v.zeros(I32, 16)
+        for j in range(e0 // 4, (e0 + sub) // 4):
+            a = _load_vec(b, b.gep(step_q, [_c64(64 * j)]), I8, 64, 1)
+            raw = dpbusd(b, raw, _bcast32(b, wbuf, j), a)
+        sc_ptr = b.bitcast(b.gep(sbuf, [_c64(64 * (e0 // 64) + 2 * ((e0 % 64) // 2))]), I16.as_pointer())
+        sc = b.sext(b.load(sc_ptr, align=2), I32)
+        isum = b.add(isum, b.mul(raw, _splat(b, sc, 16)))
+    step_s = b.gep(s, [b.mul(i, _c64(8 * 16))])          # int32 elements: 8 pairs of 16 tokens
+    bs = [_load_vec(b, b.gep(step_s, [_c64(16 * j)]), I16, 32, 4) for j in range(8)]
+    i16x32 = ir.VectorType(I16, 32)
+    if blk.off16 is not None:
+        _store_bytes(b, obuf, 0, blk.off16)
+        for j in range(8):
+            isum = dpwssd(b, isum, bs[j], b.bitcast(_bcast32(b, obuf, j), i16x32))
+    fv = ir.VectorType(F32, 16)
+    dx = _load_vec(b, b.gep(d, [b.mul(i, _c64(16))]), F32, 16, 4)
+    facc = _fma(b, b.sitofp(isum, fv), b.fmul(v.fsplat(blk.d, 16), dx), facc)
+    if blk.min16 is not None:
+        _store_bytes(b, mbuf, 0, blk.min16)
+        msum = v.zeros(I32, 16)
+        for j in range(8):
+            msum = dpwssd(b, msum, bs[j], b.bitcast(_bcast32(b, mbuf, j), i16x32))
+        facc = _fma(b, b.sitofp(msum, fv), b.fmul(v.fsplat(blk.negdmin, 16), dx), facc)
+    return facc
+
+
+def _pair_lanes(v, blk, i, toks, facc, bufs, sub):
+    """facc (16 tokens) after block pair i: block A's terms, then block B's."""
+    b = v.b
+    q, d, s = toks
+    wbuf = bufs[0]
+    _store_bytes(b, wbuf, 0, blk.w)
+    fv = ir.VectorType(F32, 16)
+    for h in range(2):
+        blk_i = b.add(b.mul(i, _c64(2)), _c64(h))
+        blk_q = b.gep(q, [b.mul(blk_i, _c64(8 * 64))])
+        raw = v.zeros(I32, 16)
+        for j in range(8):
+            a = _load_vec(b, b.gep(blk_q, [_c64(64 * j)]), I8, 64, 1)
+            raw = dpbusd(b, raw, _bcast32(b, wbuf, 8 * h + j), a, blk.wide)
+        bs = _load_vec(b, b.gep(s, [b.mul(blk_i, _c64(16))]), I32, 16, 4)
+        if blk.off:
+            raw = b.add(raw, b.mul(bs, ir.Constant(bs.type, [blk.off] * 16)))
+        dx = _load_vec(b, b.gep(d, [b.mul(blk_i, _c64(16))]), F32, 16, 4)
+        dh = b.extract_element(blk.d2, ir.Constant(I32, h))
+        facc = _fma(b, b.sitofp(raw, fv), b.fmul(v.fsplat(dh, 16), dx), facc)
+        if blk.m2 is not None:
+            mh = b.extract_element(blk.m2, ir.Constant(I32, h))
+            facc = _fma(b, b.sitofp(bs, fv), b.fmul(v.fsplat(mh, 16), dx), facc)
     return facc
 
 
 # --------------------------------------------------------------------------- the row kernels
 
 class _Tokens:
-    """Data pointers and row widths of xq, xd, xs: the (q, d, s) rows of any token."""
+    """Data pointers and row widths of the three activation arrays: the rows of any token (or
+    token vector, for the transposed arrays)."""
 
     def __init__(self, context, b, tys, vals):
         self.b = b
@@ -402,15 +506,25 @@ def _loop(b, start, end, init, body):
     return state
 
 
-def _steps(b, kind, decode, nbytes, wrow, rb, i0, i1, init, apply):
-    """Steps i0 .. i1-1 of a weight row: state = apply(v, blk, i, state) after decoding step i.
+def _steps(b, kind, decode, nbytes, wrows, rb, i0, i1, init, apply):
+    """Steps i0 .. i1-1 of the weight rows wrows: state = apply(vbs, i, state), vbs[r] row r's
+    step i as a function emitting its decoder (returns (v, blk); emitted once, where first used).
     A legacy row of an odd number of blocks ends in a step of one block (the other half zeros)."""
     def step(i, state, n_blk):
-        if kind == "k":
-            v = IntBlockIR(b, b.gep(wrow, [b.mul(i, _c64(nbytes))]), None)
-            return apply(v, decode(v), i, state)
-        v = IntBlockIR(b, b.gep(wrow, [b.mul(i, _c64(2 * nbytes))]), None)
-        return apply(v, decode(v, n_blk), i, state)
+        def decoder(wrow):
+            done = []
+
+            def vb():
+                if not done:
+                    if kind == "k":
+                        v = IntBlockIR(b, b.gep(wrow, [b.mul(i, _c64(nbytes))]), None)
+                        done.append((v, decode(v)))
+                    else:
+                        v = IntBlockIR(b, b.gep(wrow, [b.mul(i, _c64(2 * nbytes))]), None)
+                        done.append((v, decode(v, n_blk)))
+                return done[0]
+            return vb
+        return apply([decoder(w) for w in wrows], i, state)
 
     if kind == "k":
         return _loop(b, i0, i1, init, lambda i, s: step(i, s, None))
@@ -437,21 +551,19 @@ def _steps(b, kind, decode, nbytes, wrow, rb, i0, i1, init, apply):
     return merged
 
 
-def _token_sum(b, facc, u):
-    """Token u's result from its 4 lanes: (l0 + l2) + (l1 + l3), as token_sum below."""
-    lane = [b.extract_element(facc, ir.Constant(I32, 4 * u + j)) for j in range(4)]
-    return b.fadd(b.fadd(lane[0], lane[2]), b.fadd(lane[1], lane[3]))
-
-
 def _by_type(b, qtype, done, emit):
-    """switch over SPECS on qtype; emit(kind, decode, nbytes) writes each case's code."""
+    """switch over SPECS on qtype; emit(qt, kind, decode, nbytes) writes each case's code."""
     by_type = b.switch(qtype, done)
     for qt, spec in SPECS.items():
         bb = b.append_basic_block(f"int.t{qt}")
         by_type.add_case(ir.Constant(I64, qt), bb)
         b.position_at_end(bb)
-        emit(*spec)
+        emit(qt, *spec)
         b.branch(done)
+
+
+def _c_2d(*arrays):
+    return all(isinstance(a, types.Array) and a.layout == "C" and a.ndim == 2 for a in arrays)
 
 
 @intrinsic
@@ -462,17 +574,16 @@ def row_dot(typingctx, qtype, n_tok, w, r, xq, xd, xs, t0, out, oc):
     xd float32, xs int16 rows from quantize_act.quantize_rows with the block act_block(qtype); out
     float32 (k, >= oc + 1). Unchecked: the caller validated shapes.
     """
-    for a in (w, xq, xd, xs, out):
-        if not isinstance(a, types.Array) or a.layout != "C" or a.ndim != 2:
-            return None
+    if not _c_2d(w, xq, xd, xs, out):
+        return None
     sig = types.void(types.int64, types.intp, w, types.intp, xq, xd, xs, types.intp, out, types.intp)
 
     def codegen(context, builder, signature, args):
         b = builder
-        qt, ntok, w_, r_, xq_, xd_, xs_, t0_, out_, oc_ = args
+        qt_, ntok, w_, r_, xq_, xd_, xs_, t0_, out_, oc_ = args
         done = b.append_basic_block("row_dot.done")
 
-        def emit(kind, decode, nbytes):
+        def emit(qt, kind, decode, nbytes):
             by_tok = b.switch(ntok, done)
             for n in (4, 2, 1):
                 bb = b.append_basic_block(f"row_dot.n{n}")
@@ -485,58 +596,116 @@ def row_dot(typingctx, qtype, n_tok, w, r, xq, xd, xs, t0, out, oc):
                 n_steps = b.sdiv(rb, _c64(nbytes))
                 if kind != "k":
                     n_steps = b.sdiv(b.add(n_steps, _c64(1)), _c64(2))
-                zero = ir.Constant(ir.VectorType(F32, 4 * n), [0.0] * (4 * n))
-                (facc,) = _steps(b, kind, decode, nbytes, wrow, rb, _c64(0), n_steps, [zero],
-                                 lambda v, blk, i, s: [group(v, blk, i, toks, s[0])])
+                zero = ir.Constant(ir.VectorType(F32, n), [0.0] * n)
+                (facc,) = _steps(b, kind, decode, nbytes, [wrow], rb, _c64(0), n_steps, [zero],
+                                 lambda vbs, i, s: [group(b, [(vbs[0], t) for t in toks], i, s[0])])
                 O = _array(context, b, signature.args[8], out_)
                 width = cgutils.unpack_tuple(b, O.shape, 2)[1]
                 for u in range(n):
                     row = b.gep(O.data, [b.mul(b.add(t0_, _c64(u)), width)])
-                    b.store(_token_sum(b, facc, u), b.gep(row, [oc_]))
+                    b.store(b.extract_element(facc, ir.Constant(I32, u)), b.gep(row, [oc_]))
                 b.branch(done)
             b.position_at_end(b.append_basic_block("row_dot.unreachable"))
 
-        _by_type(b, qt, done, emit)
+        _by_type(b, qt_, done, emit)
         b.position_at_end(done)
         return context.get_dummy_value()
     return sig, codegen
 
 
 @intrinsic
-def row_groups(typingctx, qtype, w, r, xq, xd, xs, tg0, ng, s0, s1, acc, a0):
-    """acc[a0 + j, :] += steps s0 .. s1-1 of row r for token group tg0 + j (tokens 4(tg0 + j) + u,
-    u < 4), j < ng. Float state in acc (float32 (rows, 16)): each step is decoded once into
-    registers and applied to all ng groups. xq's rows must cover 4 (tg0 + ng) tokens."""
-    for a in (w, xq, xd, xs, acc):
-        if not isinstance(a, types.Array) or a.layout != "C" or a.ndim != 2:
-            return None
-    sig = types.void(types.int64, w, types.intp, xq, xd, xs, types.intp, types.intp, types.intp, types.intp,
+def rows_dot(typingctx, qtype, n_rows, w, r0, xq, xd, xs, t, out, oc0):
+    """out[t, oc0 + j] = (row r0 + j of W) . (activation row t), for j < n_rows (1, 2 or 4): the
+    rows' lanes packed as row_dot packs tokens (the k = 1 kernel: the lane folding is shared by
+    4 rows, each step of each row decoded once). Unchecked, as row_dot."""
+    if not _c_2d(w, xq, xd, xs, out):
+        return None
+    sig = types.void(types.int64, types.intp, w, types.intp, xq, xd, xs, types.intp, out, types.intp)
+
+    def codegen(context, builder, signature, args):
+        b = builder
+        qt_, nrows, w_, r0_, xq_, xd_, xs_, t_, out_, oc0_ = args
+        done = b.append_basic_block("rows_dot.done")
+
+        def emit(qt, kind, decode, nbytes):
+            by_rows = b.switch(nrows, done)
+            for n in (4, 2, 1):
+                bb = b.append_basic_block(f"rows_dot.n{n}")
+                by_rows.add_case(ir.Constant(I64, n), bb)
+                b.position_at_end(bb)
+                wrows, rbs = zip(*[_weight_row(context, b, signature.args[2], w_, b.add(r0_, _c64(j)))
+                                   for j in range(n)])
+                tok = _Tokens(context, b, signature.args[4:7], (xq_, xd_, xs_)).rows(t_)
+                group = _k_group if kind == "k" else _pair_group
+                n_steps = b.sdiv(rbs[0], _c64(nbytes))
+                if kind != "k":
+                    n_steps = b.sdiv(b.add(n_steps, _c64(1)), _c64(2))
+                zero = ir.Constant(ir.VectorType(F32, n), [0.0] * n)
+                (facc,) = _steps(b, kind, decode, nbytes, list(wrows), rbs[0], _c64(0), n_steps, [zero],
+                                 lambda vbs, i, s: [group(b, [(vb, tok) for vb in vbs], i, s[0])])
+                O = _array(context, b, signature.args[8], out_)
+                row = b.gep(O.data, [b.mul(t_, cgutils.unpack_tuple(b, O.shape, 2)[1])])
+                for j in range(n):
+                    b.store(b.extract_element(facc, ir.Constant(I32, j)), b.gep(row, [b.add(oc0_, _c64(j))]))
+                b.branch(done)
+            b.position_at_end(b.append_basic_block("rows_dot.unreachable"))
+
+        _by_type(b, qt_, done, emit)
+        b.position_at_end(done)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def row_acc(typingctx, qtype, w, r, xa, xb, xc, u0, n, s0, s1, acc, ar):
+    """acc[ar, unit (u0 + j) + l] for l < unit, j < n, after steps s0 .. s1-1 of row r.
+
+    xa, xb, xc from quantize_tiled: row-major rows (xc int16) -> unit 4, token groups; transposed
+    token vectors (xc int32) -> unit 16, token lanes. Each step is decoded once into registers
+    (token lanes: and a stack buffer) and applied to all n units before the next step is read.
+    """
+    if not _c_2d(w, xa, xb, xc, acc):
+        return None
+    unit = 16 if xc.dtype == types.int32 else 4
+    sig = types.void(types.int64, w, types.intp, xa, xb, xc, types.intp, types.intp, types.intp, types.intp,
                      acc, types.intp)
 
     def codegen(context, builder, signature, args):
         b = builder
-        qt, w_, r_, xq_, xd_, xs_, tg0_, ng_, s0_, s1_, acc_, a0_ = args
-        done = b.append_basic_block("row_groups.done")
+        qt_, w_, r_, xa_, xb_, xc_, u0_, n_, s0_, s1_, acc_, ar_ = args
+        done = b.append_basic_block("row_acc.done")
+        bufs = [cgutils.alloca_once(b, ir.ArrayType(I8, 256)) for _ in range(2)] + \
+            [cgutils.alloca_once(b, ir.ArrayType(I8, 32)) for _ in range(2)]
+        bufs = [b.bitcast(p, I8.as_pointer()) for p in bufs]
 
-        def emit(kind, decode, nbytes):
+        def emit(qt, kind, decode, nbytes):
             wrow, rb = _weight_row(context, b, signature.args[1], w_, r_)
-            tok = _Tokens(context, b, signature.args[3:6], (xq_, xd_, xs_))
+            tok = _Tokens(context, b, signature.args[3:6], (xa_, xb_, xc_))
             A = _array(context, b, signature.args[10], acc_)
-            group = _k_group if kind == "k" else _pair_group
-            fv = ir.VectorType(F32, 16)
+            acc_row = b.gep(A.data, [b.mul(ar_, cgutils.unpack_tuple(b, A.shape, 2)[1])])
+            fv = ir.VectorType(F32, unit)
 
-            def apply(v, blk, i, state):
-                def one_group(j, _):
-                    first = b.mul(b.add(tg0_, j), _c64(4))
-                    toks = [tok.rows(b.add(first, _c64(u))) for u in range(4)]
-                    p = b.bitcast(b.gep(A.data, [b.mul(b.add(a0_, j), _c64(16))]), fv.as_pointer())
-                    b.store(group(v, blk, i, toks, b.load(p, align=4)), p, align=4)
+            def apply(vbs, i, state):
+                vb = _decoded(vbs[0])       # before the loop over units: decoded once per step
+
+                def one(j, _):
+                    u = b.add(u0_, j)
+                    p = b.bitcast(b.gep(acc_row, [b.mul(u, _c64(unit))]), fv.as_pointer())
+                    facc = b.load(p, align=4)
+                    if unit == 16:
+                        lanes = _k_lanes if kind == "k" else _pair_lanes
+                        facc = lanes(*vb, i, tok.rows(u), facc, bufs, K_SUB.get(qt))
+                    else:
+                        first = b.mul(u, _c64(4))
+                        toks = [tok.rows(b.add(first, _c64(t))) for t in range(4)]
+                        facc = (_k_group if kind == "k" else _pair_group)(b, [(vb, t) for t in toks], i, facc)
+                    b.store(facc, p, align=4)
                     return []
-                _loop(b, _c64(0), ng_, [], one_group)
+                _loop(b, _c64(0), n_, [], one)
                 return []
-            _steps(b, kind, decode, nbytes, wrow, rb, s0_, s1_, [], apply)
+            _steps(b, kind, decode, nbytes, [wrow], rb, s0_, s1_, [], apply)
 
-        _by_type(b, qt, done, emit)
+        _by_type(b, qt_, done, emit)
         b.position_at_end(done)
         return context.get_dummy_value()
     return sig, codegen
@@ -553,55 +722,68 @@ def row_dots(qtype, w, r, xq, xd, xs, out, oc):
         t0 += n
 
 
-@njit(cache=CACHE, nogil=True, inline="always")
-def token_sum(acc, j, u):
-    """Token u of group row j of acc: (l0 + l2) + (l1 + l3), as the register kernel's _token_sum."""
-    return (acc[j, 4 * u] + acc[j, 4 * u + 2]) + (acc[j, 4 * u + 1] + acc[j, 4 * u + 3])
-
-
-ROW_TILE = 8          # rows sharing an L1-resident chunk of the activations
-TILE_GROUPS = 4       # token groups (16 tokens) per pass over a chunk: weights decoded once per 16 tokens
-ACT_L1_BYTES = 16384  # activation bytes of a chunk (all the pass's tokens) kept in L1
-TILED_MIN_K = 4       # k from which matvec runs the tiled kernel (below: row_dots, state in registers)
+ROW_TILE = 8          # rows sharing an L1-resident chunk of the activations (token groups)
+ROW_TILE_LANES = 32   # the same for token lanes: the activations of 16+ tokens cost more to stream
+TILE_UNITS = 4        # token groups (16 tokens) or token vectors (64) per pass over a chunk
+ACT_L1_BYTES = 24576  # activation bytes of a chunk (all the pass's tokens) kept in L1
+TILED_MIN_K = 4       # k from which matvec runs the tiled kernels (below: row_dots, state in registers)
+LANES_MIN_K = 16      # k from which the tiled kernel runs on token lanes (transposed activations)
 
 
 @njit(cache=CACHE, nogil=True, inline="always")
-def tile_sums(qtype, w, r0, n_rows, xq, xd, xs, n_steps, chunk, acc):
-    """acc[r * G + j] = the float lanes of row r0 + r (r < n_rows) for token group j < G = rows of
-    xq / 4: column chunks of `chunk` steps, each swept by the tile's rows for 16 tokens at a time."""
-    n_grp = xq.shape[0] // 4
-    acc[: n_rows * n_grp] = 0.0
-    for tg0 in range(0, n_grp, TILE_GROUPS):
-        ng = min(TILE_GROUPS, n_grp - tg0)
+def tile_sums(qtype, w, r0, n_rows, xa, xb, xc, n_steps, chunk, acc):
+    """acc[r, t] = row r0 + r (r < n_rows) . token t, for all tokens of the (padded) activations:
+    column chunks of `chunk` steps, each swept by the tile's rows for TILE_UNITS units of tokens.
+    xa, xb, xc: quantize_tiled's rows (groups of 4 tokens) or quantize_lanes' token vectors (16)."""
+    k_pad = acc.shape[1]
+    n_units = k_pad // 4 if xa.shape[0] == k_pad else xa.shape[0]      # groups of 4 or vectors of 16
+    acc[:n_rows] = 0.0
+    for u0 in range(0, n_units, TILE_UNITS):
+        n = min(TILE_UNITS, n_units - u0)
         for s0 in range(0, n_steps, chunk):
             s1 = min(n_steps, s0 + chunk)
             for r in range(n_rows):
-                row_groups(qtype, w, r0 + r, xq, xd, xs, tg0, ng, s0, s1, acc, r * n_grp + tg0)
+                row_acc(qtype, w, r0 + r, xa, xb, xc, u0, n, s0, s1, acc, r)
+
+
+@njit(cache=CACHE, nogil=True, inline="always")
+def rows_dots(qtype, w, r0, n_rows, xq, xd, xs, t, out, oc0):
+    """out[t, oc0 + j] for j < n_rows: rows r0 .. r0 + n_rows - 1 for token t, in passes of 4, 2, 1
+    rows (faster than row_dots row by row for one token; the same bits)."""
+    j = 0
+    while j < n_rows:
+        n = 4 if n_rows - j >= 4 else (2 if n_rows - j >= 2 else 1)
+        rows_dot(qtype, n, w, r0 + j, xq, xd, xs, t, out, oc0 + j)
+        j += n
 
 
 @njit(cache=CACHE, nogil=True, parallel=True)
 def _matvec_int_kernel(w, qtype, xq, xd, xs, out, n_groups):
     rows = w.shape[0]
+    k = xq.shape[0]
     for g in prange(n_groups):
-        for r in range(g * rows // n_groups, (g + 1) * rows // n_groups):
-            row_dots(qtype, w, r, xq, xd, xs, out, r)
+        lo, hi = g * rows // n_groups, (g + 1) * rows // n_groups
+        if k == 1:
+            rows_dots(qtype, w, lo, hi - lo, xq, xd, xs, 0, out, lo)
+        else:
+            for r in range(lo, hi):
+                row_dots(qtype, w, r, xq, xd, xs, out, r)
 
 
 @njit(cache=CACHE, nogil=True, parallel=True)
-def _matvec_tiled_kernel(w, qtype, xq, xd, xs, out, n_steps, chunk, n_groups):
+def _matvec_tiled_kernel(w, qtype, xa, xb, xc, k_pad, out, n_steps, chunk, row_tile, n_groups):
     rows = w.shape[0]
     k = out.shape[0]
-    n_grp = xq.shape[0] // 4
-    n_tiles = (rows + ROW_TILE - 1) // ROW_TILE
+    n_tiles = (rows + row_tile - 1) // row_tile
     for g in prange(n_groups):
-        acc = np.empty((ROW_TILE * n_grp, 16), np.float32)
+        acc = np.empty((row_tile, k_pad), np.float32)
         for tile in range(g * n_tiles // n_groups, (g + 1) * n_tiles // n_groups):
-            r0 = tile * ROW_TILE
-            n_rows = min(ROW_TILE, rows - r0)
-            tile_sums(qtype, w, r0, n_rows, xq, xd, xs, n_steps, chunk, acc)
+            r0 = tile * row_tile
+            n_rows = min(row_tile, rows - r0)
+            tile_sums(qtype, w, r0, n_rows, xa, xb, xc, n_steps, chunk, acc)
             for t in range(k):
                 for r in range(n_rows):
-                    out[t, r0 + r] = token_sum(acc, r * n_grp + t // 4, t % 4)
+                    out[t, r0 + r] = acc[r, t]
 
 
 def n_row_groups(rows: int) -> int:
@@ -609,15 +791,18 @@ def n_row_groups(rows: int) -> int:
     return max(1, min(rows, GROUPS_PER_THREAD * numba.get_num_threads()))
 
 
-def n_tile_groups(rows: int) -> int:
-    return n_row_groups((rows + ROW_TILE - 1) // ROW_TILE)
-
-
-def tiling(qtype: int, row_bytes: int, k: int) -> tuple[int, int]:
-    """(steps per row, steps per column chunk) of the tiled kernel for k tokens."""
+def tiling(qtype: int, w_shape: tuple[int, int], k: int) -> tuple[int, int, int, int]:
+    """(steps per row, steps per column chunk, rows per tile, parallel work items) of the tiled
+    kernel for k tokens and a (rows, row_bytes) weight matrix."""
+    rows, row_bytes = w_shape
     step_cols = QK_K if SPECS[int(qtype)][0] == "k" else 2 * QK_LEGACY
-    tokens = min(-(-k // 4) * 4, 4 * TILE_GROUPS)
-    return steps_per_row(qtype, row_bytes), max(1, ACT_L1_BYTES // (tokens * step_cols))
+    unit = 16 if k >= LANES_MIN_K else 4
+    tokens = min(-(-k // unit) * unit, unit * TILE_UNITS)
+    # big tiles share each activation chunk among more rows, but leave 2 tiles per thread at least
+    row_tile = max(ROW_TILE, min(ROW_TILE_LANES if unit == 16 else ROW_TILE, rows // (2 * numba.get_num_threads())))
+    n_tiles = -(-rows // row_tile)
+    return (steps_per_row(qtype, row_bytes), max(1, ACT_L1_BYTES // (tokens * step_cols)), row_tile,
+            n_row_groups(n_tiles))
 
 
 def quantize_for(qtype: int, x: np.ndarray):
@@ -626,19 +811,34 @@ def quantize_for(qtype: int, x: np.ndarray):
 
 
 def quantize_tiled(qtype: int, x: np.ndarray):
-    """As quantize_for, with zero rows up to a multiple of 4 tokens (the tiled kernel's groups)."""
-    return quantize_rows(x, act_block(qtype), pad_rows=-x.shape[0] % 4)
+    """The activations of the tiled kernel for x's k >= TILED_MIN_K rows: (xa, xb, xc, k_pad).
+
+    k < LANES_MIN_K: quantize_for's rows with zero rows up to a multiple of 4 tokens. Otherwise
+    padded to 16 tokens and transposed per 16-token vector V: xa[V, 64 e4 + 4 l + i] = q[16 V + l,
+    4 e4 + i] (4-byte groups of 16 tokens side by side), xb[V, 16 b + l] = d[16 V + l, b], and xc the
+    16-value sums as i16 pairs (K-quants) or the 32-value sums as int32 (legacy), laid out as xb."""
+    k = x.shape[0]
+    unit = 16 if k >= LANES_MIN_K else 4
+    k_pad = -(-k // unit) * unit
+    q, d, s = quantize_rows(x, act_block(qtype), pad_rows=k_pad - k)
+    if unit == 4:
+        return q, d, s, k_pad
+    nv = k_pad // 16
+
+    def lanes(a):
+        return np.ascontiguousarray(a.reshape(nv, 16, -1).transpose(0, 2, 1)).reshape(nv, -1)
+    s = s.view(np.int32) if act_block(qtype) == QK_K else s.astype(np.int32)
+    return lanes(q.view(np.int32)).view(np.int8), lanes(d), lanes(s), k_pad
 
 
 def matvec_int_into(w: np.ndarray, qtype: int, x: np.ndarray, out: np.ndarray, xq=None) -> np.ndarray:
     """out = W x on int8 activations. Operands already checked (matvec.check_operands); xq: x
-    already quantized for this type (quantize_for or quantize_tiled), e.g. shared by gate and up."""
+    already quantized for this type by quantize_for (k < TILED_MIN_K) or quantize_tiled."""
     k = x.shape[0]
     if k < TILED_MIN_K:
         q, d, s = quantize_for(qtype, x) if xq is None else xq
         _matvec_int_kernel(w, int(qtype), q, d, s, out, n_row_groups(w.shape[0]))
         return out
-    q, d, s = quantize_tiled(qtype, x) if xq is None or xq[0].shape[0] % 4 else xq
-    n_steps, chunk = tiling(qtype, w.shape[1], k)
-    _matvec_tiled_kernel(w, int(qtype), q, d, s, out, n_steps, chunk, n_tile_groups(w.shape[0]))
+    xa, xb, xc, k_pad = quantize_tiled(qtype, x) if xq is None else xq
+    _matvec_tiled_kernel(w, int(qtype), xa, xb, xc, k_pad, out, *tiling(qtype, w.shape, k))
     return out
