@@ -566,94 +566,67 @@ def _c_2d(*arrays):
     return all(isinstance(a, types.Array) and a.layout == "C" and a.ndim == 2 for a in arrays)
 
 
-@intrinsic
-def row_dot(typingctx, qtype, n_tok, w, r, xq, xd, xs, t0, out, oc):
-    """out[t0 + t, oc] = (row r of W) . (activation row t0 + t), for t < n_tok (1, 2 or 4).
+def _make_lane_dot(across_rows: bool):
+    """The register kernels: a group of n (1, 2 or 4) lanes, tokens t0 + u of row r (row_dot) or
+    rows r + u for token t0 (rows_dot), float state in registers for the whole row."""
+    name = "rows_dot" if across_rows else "row_dot"
 
-    Float state in registers for the whole row. w: (rows, row_bytes) uint8 of type qtype; xq int8,
-    xd float32, xs int16 rows from quantize_act.quantize_rows with the block act_block(qtype); out
-    float32 (k, >= oc + 1). Unchecked: the caller validated shapes.
-    """
-    if not _c_2d(w, xq, xd, xs, out):
-        return None
-    sig = types.void(types.int64, types.intp, w, types.intp, xq, xd, xs, types.intp, out, types.intp)
+    def lane_dot(typingctx, qtype, n_lanes, w, r, xq, xd, xs, t0, out, oc):
+        if not _c_2d(w, xq, xd, xs, out):
+            return None
+        sig = types.void(types.int64, types.intp, w, types.intp, xq, xd, xs, types.intp, out, types.intp)
 
-    def codegen(context, builder, signature, args):
-        b = builder
-        qt_, ntok, w_, r_, xq_, xd_, xs_, t0_, out_, oc_ = args
-        done = b.append_basic_block("row_dot.done")
+        def codegen(context, builder, signature, args):
+            b = builder
+            qt_, n_, w_, r_, xq_, xd_, xs_, t0_, out_, oc_ = args
+            done = b.append_basic_block(f"{name}.done")
 
-        def emit(qt, kind, decode, nbytes):
-            by_tok = b.switch(ntok, done)
-            for n in (4, 2, 1):
-                bb = b.append_basic_block(f"row_dot.n{n}")
-                by_tok.add_case(ir.Constant(I64, n), bb)
-                b.position_at_end(bb)
-                wrow, rb = _weight_row(context, b, signature.args[2], w_, r_)
-                tok = _Tokens(context, b, signature.args[4:7], (xq_, xd_, xs_))
-                toks = [tok.rows(b.add(t0_, _c64(u))) for u in range(n)]
-                group = _k_group if kind == "k" else _pair_group
-                n_steps = b.sdiv(rb, _c64(nbytes))
-                if kind != "k":
-                    n_steps = b.sdiv(b.add(n_steps, _c64(1)), _c64(2))
-                zero = ir.Constant(ir.VectorType(F32, n), [0.0] * n)
-                (facc,) = _steps(b, kind, decode, nbytes, [wrow], rb, _c64(0), n_steps, [zero],
-                                 lambda vbs, i, s: [group(b, [(vbs[0], t) for t in toks], i, s[0])])
-                O = _array(context, b, signature.args[8], out_)
-                width = cgutils.unpack_tuple(b, O.shape, 2)[1]
-                for u in range(n):
-                    row = b.gep(O.data, [b.mul(b.add(t0_, _c64(u)), width)])
-                    b.store(b.extract_element(facc, ir.Constant(I32, u)), b.gep(row, [oc_]))
-                b.branch(done)
-            b.position_at_end(b.append_basic_block("row_dot.unreachable"))
+            def emit(qt, kind, decode, nbytes):
+                by_n = b.switch(n_, done)
+                for n in (4, 2, 1):
+                    bb = b.append_basic_block(f"{name}.n{n}")
+                    by_n.add_case(ir.Constant(I64, n), bb)
+                    b.position_at_end(bb)
+                    lanes = [_c64(u) for u in range(n)]
+                    rows = [b.add(r_, u) for u in lanes] if across_rows else [r_]
+                    toks = [t0_] if across_rows else [b.add(t0_, u) for u in lanes]
+                    wrows, rbs = zip(*[_weight_row(context, b, signature.args[2], w_, x) for x in rows])
+                    tok = _Tokens(context, b, signature.args[4:7], (xq_, xd_, xs_))
+                    trows = [tok.rows(t) for t in toks]
+                    group = _k_group if kind == "k" else _pair_group
+                    n_steps = b.sdiv(rbs[0], _c64(nbytes))
+                    if kind != "k":
+                        n_steps = b.sdiv(b.add(n_steps, _c64(1)), _c64(2))
 
-        _by_type(b, qt_, done, emit)
-        b.position_at_end(done)
-        return context.get_dummy_value()
-    return sig, codegen
+                    def step(vbs, i, state):
+                        entries = [(vb, trows[0]) for vb in vbs] if across_rows else [(vbs[0], t) for t in trows]
+                        return [group(b, entries, i, state[0])]
+                    zero = ir.Constant(ir.VectorType(F32, n), [0.0] * n)
+                    (facc,) = _steps(b, kind, decode, nbytes, list(wrows), rbs[0], _c64(0), n_steps, [zero], step)
+                    O = _array(context, b, signature.args[8], out_)
+                    width = cgutils.unpack_tuple(b, O.shape, 2)[1]
+                    for u, lane in enumerate(lanes):
+                        t, col = (t0_, b.add(oc_, lane)) if across_rows else (toks[u], oc_)
+                        b.store(b.extract_element(facc, ir.Constant(I32, u)), b.gep(O.data, [b.add(b.mul(t, width), col)]))
+                    b.branch(done)
+                b.position_at_end(b.append_basic_block(f"{name}.unreachable"))
+
+            _by_type(b, qt_, done, emit)
+            b.position_at_end(done)
+            return context.get_dummy_value()
+        return sig, codegen
+    lane_dot.__name__ = name
+    return intrinsic(lane_dot)
 
 
-@intrinsic
-def rows_dot(typingctx, qtype, n_rows, w, r0, xq, xd, xs, t, out, oc0):
-    """out[t, oc0 + j] = (row r0 + j of W) . (activation row t), for j < n_rows (1, 2 or 4): the
-    rows' lanes packed as row_dot packs tokens (the k = 1 kernel: the lane folding is shared by
-    4 rows, each step of each row decoded once). Unchecked, as row_dot."""
-    if not _c_2d(w, xq, xd, xs, out):
-        return None
-    sig = types.void(types.int64, types.intp, w, types.intp, xq, xd, xs, types.intp, out, types.intp)
-
-    def codegen(context, builder, signature, args):
-        b = builder
-        qt_, nrows, w_, r0_, xq_, xd_, xs_, t_, out_, oc0_ = args
-        done = b.append_basic_block("rows_dot.done")
-
-        def emit(qt, kind, decode, nbytes):
-            by_rows = b.switch(nrows, done)
-            for n in (4, 2, 1):
-                bb = b.append_basic_block(f"rows_dot.n{n}")
-                by_rows.add_case(ir.Constant(I64, n), bb)
-                b.position_at_end(bb)
-                wrows, rbs = zip(*[_weight_row(context, b, signature.args[2], w_, b.add(r0_, _c64(j)))
-                                   for j in range(n)])
-                tok = _Tokens(context, b, signature.args[4:7], (xq_, xd_, xs_)).rows(t_)
-                group = _k_group if kind == "k" else _pair_group
-                n_steps = b.sdiv(rbs[0], _c64(nbytes))
-                if kind != "k":
-                    n_steps = b.sdiv(b.add(n_steps, _c64(1)), _c64(2))
-                zero = ir.Constant(ir.VectorType(F32, n), [0.0] * n)
-                (facc,) = _steps(b, kind, decode, nbytes, list(wrows), rbs[0], _c64(0), n_steps, [zero],
-                                 lambda vbs, i, s: [group(b, [(vb, tok) for vb in vbs], i, s[0])])
-                O = _array(context, b, signature.args[8], out_)
-                row = b.gep(O.data, [b.mul(t_, cgutils.unpack_tuple(b, O.shape, 2)[1])])
-                for j in range(n):
-                    b.store(b.extract_element(facc, ir.Constant(I32, j)), b.gep(row, [b.add(oc0_, _c64(j))]))
-                b.branch(done)
-            b.position_at_end(b.append_basic_block("rows_dot.unreachable"))
-
-        _by_type(b, qt_, done, emit)
-        b.position_at_end(done)
-        return context.get_dummy_value()
-    return sig, codegen
+# row_dot(qtype, n, w, r, xq, xd, xs, t0, out, oc): out[t0 + u, oc] = (row r of W) . (activation row
+# t0 + u) for u < n (1, 2 or 4). w: (rows, row_bytes) uint8 of type qtype; xq int8, xd float32, xs
+# int16 rows from quantize_act.quantize_rows with the block act_block(qtype); out float32 (k, >= oc
+# + 1). Unchecked: the caller validated shapes.
+row_dot = _make_lane_dot(False)
+# rows_dot(qtype, n, w, r0, xq, xd, xs, t, out, oc0): out[t, oc0 + u] = (row r0 + u) . (activation
+# row t): the k = 1 kernel, the lane folding shared by n rows, each step of each row decoded once.
+rows_dot = _make_lane_dot(True)
 
 
 @intrinsic
