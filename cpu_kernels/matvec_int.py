@@ -7,23 +7,20 @@ and a weight block only has to become bytes: nibbles masked and shifted into 64-
 element order, then multiplied with the activation bytes 64 at a time (simd_int: vpmaddubsw +
 vpdpwssd, or vpdpbusd), the sub-block scales applied inside the integer sum.
 
-Per 256-weight super-block (K-quants; q: weight integers, a: activation int8, bs: 16-value sums of
-a, scales sc and mins m per sub-block, dx the activation block scale):
+Per (token, row) every path computes the same exact integers and applies the same float steps in
+the same order (the numerics block below): one float lane per (token, row), so a token's result is
+bit-identical whatever k is, where the token sits in the batch, how many threads run, and which
+of the kernels below computed it (tested for every type):
 
-    isum = sum_c dpwssd(maddubs(q_c, a_c), sc_c)  [+ pmaddwd(-offset * sc, bs)  Q3_K, Q6_K]
-    facc += float(isum) * (d * dx)                 16 float lanes per (token, row)
-    macc += float(pmaddwd(m, bs)) * (-dmin * dx)   8 lanes, Q2_K Q4_K Q5_K only
-
-Per pair of 32-weight blocks (legacy types, weights as unsigned bytes: q, or q + 128 for Q8_0):
-
-    isum = dpbusd(q, a) [+ offset * bs32 into lanes 0 and 8]   lanes 0-7 block A, 8-15 block B
-    facc += float(isum) * (d_w * dx)  [+ m_w * (dx * bs32), Q4_1 Q5_1]
-
-A row's result is reduce(facc) + reduce(macc) in a fixed order. Weight-stationary: a block is
-decoded once into registers and applied to up to 4 tokens before the next block is read; k > 4
-takes the row again from L1 for the next tokens. Bit identity across k: a (token, row) result is
-the same integer sums and the same float operations wherever the token sits in the batch (the
-token loop is unrolled; no lane or order depends on the others), tested for every type.
+    k = 1       rows_dots: 4 rows per pass, each row's step decoded into registers and dotted with
+                the token in 64-byte vectors (integers over 16 lanes), the 4 rows' lanes folded
+                (exactly) and packed into one vector: one sitofp + fma per term for 4 rows.
+    k = 2, 3    row_dots: the same with 2 or 1 tokens of one row per lane group.
+    4 <= k < 16 tiled, token groups: rows in tiles, columns in chunks whose activations stay in
+                L1, each step decoded once per 16 tokens, float state in an L1 buffer.
+    k >= 16     tiled, token lanes (the prompt GEMM): the activations transposed, 16 tokens' 4-byte
+                groups in one vector; each 4 weight bytes broadcast and one vpdpbusd adds 4
+                products for 16 tokens, so every integer lands in its token's lane.
 
 Accuracy: the integer parts are exact, so the result is the float64 product of the dequantized
 weights with the *dequantized int8 activations* up to float32 rounding of the scaling steps; vs
@@ -393,67 +390,73 @@ def _store_bytes(b, buf, off, vec):
     b.store(vec, b.bitcast(b.gep(buf, [_c64(off)]), vec.type.as_pointer()), align=1)
 
 
-def _k_lanes(v, blk, i, toks, facc, bufs, sub):
-    """facc (16 tokens) after super-block i; toks: the token vector's (qT, dT, sT) rows."""
+def _k_lanes(v, blk, i, vecs, faccs, bufs, sub):
+    """faccs (16 tokens each) after super-block i; vecs: per token vector its (qT, dT, sT) rows.
+    Each broadcast weight dword serves all vectors (1 or 2)."""
     b = v.b
-    q, d, s = toks
     wbuf, sbuf, mbuf, obuf = bufs
     for c in range(4):
         _store_bytes(b, wbuf, 64 * c, blk.chunks[c])
         _store_bytes(b, sbuf, 64 * c, b.bitcast(blk.sc16[c], ir.VectorType(I8, 64)))
-    step_q = b.gep(q, [b.mul(i, _c64(64 * 64))])
-    isum = v.zeros(I32, 16)
+    step_q = [b.gep(q, [b.mul(i, _c64(64 * 64))]) for q, _, _ in vecs]
+    isum = [v.zeros(I32, 16) for _ in vecs]
     for e0 in range(0, QK_K, sub):
-        raw = v.zeros(I32, 16)
+        raw = [v.zeros(I32, 16) for _ in vecs]
         for j in range(e0 // 4, (e0 + sub) // 4):
-            a = _load_vec(b, b.gep(step_q, [_c64(64 * j)]), I8, 64, 1)
-            raw = dpbusd(b, raw, _bcast32(b, wbuf, j), a)
+            wj = _bcast32(b, wbuf, j)
+            for n, p in enumerate(step_q):
+                raw[n] = dpbusd(b, raw[n], wj, _load_vec(b, b.gep(p, [_c64(64 * j)]), I8, 64, 1))
         sc_ptr = b.bitcast(b.gep(sbuf, [_c64(64 * (e0 // 64) + 2 * ((e0 % 64) // 2))]), I16.as_pointer())
-        sc = b.sext(b.load(sc_ptr, align=2), I32)
-        isum = b.add(isum, b.mul(raw, _splat(b, sc, 16)))
-    step_s = b.gep(s, [b.mul(i, _c64(8 * 16))])          # int32 elements: 8 pairs of 16 tokens
-    bs = [_load_vec(b, b.gep(step_s, [_c64(16 * j)]), I16, 32, 4) for j in range(8)]
+        sc = _splat(b, b.sext(b.load(sc_ptr, align=2), I32), 16)
+        isum = [b.add(x, b.mul(r, sc)) for x, r in zip(isum, raw)]
     i16x32 = ir.VectorType(I16, 32)
+    bs = []
+    for _, _, s in vecs:
+        step_s = b.gep(s, [b.mul(i, _c64(8 * 16))])          # int32 elements: 8 pairs of 16 tokens
+        bs.append([_load_vec(b, b.gep(step_s, [_c64(16 * j)]), I16, 32, 4) for j in range(8)])
     if blk.off16 is not None:
         _store_bytes(b, obuf, 0, blk.off16)
         for j in range(8):
-            isum = dpwssd(b, isum, bs[j], b.bitcast(_bcast32(b, obuf, j), i16x32))
+            oj = b.bitcast(_bcast32(b, obuf, j), i16x32)
+            isum = [dpwssd(b, x, bsn[j], oj) for x, bsn in zip(isum, bs)]
     fv = ir.VectorType(F32, 16)
-    dx = _load_vec(b, b.gep(d, [b.mul(i, _c64(16))]), F32, 16, 4)
-    facc = _fma(b, b.sitofp(isum, fv), b.fmul(v.fsplat(blk.d, 16), dx), facc)
+    dx = [_load_vec(b, b.gep(d, [b.mul(i, _c64(16))]), F32, 16, 4) for _, d, _ in vecs]
+    faccs = [_fma(b, b.sitofp(x, fv), b.fmul(v.fsplat(blk.d, 16), dxn), f) for x, dxn, f in zip(isum, dx, faccs)]
     if blk.min16 is not None:
         _store_bytes(b, mbuf, 0, blk.min16)
-        msum = v.zeros(I32, 16)
+        msum = [v.zeros(I32, 16) for _ in vecs]
         for j in range(8):
-            msum = dpwssd(b, msum, bs[j], b.bitcast(_bcast32(b, mbuf, j), i16x32))
-        facc = _fma(b, b.sitofp(msum, fv), b.fmul(v.fsplat(blk.negdmin, 16), dx), facc)
-    return facc
+            mj = b.bitcast(_bcast32(b, mbuf, j), i16x32)
+            msum = [dpwssd(b, x, bsn[j], mj) for x, bsn in zip(msum, bs)]
+        faccs = [_fma(b, b.sitofp(x, fv), b.fmul(v.fsplat(blk.negdmin, 16), dxn), f)
+                 for x, dxn, f in zip(msum, dx, faccs)]
+    return faccs
 
 
-def _pair_lanes(v, blk, i, toks, facc, bufs, sub):
-    """facc (16 tokens) after block pair i: block A's terms, then block B's."""
+def _pair_lanes(v, blk, i, vecs, faccs, bufs, sub):
+    """faccs (16 tokens each) after block pair i: block A's terms, then block B's."""
     b = v.b
-    q, d, s = toks
     wbuf = bufs[0]
     _store_bytes(b, wbuf, 0, blk.w)
     fv = ir.VectorType(F32, 16)
     for h in range(2):
         blk_i = b.add(b.mul(i, _c64(2)), _c64(h))
-        blk_q = b.gep(q, [b.mul(blk_i, _c64(8 * 64))])
-        raw = v.zeros(I32, 16)
+        blk_q = [b.gep(q, [b.mul(blk_i, _c64(8 * 64))]) for q, _, _ in vecs]
+        raw = [v.zeros(I32, 16) for _ in vecs]
         for j in range(8):
-            a = _load_vec(b, b.gep(blk_q, [_c64(64 * j)]), I8, 64, 1)
-            raw = dpbusd(b, raw, _bcast32(b, wbuf, 8 * h + j), a, blk.wide)
-        bs = _load_vec(b, b.gep(s, [b.mul(blk_i, _c64(16))]), I32, 16, 4)
-        if blk.off:
-            raw = b.add(raw, b.mul(bs, ir.Constant(bs.type, [blk.off] * 16)))
-        dx = _load_vec(b, b.gep(d, [b.mul(blk_i, _c64(16))]), F32, 16, 4)
-        dh = b.extract_element(blk.d2, ir.Constant(I32, h))
-        facc = _fma(b, b.sitofp(raw, fv), b.fmul(v.fsplat(dh, 16), dx), facc)
-        if blk.m2 is not None:
-            mh = b.extract_element(blk.m2, ir.Constant(I32, h))
-            facc = _fma(b, b.sitofp(bs, fv), b.fmul(v.fsplat(mh, 16), dx), facc)
-    return facc
+            wj = _bcast32(b, wbuf, 8 * h + j)
+            for n, p in enumerate(blk_q):
+                raw[n] = dpbusd(b, raw[n], wj, _load_vec(b, b.gep(p, [_c64(64 * j)]), I8, 64, 1), blk.wide)
+        dh = v.fsplat(b.extract_element(blk.d2, ir.Constant(I32, h)), 16)
+        mh = None if blk.m2 is None else v.fsplat(b.extract_element(blk.m2, ir.Constant(I32, h)), 16)
+        for n, (_, d, s) in enumerate(vecs):
+            bs = _load_vec(b, b.gep(s, [b.mul(blk_i, _c64(16))]), I32, 16, 4)
+            x = raw[n] if not blk.off else b.add(raw[n], b.mul(bs, ir.Constant(bs.type, [blk.off] * 16)))
+            dx = _load_vec(b, b.gep(d, [b.mul(blk_i, _c64(16))]), F32, 16, 4)
+            faccs[n] = _fma(b, b.sitofp(x, fv), b.fmul(dh, dx), faccs[n])
+            if mh is not None:
+                faccs[n] = _fma(b, b.sitofp(bs, fv), b.fmul(mh, dx), faccs[n])
+    return faccs
 
 
 # --------------------------------------------------------------------------- the row kernels
@@ -661,20 +664,27 @@ def row_acc(typingctx, qtype, w, r, xa, xb, xc, u0, n, s0, s1, acc, ar):
             def apply(vbs, i, state):
                 vb = _decoded(vbs[0])       # before the loop over units: decoded once per step
 
-                def one(j, _):
-                    u = b.add(u0_, j)
-                    p = b.bitcast(b.gep(acc_row, [b.mul(u, _c64(unit))]), fv.as_pointer())
-                    facc = b.load(p, align=4)
+                def units(first, count):
+                    """count (1 or 2) consecutive units from unit `first`."""
+                    us = [b.add(first, _c64(x)) for x in range(count)]
+                    ps = [b.bitcast(b.gep(acc_row, [b.mul(u, _c64(unit))]), fv.as_pointer()) for u in us]
+                    faccs = [b.load(p, align=4) for p in ps]
                     if unit == 16:
                         lanes = _k_lanes if kind == "k" else _pair_lanes
-                        facc = lanes(*vb, i, tok.rows(u), facc, bufs, K_SUB.get(qt))
+                        faccs = lanes(*vb, i, [tok.rows(u) for u in us], faccs, bufs, K_SUB.get(qt))
                     else:
-                        first = b.mul(u, _c64(4))
-                        toks = [tok.rows(b.add(first, _c64(t))) for t in range(4)]
-                        facc = (_k_group if kind == "k" else _pair_group)(b, [(vb, t) for t in toks], i, facc)
-                    b.store(facc, p, align=4)
-                    return []
-                _loop(b, _c64(0), n_, [], one)
+                        toks = [tok.rows(b.add(b.mul(us[0], _c64(4)), _c64(t))) for t in range(4)]
+                        faccs = [(_k_group if kind == "k" else _pair_group)(b, [(vb, t) for t in toks], i, faccs[0])]
+                    for p, f in zip(ps, faccs):
+                        b.store(f, p, align=4)
+
+                # token lanes: vectors in pairs (each broadcast weight dword serves two), then the odd one
+                per = 2 if unit == 16 else 1
+                _loop(b, _c64(0), b.sdiv(n_, _c64(per)), [], lambda j, _: units(b.add(u0_, b.mul(j, _c64(per))), per) or [])
+                if per == 2:
+                    odd = b.icmp_signed("!=", b.srem(n_, _c64(2)), _c64(0))
+                    with b.if_then(odd):
+                        units(b.add(u0_, b.sub(n_, _c64(1))), 1)
                 return []
             _steps(b, kind, decode, nbytes, [wrow], rb, s0_, s1_, [], apply)
 

@@ -2,6 +2,7 @@
 """Benchmark cpu_kernels.matvec against this machine's memory read bandwidth and a torch baseline.
 
     python scripts/bench_matvec.py [--quick] [--json PATH] [--threads N] [--kernel int|float|both] [--cpu-time]
+                                   [--ks 1,2,3,4,8] [--types Q4_K,Q8_0]
 
 1. Read bandwidth: a parallel Numba streaming sum over a 1 GiB float32 array, best of 3.
 2. For each type, FFN shape and k in {1, 2, 3, 4, 8}: median time of `matvec` on random valid
@@ -18,6 +19,7 @@
 4. First matvec call in a fresh process with a warm Numba cache (import + call).
 
 --quick: Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 on the Qwen3.6-27B FFN shapes only (< 3 minutes on 2 threads).
+--ks: the token counts (default 1,2,3,4,8; e.g. 1,4,8,16,64 for prompt batches); --types: a subset.
 """
 from __future__ import annotations
 
@@ -163,7 +165,10 @@ def main() -> None:
                     help="matvec's default integer kernel, the exact float kernel, or both (default)")
     ap.add_argument("--cpu-time", action="store_true",
                     help="time with the thread's CPU time (use with --threads 1 on a busy machine)")
+    ap.add_argument("--ks", default=",".join(map(str, KS)), help="token counts, comma-separated (first: the base)")
+    ap.add_argument("--types", help="quant types, comma-separated (default: --quick's or all)")
     args = ap.parse_args()
+    ks = [int(k) for k in args.ks.split(",")]
     if args.cpu_time:
         if args.threads != 1:
             ap.error("--cpu-time measures one thread: use --threads 1")
@@ -173,6 +178,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     types = QUICK_TYPES if args.quick else [T(t) for t in SUPPORTED_TYPES]
+    if args.types:
+        types = [T[name] for name in args.types.split(",")]
     shapes = SHAPES[:2] if args.quick else SHAPES
     repeats = 5 if args.quick else 9
     rng = np.random.default_rng(0)
@@ -193,7 +200,7 @@ def main() -> None:
             w_hot = mats[0]
             w_f32 = torch.from_numpy(dequantize(w_hot, qtype).astype(np.float32))
             base_ms = {}
-            for k in KS:
+            for k in ks:
                 x = rng.standard_normal((k, cols)).astype(np.float32)
                 out = np.empty((k, rows), np.float32)
                 xt = torch.from_numpy(x)
