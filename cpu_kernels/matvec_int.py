@@ -16,11 +16,12 @@ of the kernels below computed it (tested for every type):
                 the token in 64-byte vectors (integers over 16 lanes), the 4 rows' lanes folded
                 (exactly) and packed into one vector: one sitofp + fma per term for 4 rows.
     k = 2, 3    row_dots: the same with 2 or 1 tokens of one row per lane group.
-    4 <= k < 16 tiled, token groups: rows in tiles, columns in chunks whose activations stay in
+    k >= 4      tiled, token groups: rows in tiles, columns in chunks whose activations stay in
                 L1, each step decoded once per 16 tokens, float state in an L1 buffer.
-    k >= 16     tiled, token lanes (the prompt GEMM): the activations transposed, 16 tokens' 4-byte
-                groups in one vector; each 4 weight bytes broadcast and one vpdpbusd adds 4
-                products for 16 tokens, so every integer lands in its token's lane.
+    k >= 16     tiled, token lanes (legacy types: k >= 8), the prompt GEMM: the activations
+                transposed, 16 tokens' 4-byte groups in one vector (k padded to 16); each 4
+                weight bytes broadcast and one vpdpbusd adds 4 products for 16 tokens, so every
+                integer lands in its token's lane.
 
 Accuracy: the integer parts are exact, so the result is the float64 product of the dequantized
 weights with the *dequantized int8 activations* up to float32 rounding of the scaling steps; vs
@@ -710,7 +711,14 @@ ROW_TILE_LANES = 32   # the same for token lanes: the activations of 16+ tokens 
 TILE_UNITS = 4        # token groups (16 tokens) or token vectors (64) per pass over a chunk
 ACT_L1_BYTES = 24576  # activation bytes of a chunk (all the pass's tokens) kept in L1
 TILED_MIN_K = 4       # k from which matvec runs the tiled kernels (below: row_dots, state in registers)
-LANES_MIN_K = 16      # k from which the tiled kernel runs on token lanes (transposed activations)
+# k from which the tiled kernel runs on token lanes (transposed activations, padded to 16 tokens):
+# measured crossover, one core: legacy types 6-8 tokens, K-quants 12-16 (their token groups share
+# more of the work between tokens: one maddubs + dpwssd pair per 64 weights and token)
+LANES_MIN_K = {"k": 16, "pair": 8}
+
+
+def uses_lanes(qtype: int, k: int) -> bool:
+    return k >= LANES_MIN_K[SPECS[int(qtype)][0]]
 
 
 @njit(cache=CACHE, nogil=True, inline="always")
@@ -779,7 +787,7 @@ def tiling(qtype: int, w_shape: tuple[int, int], k: int) -> tuple[int, int, int,
     kernel for k tokens and a (rows, row_bytes) weight matrix."""
     rows, row_bytes = w_shape
     step_cols = QK_K if SPECS[int(qtype)][0] == "k" else 2 * QK_LEGACY
-    unit = 16 if k >= LANES_MIN_K else 4
+    unit = 16 if uses_lanes(qtype, k) else 4
     tokens = min(-(-k // unit) * unit, unit * TILE_UNITS)
     # big tiles share each activation chunk among more rows, but leave 2 tiles per thread at least
     row_tile = max(ROW_TILE, min(ROW_TILE_LANES if unit == 16 else ROW_TILE, rows // (2 * numba.get_num_threads())))
@@ -796,12 +804,12 @@ def quantize_for(qtype: int, x: np.ndarray):
 def quantize_tiled(qtype: int, x: np.ndarray):
     """The activations of the tiled kernel for x's k >= TILED_MIN_K rows: (xa, xb, xc, k_pad).
 
-    k < LANES_MIN_K: quantize_for's rows with zero rows up to a multiple of 4 tokens. Otherwise
+    Token groups: quantize_for's rows with zero rows up to a multiple of 4 tokens. Token lanes:
     padded to 16 tokens and transposed per 16-token vector V: xa[V, 64 e4 + 4 l + i] = q[16 V + l,
     4 e4 + i] (4-byte groups of 16 tokens side by side), xb[V, 16 b + l] = d[16 V + l, b], and xc the
     16-value sums as i16 pairs (K-quants) or the 32-value sums as int32 (legacy), laid out as xb."""
     k = x.shape[0]
-    unit = 16 if k >= LANES_MIN_K else 4
+    unit = 16 if uses_lanes(qtype, k) else 4
     k_pad = -(-k // unit) * unit
     q, d, s = quantize_rows(x, act_block(qtype), pad_rows=k_pad - k)
     if unit == 4:
