@@ -22,7 +22,7 @@ from numba import njit, prange
 
 from .matvec import CHUNK, TOKEN_TILE, check_operands, matvec, n_groups_for, tile_products, use_int
 from .matvec_int import (TILED_MIN_K, act_block, n_row_groups, quantize_for, quantize_tiled, row_dots, tile_sums,
-                         tiling)
+                         tiling, type_tag)
 from .matvec_simd import TILE_ROWS
 from .simd_int import CACHE
 
@@ -132,11 +132,11 @@ def ffn_glu(x: np.ndarray, w_gate: np.ndarray, t_gate: int, w_up: np.ndarray, t_
         elif use_int(t_gate, exact) and use_int(t_up, exact) and act_block(t_gate) == act_block(t_up) \
                 and k >= TILED_MIN_K:
             xa, xb, xc, k_pad = quantize_tiled(t_gate, x)
-            _gate_up_tiled_kernel(w_gate, int(t_gate), w_up, int(t_up), xa, xb, xc, k_pad, hidden, ACTIVATIONS[act],
-                                  *tiling(t_gate, w_gate.shape, k))
+            _gate_up_tiled_kernel(w_gate, type_tag(t_gate), w_up, type_tag(t_up), xa, xb, xc, k_pad, hidden,
+                                  ACTIVATIONS[act], *tiling(t_gate, w_gate.shape, k))
         elif use_int(t_gate, exact) and use_int(t_up, exact) and act_block(t_gate) == act_block(t_up):
             xq, xd, xs = quantize_for(t_gate, x)
-            _gate_up_int_kernel(w_gate, int(t_gate), w_up, int(t_up), xq, xd, xs, hidden,
+            _gate_up_int_kernel(w_gate, type_tag(t_gate), w_up, type_tag(t_up), xq, xd, xs, hidden,
                                 ACTIVATIONS[act], n_row_groups(n_ff))
         else:
             _gate_up_kernel(w_gate, int(t_gate), be_gate, w_up, int(t_up), be_up, x, hidden,

@@ -555,8 +555,32 @@ def _steps(b, kind, decode, nbytes, wrows, rb, i0, i1, init, apply):
     return merged
 
 
-def _by_type(b, qtype, done, emit):
-    """switch over SPECS on qtype; emit(qt, kind, decode, nbytes) writes each case's code."""
+def type_tag(qtype: int) -> tuple:
+    """The quant type as a compile-time constant: a tuple of that many zeros, whose Numba type
+    (UniTuple(int64, qtype)) differs per type. The kernels take it where a plain int would make
+    one compilation build every type's decoders: with the tag a model compiles (and caches) only
+    the types its files hold, and nothing is retyped at run time (numba.literally would retype
+    every kernel from scratch in every process before finding the cached one)."""
+    return (0,) * int(qtype)
+
+
+def _qtype_arg(qtype):
+    """The intrinsics' type for the qtype argument, and the one type to emit code for when it is
+    a type_tag, else None (a plain int: a switch over all SPECS)."""
+    if isinstance(qtype, types.UniTuple) and qtype.count in SPECS:
+        return qtype, qtype.count
+    return types.int64, None
+
+
+def _by_type(b, qtype, done, emit, only=None):
+    """switch over SPECS on qtype; emit(qt, kind, decode, nbytes) writes each case's code. With
+    `only` (a compile-time type) just that type's code."""
+    if only is not None:
+        if only not in SPECS:
+            raise TypeError(f"no integer kernel for ggml type {only}")
+        emit(only, *SPECS[only])
+        b.branch(done)
+        return
     by_type = b.switch(qtype, done)
     for qt, spec in SPECS.items():
         bb = b.append_basic_block(f"int.t{qt}")
@@ -578,7 +602,8 @@ def _make_lane_dot(across_rows: bool):
     def lane_dot(typingctx, qtype, n_lanes, w, r, xq, xd, xs, t0, out, oc):
         if not _c_2d(w, xq, xd, xs, out):
             return None
-        sig = types.void(types.int64, types.intp, w, types.intp, xq, xd, xs, types.intp, out, types.intp)
+        qt_type, only = _qtype_arg(qtype)
+        sig = types.void(qt_type, types.intp, w, types.intp, xq, xd, xs, types.intp, out, types.intp)
 
         def codegen(context, builder, signature, args):
             b = builder
@@ -615,7 +640,7 @@ def _make_lane_dot(across_rows: bool):
                     b.branch(done)
                 b.position_at_end(b.append_basic_block(f"{name}.unreachable"))
 
-            _by_type(b, qt_, done, emit)
+            _by_type(b, qt_, done, emit, only)
             b.position_at_end(done)
             return context.get_dummy_value()
         return sig, codegen
@@ -644,7 +669,8 @@ def row_acc(typingctx, qtype, w, r, xa, xb, xc, u0, n, s0, s1, acc, ar):
     if not _c_2d(w, xa, xb, xc, acc):
         return None
     unit = 16 if xc.dtype == types.int32 else 4
-    sig = types.void(types.int64, w, types.intp, xa, xb, xc, types.intp, types.intp, types.intp, types.intp,
+    qt_type, only = _qtype_arg(qtype)
+    sig = types.void(qt_type, w, types.intp, xa, xb, xc, types.intp, types.intp, types.intp, types.intp,
                      acc, types.intp)
 
     def codegen(context, builder, signature, args):
@@ -689,7 +715,7 @@ def row_acc(typingctx, qtype, w, r, xa, xb, xc, u0, n, s0, s1, acc, ar):
                 return []
             _steps(b, kind, decode, nbytes, [wrow], rb, s0_, s1_, [], apply)
 
-        _by_type(b, qt_, done, emit)
+        _by_type(b, qt_, done, emit, only)
         b.position_at_end(done)
         return context.get_dummy_value()
     return sig, codegen
@@ -828,8 +854,8 @@ def matvec_int_into(w: np.ndarray, qtype: int, x: np.ndarray, out: np.ndarray, x
     k = x.shape[0]
     if k < TILED_MIN_K:
         q, d, s = quantize_for(qtype, x) if xq is None else xq
-        _matvec_int_kernel(w, int(qtype), q, d, s, out, n_row_groups(w.shape[0]))
+        _matvec_int_kernel(w, type_tag(qtype), q, d, s, out, n_row_groups(w.shape[0]))
         return out
     xa, xb, xc, k_pad = quantize_tiled(qtype, x) if xq is None else xq
-    _matvec_tiled_kernel(w, int(qtype), xa, xb, xc, k_pad, out, *tiling(qtype, w.shape, k))
+    _matvec_tiled_kernel(w, type_tag(qtype), xa, xb, xc, k_pad, out, *tiling(qtype, w.shape, k))
     return out
