@@ -18,7 +18,7 @@ of the kernels below computed it (tested for every type):
     k = 2, 3    row_dots: the same with 2 or 1 tokens of one row per lane group.
     k >= 4      tiled, token groups: rows in tiles, columns in chunks whose activations stay in
                 L1, each step decoded once per 16 tokens, float state in an L1 buffer.
-    k >= 16     tiled, token lanes (legacy types: k >= 8), the prompt GEMM: the activations
+    k >= 16     tiled, token lanes (legacy types: k >= 10), the prompt GEMM: the activations
                 transposed, 16 tokens' 4-byte groups in one vector (k padded to 16); each 4
                 weight bytes broadcast and one vpdpbusd adds 4 products for 16 tokens, so every
                 integer lands in its token's lane.
@@ -738,9 +738,10 @@ TILE_UNITS = 4        # token groups (16 tokens) or token vectors (64) per pass 
 ACT_L1_BYTES = 24576  # activation bytes of a chunk (all the pass's tokens) kept in L1
 TILED_MIN_K = 4       # k from which matvec runs the tiled kernels (below: row_dots, state in registers)
 # k from which the tiled kernel runs on token lanes (transposed activations, padded to 16 tokens):
-# measured crossover, one core: legacy types 6-8 tokens, K-quants 12-16 (their token groups share
-# more of the work between tokens: one maddubs + dpwssd pair per 64 weights and token)
-LANES_MIN_K = {"k": 16, "pair": 8}
+# measured crossover, one core: legacy types 8-12 tokens (27B-wide rows: groups 8 % faster at 8,
+# lanes 20-30 % faster at 12), K-quants 12-16 (their token groups share more of the work between
+# tokens: one maddubs + dpwssd pair per 64 weights and token)
+LANES_MIN_K = {"k": 16, "pair": 10}
 
 
 def uses_lanes(qtype: int, k: int) -> bool:
