@@ -9,8 +9,9 @@ weight byte is read once per call for any k, and a token's output does not depen
 kernels and accumulation order as `matvec`).
 
 As `matvec`, the default runs the integer kernels (matvec_int): x is quantized once and gate and
-up read the same int8 rows when their types share an activation block; `exact=True` runs the
-float32 kernels.
+up read the same int8 rows when their types share an activation block (from 4 tokens, a tile of
+rows gets its gate and up sums for all tokens from matvec_int's tiled kernels, token groups or
+token lanes, before act(gate) * up); `exact=True` runs the float32 kernels.
 """
 from __future__ import annotations
 
