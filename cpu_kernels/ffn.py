@@ -9,8 +9,9 @@ weight byte is read once per call for any k, and a token's output does not depen
 kernels and accumulation order as `matvec`).
 
 As `matvec`, the default runs the integer kernels (matvec_int): x is quantized once and gate and
-up read the same int8 rows when their types share an activation block; `exact=True` runs the
-float32 kernels.
+up read the same int8 rows when their types share an activation block (from 4 tokens, a tile of
+rows gets its gate and up sums for all tokens from matvec_int's tiled kernels, token groups or
+token lanes, before act(gate) * up); `exact=True` runs the float32 kernels.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import numpy as np
 from numba import njit, prange
 
 from .matvec import CHUNK, TOKEN_TILE, check_operands, matvec, n_groups_for, tile_products, use_int
-from .matvec_int import act_block, n_row_groups, quantize_for, row_dots
+from .matvec_int import (TILED_MIN_K, act_block, n_row_groups, quantize_for, quantize_tiled, row_dots, tile_sums,
+                         tiling, type_tag)
 from .matvec_simd import TILE_ROWS
 from .simd_int import CACHE
 
@@ -84,6 +86,27 @@ def _gate_up_int_kernel(w_gate, t_gate, w_up, t_up, xq, xd, xs, hidden, act, n_g
                 hidden[t, r] = _act_times(gu[t, 0], gu[t, 1], act)
 
 
+@njit(cache=CACHE, nogil=True, parallel=True)
+def _gate_up_tiled_kernel(w_gate, t_gate, w_up, t_up, xa, xb, xc, k_pad, hidden, act, n_steps, chunk, row_tile,
+                          n_groups):
+    """As _gate_up_int_kernel for k >= TILED_MIN_K: a tile of rows' gate and up sums for all tokens
+    (matvec_int.tile_sums: each weight chunk decoded once per pass of tokens), then act(gate) * up."""
+    rows = w_gate.shape[0]
+    k = hidden.shape[0]
+    n_tiles = (rows + row_tile - 1) // row_tile
+    for g in prange(n_groups):
+        gate = np.empty((row_tile, k_pad), np.float32)
+        up = np.empty((row_tile, k_pad), np.float32)
+        for tile in range(g * n_tiles // n_groups, (g + 1) * n_tiles // n_groups):
+            r0 = tile * row_tile
+            n_rows = min(row_tile, rows - r0)
+            tile_sums(t_gate, w_gate, r0, n_rows, xa, xb, xc, n_steps, chunk, gate)
+            tile_sums(t_up, w_up, r0, n_rows, xa, xb, xc, n_steps, chunk, up)
+            for t in range(k):
+                for r in range(n_rows):
+                    hidden[t, r0 + r] = _act_times(gate[r, t], up[r, t], act)
+
+
 def ffn_glu(x: np.ndarray, w_gate: np.ndarray, t_gate: int, w_up: np.ndarray, t_up: int,
             w_down: np.ndarray, t_down: int, act: str = "silu",
             scratch: FfnScratch | None = None, *, exact: bool | None = None) -> np.ndarray:
@@ -107,9 +130,14 @@ def ffn_glu(x: np.ndarray, w_gate: np.ndarray, t_gate: int, w_up: np.ndarray, t_
     if k > 0 and n_ff > 0:
         if x.shape[1] == 0:
             hidden.fill(0.0)
+        elif use_int(t_gate, exact) and use_int(t_up, exact) and act_block(t_gate) == act_block(t_up) \
+                and k >= TILED_MIN_K:
+            xa, xb, xc, k_pad = quantize_tiled(t_gate, x)
+            _gate_up_tiled_kernel(w_gate, type_tag(t_gate), w_up, type_tag(t_up), xa, xb, xc, k_pad, hidden,
+                                  ACTIVATIONS[act], *tiling(t_gate, w_gate.shape, k))
         elif use_int(t_gate, exact) and use_int(t_up, exact) and act_block(t_gate) == act_block(t_up):
             xq, xd, xs = quantize_for(t_gate, x)
-            _gate_up_int_kernel(w_gate, int(t_gate), w_up, int(t_up), xq, xd, xs, hidden,
+            _gate_up_int_kernel(w_gate, type_tag(t_gate), w_up, type_tag(t_up), xq, xd, xs, hidden,
                                 ACTIVATIONS[act], n_row_groups(n_ff))
         else:
             _gate_up_kernel(w_gate, int(t_gate), be_gate, w_up, int(t_up), be_up, x, hidden,

@@ -7,23 +7,21 @@ and a weight block only has to become bytes: nibbles masked and shifted into 64-
 element order, then multiplied with the activation bytes 64 at a time (simd_int: vpmaddubsw +
 vpdpwssd, or vpdpbusd), the sub-block scales applied inside the integer sum.
 
-Per 256-weight super-block (K-quants; q: weight integers, a: activation int8, bs: 16-value sums of
-a, scales sc and mins m per sub-block, dx the activation block scale):
+Per (token, row) every path computes the same exact integers and applies the same float steps in
+the same order (the numerics block below): one float lane per (token, row), so a token's result is
+bit-identical whatever k is, where the token sits in the batch, how many threads run, and which
+of the kernels below computed it (tested for every type):
 
-    isum = sum_c dpwssd(maddubs(q_c, a_c), sc_c)  [+ pmaddwd(-offset * sc, bs)  Q3_K, Q6_K]
-    facc += float(isum) * (d * dx)                 16 float lanes per (token, row)
-    macc += float(pmaddwd(m, bs)) * (-dmin * dx)   8 lanes, Q2_K Q4_K Q5_K only
-
-Per pair of 32-weight blocks (legacy types, weights as unsigned bytes: q, or q + 128 for Q8_0):
-
-    isum = dpbusd(q, a) [+ offset * bs32 into lanes 0 and 8]   lanes 0-7 block A, 8-15 block B
-    facc += float(isum) * (d_w * dx)  [+ m_w * (dx * bs32), Q4_1 Q5_1]
-
-A row's result is reduce(facc) + reduce(macc) in a fixed order. Weight-stationary: a block is
-decoded once into registers and applied to up to 4 tokens before the next block is read; k > 4
-takes the row again from L1 for the next tokens. Bit identity across k: a (token, row) result is
-the same integer sums and the same float operations wherever the token sits in the batch (the
-token loop is unrolled; no lane or order depends on the others), tested for every type.
+    k = 1       rows_dots: 4 rows per pass, each row's step decoded into registers and dotted with
+                the token in 64-byte vectors (integers over 16 lanes), the 4 rows' lanes folded
+                (exactly) and packed into one vector: one sitofp + fma per term for 4 rows.
+    k = 2, 3    row_dots: the same with 2 or 1 tokens of one row per lane group.
+    k >= 4      tiled, token groups: rows in tiles, columns in chunks whose activations stay in
+                L1, each step decoded once per 16 tokens, float state in an L1 buffer.
+    k >= 16     tiled, token lanes (legacy types: k >= 10), the prompt GEMM: the activations
+                transposed, 16 tokens' 4-byte groups in one vector (k padded to 16); each 4
+                weight bytes broadcast and one vpdpbusd adds 4 products for 16 tokens, so every
+                integer lands in its token's lane.
 
 Accuracy: the integer parts are exact, so the result is the float64 product of the dequantized
 weights with the *dequantized int8 activations* up to float32 rounding of the scaling steps; vs
@@ -42,15 +40,13 @@ from numba.extending import intrinsic
 from gguf.constants import GGMLQuantizationType as _T
 
 from .matvec_kquants import k_scales_mins, q3_k_scales
-from .matvec_simd import _array, _fma, _load_vec, _reduce_tree
+from .matvec_simd import _array, _fma, _load_vec, _splat
 from .quantize_act import QK_K, QK_LEGACY, quantize_rows
-from .simd_int import CACHE, F32, I8, I16, I32, I64, IntBlockIR, dpbusd, dpwssd, maddubs, pmaddwd
+from .simd_int import CACHE, F32, I8, I16, I32, I64, IntBlockIR, _concat, dpbusd, dpwssd, maddubs, pmaddwd
 
 GROUPS_PER_THREAD = 4
-TOKEN_TILES = (4, 2, 1)     # tokens per row pass: unrolled copies of the token step (8 spills: no faster)
 
-_F32V16 = ir.VectorType(F32, 16)
-_F32V8 = ir.VectorType(F32, 8)
+
 
 
 def _f32x2(b, x, y):
@@ -58,8 +54,6 @@ def _f32x2(b, x, y):
     return b.insert_element(v, y, ir.Constant(I32, 1))
 
 
-_LANE0_AND_8 = [0] + [2] * 7 + [1] + [2] * 7     # shuffle (v2 ++ zeros2): v[0] in lane 0, v[1] in lane 8
-_HALF_EACH = [0] * 8 + [1] * 8
 
 
 # --------------------------------------------------------------------------- K-quant decoders
@@ -151,34 +145,14 @@ def _q2_k(v):
                   negdmin=v.fneg(v.f16(82)))
 
 
-def _k_token(v, blk, a_ptr, dx, s_ptr, facc, macc):
-    """One token's contribution of one super-block: (facc, macc) updated."""
-    b = v.b
-    # two integer chains (chunks 0, 1 and 2, 3): half the dpwssd latency on the critical path
-    accs = [v.zeros(I32, 16), v.zeros(I32, 16)]
-    for c in range(4):
-        a = _load_vec(b, b.gep(a_ptr, [ir.Constant(I64, 64 * c)]), I8, 64, 1)
-        accs[c // 2] = dpwssd(b, accs[c // 2], maddubs(b, blk.chunks[c], a), blk.sc16[c])
-    acc = b.add(accs[0], accs[1])
-    bs = _load_vec(b, s_ptr, I16, 16, 2)
-    if blk.off16 is not None:
-        corr = pmaddwd(b, blk.off16, bs)
-        acc = b.add(acc, v.concat(corr, v.zeros(I32, 8)))
-    facc = _fma(b, b.sitofp(acc, _F32V16), v.fsplat(b.fmul(blk.d, dx), 16), facc)
-    if blk.min16 is not None:
-        mins = b.sitofp(pmaddwd(b, blk.min16, bs), _F32V8)
-        macc = _fma(b, mins, v.fsplat(b.fmul(blk.negdmin, dx), 8), macc)
-    return facc, macc
-
-
 # --------------------------------------------------------------------------- legacy decoders
 # Each takes n_blk = 2 (a pair of blocks) or 1 (the odd last block: the second half is zeros)
 # and returns 64 unsigned weight bytes, the block scales per lane, the integer offset and the
 # per-block mins (lanes 0 and 8).
 
 class PairBlock:
-    def __init__(self, w, dv, off=0, mv=None, wide=False):
-        self.w, self.dv, self.off, self.mv, self.wide = w, dv, off, mv, wide
+    def __init__(self, w, d2, off=0, m2=None, wide=False):
+        self.w, self.d2, self.off, self.m2, self.wide = w, d2, off, m2, wide
 
 
 def _pair(v, n_blk, block_bytes, one_block, off=0, with_min=False, wide=False):
@@ -189,11 +163,9 @@ def _pair(v, n_blk, block_bytes, one_block, off=0, with_min=False, wide=False):
     if n_blk == 1:
         parts.append((v.zeros(I8, 32), zero, zero))
     w = v.concat(parts[0][0], parts[1][0])
-    dv = v.shuf(_f32x2(b, parts[0][1], parts[1][1]), _HALF_EACH)
-    mv = None
-    if with_min:
-        mv = v.shuf(_f32x2(b, parts[0][2], parts[1][2]), _LANE0_AND_8, ir.Constant(ir.VectorType(F32, 2), [0.0, 0.0]))
-    return PairBlock(w, dv, off, mv, wide)
+    d2 = _f32x2(b, parts[0][1], parts[1][1])
+    m2 = _f32x2(b, parts[0][2], parts[1][2]) if with_min else None
+    return PairBlock(w, d2, off, m2, wide)
 
 
 def _nibbles32(v, off):
@@ -230,22 +202,6 @@ def _q8_0(v, n_blk):
     return _pair(v, n_blk, 34, lambda v, o: (v.bxor(v.bytes(o + 2, 32), 0x80), v.f16(o), None), off=-128, wide=True)
 
 
-def _pair_token(v, blk, a_ptr, d_ptr, s_ptr, facc):
-    b = v.b
-    a = _load_vec(b, a_ptr, I8, 64, 1)
-    acc = dpbusd(b, v.zeros(I32, 16), blk.w, a, blk.wide)
-    bs2 = b.sext(_load_vec(b, s_ptr, I16, 2, 2), ir.VectorType(I32, 2))
-    if blk.off:
-        corr = b.mul(bs2, ir.Constant(ir.VectorType(I32, 2), [blk.off] * 2))
-        acc = b.add(acc, v.shuf(corr, _LANE0_AND_8, v.zeros(I32, 2)))
-    dx2 = _load_vec(b, d_ptr, F32, 2, 4)
-    facc = _fma(b, b.sitofp(acc, _F32V16), b.fmul(blk.dv, v.shuf(dx2, _HALF_EACH)), facc)
-    if blk.mv is not None:
-        s2 = b.fmul(dx2, b.sitofp(bs2, ir.VectorType(F32, 2)))
-        facc = _fma(b, blk.mv, v.shuf(s2, _LANE0_AND_8, ir.Constant(ir.VectorType(F32, 2), [0.0, 0.0])), facc)
-    return facc
-
-
 # --------------------------------------------------------------------------- the row kernel
 
 # qtype -> (kind, decoder, weight bytes per step): a K step is one super-block, a legacy step a pair.
@@ -263,27 +219,272 @@ def act_block(qtype: int) -> int:
     return QK_K if SPECS[int(qtype)][0] == "k" else QK_LEGACY
 
 
-class _Row:
-    """Pointers of one row pass: weight row, and per token its q, d, s rows and output slot."""
-
-    def __init__(self, context, builder, sig, args, n_tok):
-        b = builder
-        _, _, w, r, xq, xd, xs, t0, out, oc = args
-        W = _array(context, b, sig.args[2], w)
-        self.rb = cgutils.unpack_tuple(b, W.shape, 2)[1]
-        self.wrow = b.gep(W.data, [b.mul(r, self.rb)])
-        rows = []
-        for arr, aty in ((xq, sig.args[4]), (xd, sig.args[5]), (xs, sig.args[6]), (out, sig.args[8])):
-            A = _array(context, b, aty, arr)
-            width = cgutils.unpack_tuple(b, A.shape, 2)[1]
-            rows.append([b.gep(A.data, [b.mul(b.add(t0, ir.Constant(I64, t)), width)]) for t in range(n_tok)])
-        self.q, self.d, self.s, out_rows = rows
-        self.n_cols = cgutils.unpack_tuple(b, _array(context, b, sig.args[4], xq).shape, 2)[1]
-        self.out = [b.gep(p, [oc]) for p in out_rows]
 
 
-def _loop(b, count, init, body):
-    """for i in range(count): state = body(i, state); returns the final state (a list of values)."""
+def steps_per_row(qtype: int, row_bytes: int) -> int:
+    """Steps of a weight row: super-blocks (K-quants) or pairs of blocks, the odd last one a step."""
+    kind, _, nbytes = SPECS[int(qtype)]
+    n = row_bytes // nbytes
+    return n if kind == "k" else (n + 1) // 2
+
+
+def _c64(x):
+    return ir.Constant(I64, x)
+
+
+# --------------------------------------------------------------------------- numerics
+# Every path computes, per (token, row), the same exact integers and the same float operations in
+# the same order (bit identity across k, batch position, threads and kernels):
+#
+#   K step (super-block) i:  isum = sum_e q_e a_e sc(e) [+ sum_g off_g bs_g]  msum = sum_g m_g bs_g
+#                            y = fma(float(isum), d dx, y);  y = fma(float(msum), -dmin dx, y)
+#   legacy block b (A, B of a pair step, in order):
+#                            isum = sum_e q_e a_e + off bs_b
+#                            y = fma(float(isum), d_b dx_b, y);  y = fma(float(bs_b), m_b dx_b, y)
+#
+# starting from y = 0 (the msum / bs_b terms only for the types with mins). One float lane per
+# (token, row): the kernels differ only in how they reach the integers and which lanes hold which
+# tokens.
+
+K_FOLD = ((16, range(8), range(8, 16)), (8, range(4), range(4, 8)), (4, [0, 1], [2, 3]), (2, [0], [1]))
+# legacy: lanes 0-7 block A, 8-15 block B -> per token [A, B]
+PAIR_FOLD = ((16, [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]), (8, [0, 1, 4, 5], [2, 3, 6, 7]),
+             (4, [0, 2], [1, 3]))
+# K-quant sub-block (weights sharing one scale): 32 for Q4_K / Q5_K, 16 for the others
+K_SUB = {int(_T.Q4_K): 32, int(_T.Q5_K): 32, int(_T.Q6_K): 16, int(_T.Q3_K): 16, int(_T.Q2_K): 16}
+
+
+def _fold(b, vecs, per, lo, hi):
+    """vecs hold whole tokens of `per` lanes each. Returns vectors holding, token by token in the
+    same order, the lanes v[lo] + v[hi]; each pair of input vectors becomes one output vector."""
+    out = []
+    for j in range(0, len(vecs), 2):
+        u = vecs[j]
+        w = vecs[j + 1] if j + 1 < len(vecs) else None
+        n = u.type.count
+        toks = [t * per for t in range(n // per)] + ([] if w is None else [n + t * per for t in range(n // per)])
+
+        def idx(sel):
+            lanes = [base + x for base in toks for x in sel]
+            return ir.Constant(ir.VectorType(I32, len(lanes)), lanes)
+        other = u if w is None else w
+        out.append(b.add(b.shuffle_vector(u, other, idx(lo)), b.shuffle_vector(u, other, idx(hi))))
+    return out
+
+
+def _fold_all(b, vecs, stages):
+    for per, lo, hi in stages:
+        vecs = _fold(b, vecs, per, list(lo), list(hi))
+    assert len(vecs) == 1
+    return vecs[0]
+
+
+def _concat_all(b, vecs):
+    while len(vecs) > 1:
+        vecs = [_concat(b, vecs[j], vecs[j + 1]) for j in range(0, len(vecs), 2)]
+    return vecs[0]
+
+
+def _lanes(b, vec, idx):
+    return b.shuffle_vector(vec, ir.Constant(vec.type, ir.Undefined), ir.Constant(ir.VectorType(I32, len(idx)), idx))
+
+
+def _vec1(b, x):
+    return b.insert_element(ir.Constant(ir.VectorType(x.type, 1), ir.Undefined), x, ir.Constant(I32, 0))
+
+
+# --------------------------------------------------------------------------- lane groups
+# A group is g (1, 2 or 4) (row, token) pairs, one float lane each: g tokens of one row (k = 2..15)
+# or g rows for one token (k = 1). Each pair's step is dotted in 64-byte vectors (its integers
+# spread over 16 lanes), folded exactly to one lane (two for a legacy pair: A, B), and the group
+# scaled together: one sitofp + fma per term for g pairs. An entry is (vb, (q, d, s)): the decoded
+# step of its row, (v, blk) or a function emitting the decoder (rows decoded one after the other,
+# each next to its dot product: 4 decoded blocks at once would not fit the registers), and its
+# token's activation row pointers.
+
+
+def _decoded(vb):
+    return vb() if callable(vb) else vb
+
+def _k_group(b, entries, i, facc):
+    """facc (g lanes) after super-block i."""
+    g = len(entries)
+    accs, bss, dxs, ds, ms, m16 = [], [], [], [], [], []
+    for vb, (q, d, s) in entries:
+        v, blk = _decoded(vb)
+        a_ptr = b.gep(q, [b.mul(i, _c64(QK_K))])
+        # alone, a pair runs two integer chains (chunks 0, 1 and 2, 3): half the dpwssd latency
+        chains = [v.zeros(I32, 16)] * (2 if g == 1 else 1)
+        for c in range(4):
+            a = _load_vec(b, b.gep(a_ptr, [_c64(64 * c)]), I8, 64, 1)
+            n = c * len(chains) // 4
+            chains[n] = dpwssd(b, chains[n], maddubs(b, blk.chunks[c], a), blk.sc16[c])
+        acc = chains[0] if len(chains) == 1 else b.add(chains[0], chains[1])
+        bs = _load_vec(b, b.gep(s, [b.mul(i, _c64(16))]), I16, 16, 2)
+        if blk.off16 is not None:
+            acc = b.add(acc, v.concat(pmaddwd(b, blk.off16, bs), v.zeros(I32, 8)))
+        accs.append(acc)
+        bss.append(bs)
+        dxs.append(_vec1(b, b.load(b.gep(d, [i]))))
+        ds.append(_vec1(b, blk.d))
+        ms.append(None if blk.min16 is None else _vec1(b, blk.negdmin))
+        m16.append(blk.min16)
+    fv = ir.VectorType(F32, g)
+    dx = _concat_all(b, dxs)
+    isum = _fold_all(b, accs, K_FOLD)
+    facc = _fma(b, b.sitofp(isum, fv), b.fmul(_concat_all(b, ds), dx), facc)
+    if ms[0] is not None:
+        mins = []
+        for j in range(0, g, 2):
+            if j + 1 < g:
+                mins.append(pmaddwd(b, _concat(b, m16[j], m16[j + 1]), _concat(b, bss[j], bss[j + 1])))
+            else:
+                mins.append(pmaddwd(b, m16[j], bss[j]))
+        msum = _fold_all(b, mins, K_FOLD[1:])
+        facc = _fma(b, b.sitofp(msum, fv), b.fmul(_concat_all(b, ms), dx), facc)
+    return facc
+
+
+def _pair_group(b, entries, i, facc):
+    """facc (g lanes) after block pair i: block A's terms, then block B's."""
+    g = len(entries)
+    accs, bs2, dx2, d2, m2 = [], [], [], [], []
+    for vb, (q, d, s) in entries:
+        v, blk = _decoded(vb)
+        a = _load_vec(b, b.gep(q, [b.mul(i, _c64(64))]), I8, 64, 1)
+        accs.append(dpbusd(b, v.zeros(I32, 16), blk.w, a, blk.wide))
+        bs2.append(b.sext(_load_vec(b, b.gep(s, [b.mul(i, _c64(2))]), I16, 2, 2), ir.VectorType(I32, 2)))
+        dx2.append(_load_vec(b, b.gep(d, [b.mul(i, _c64(2))]), F32, 2, 4))
+        d2.append(blk.d2)
+        m2.append(blk.m2)
+    fv = ir.VectorType(F32, g)
+    ab = _fold_all(b, accs, PAIR_FOLD)         # 2g lanes: pair 0 A, pair 0 B, pair 1 A, ...
+    bs = _concat_all(b, bs2)
+    if blk.off:             # the type's constants: the same for every entry
+        ab = b.add(ab, b.mul(bs, ir.Constant(bs.type, [blk.off] * (2 * g))))
+    dx, dw = _concat_all(b, dx2), _concat_all(b, d2)
+    mw = None if blk.m2 is None else _concat_all(b, m2)
+    for h in range(2):
+        sel = [2 * u + h for u in range(g)]
+        dxh = _lanes(b, dx, sel)
+        facc = _fma(b, b.sitofp(_lanes(b, ab, sel), fv), b.fmul(_lanes(b, dw, sel), dxh), facc)
+        if mw is not None:
+            facc = _fma(b, b.sitofp(_lanes(b, bs, sel), fv), b.fmul(_lanes(b, mw, sel), dxh), facc)
+    return facc
+
+
+# --------------------------------------------------------------------------- token lanes (prompts)
+# For 16 and more tokens the activations are transposed (quantize_lanes): 16 tokens' 4-byte
+# groups side by side in one 64-byte vector. A decoded weight step goes to a small stack buffer;
+# each 4 weight bytes are broadcast to all lanes and one vpdpbusd adds 4 products for 16 tokens,
+# so a token's integers land in its own lane: no folding, and every scaling step is one vector
+# instruction for 16 tokens. This is the prompt-processing GEMM: per 16 tokens and 256 weights
+# 64 vpdpbusd plus about 25 instructions of scales, vs about 16 instructions per token above.
+
+def _bcast32(b, buf, j):
+    """The i32 at dword j of the byte buffer, broadcast to 64 bytes (a load-port broadcast)."""
+    x = b.load(b.bitcast(b.gep(buf, [_c64(4 * j)]), I32.as_pointer()), align=1)
+    return b.bitcast(_splat(b, x, 16), ir.VectorType(I8, 64))
+
+
+def _store_bytes(b, buf, off, vec):
+    b.store(vec, b.bitcast(b.gep(buf, [_c64(off)]), vec.type.as_pointer()), align=1)
+
+
+def _k_lanes(v, blk, i, vecs, faccs, bufs, sub):
+    """faccs (16 tokens each) after super-block i; vecs: per token vector its (qT, dT, sT) rows.
+    Each broadcast weight dword serves all vectors (1 or 2)."""
+    b = v.b
+    wbuf, sbuf, mbuf, obuf = bufs
+    for c in range(4):
+        _store_bytes(b, wbuf, 64 * c, blk.chunks[c])
+        _store_bytes(b, sbuf, 64 * c, b.bitcast(blk.sc16[c], ir.VectorType(I8, 64)))
+    step_q = [b.gep(q, [b.mul(i, _c64(64 * 64))]) for q, _, _ in vecs]
+    isum = [v.zeros(I32, 16) for _ in vecs]
+    for e0 in range(0, QK_K, sub):
+        raw = [v.zeros(I32, 16) for _ in vecs]
+        for j in range(e0 // 4, (e0 + sub) // 4):
+            wj = _bcast32(b, wbuf, j)
+            for n, p in enumerate(step_q):
+                raw[n] = dpbusd(b, raw[n], wj, _load_vec(b, b.gep(p, [_c64(64 * j)]), I8, 64, 1))
+        sc_ptr = b.bitcast(b.gep(sbuf, [_c64(64 * (e0 // 64) + 2 * ((e0 % 64) // 2))]), I16.as_pointer())
+        sc = _splat(b, b.sext(b.load(sc_ptr, align=2), I32), 16)
+        isum = [b.add(x, b.mul(r, sc)) for x, r in zip(isum, raw)]
+    i16x32 = ir.VectorType(I16, 32)
+    bs = []
+    for _, _, s in vecs:
+        step_s = b.gep(s, [b.mul(i, _c64(8 * 16))])          # int32 elements: 8 pairs of 16 tokens
+        bs.append([_load_vec(b, b.gep(step_s, [_c64(16 * j)]), I16, 32, 4) for j in range(8)])
+    if blk.off16 is not None:
+        _store_bytes(b, obuf, 0, blk.off16)
+        for j in range(8):
+            oj = b.bitcast(_bcast32(b, obuf, j), i16x32)
+            isum = [dpwssd(b, x, bsn[j], oj) for x, bsn in zip(isum, bs)]
+    fv = ir.VectorType(F32, 16)
+    dx = [_load_vec(b, b.gep(d, [b.mul(i, _c64(16))]), F32, 16, 4) for _, d, _ in vecs]
+    faccs = [_fma(b, b.sitofp(x, fv), b.fmul(v.fsplat(blk.d, 16), dxn), f) for x, dxn, f in zip(isum, dx, faccs)]
+    if blk.min16 is not None:
+        _store_bytes(b, mbuf, 0, blk.min16)
+        msum = [v.zeros(I32, 16) for _ in vecs]
+        for j in range(8):
+            mj = b.bitcast(_bcast32(b, mbuf, j), i16x32)
+            msum = [dpwssd(b, x, bsn[j], mj) for x, bsn in zip(msum, bs)]
+        faccs = [_fma(b, b.sitofp(x, fv), b.fmul(v.fsplat(blk.negdmin, 16), dxn), f)
+                 for x, dxn, f in zip(msum, dx, faccs)]
+    return faccs
+
+
+def _pair_lanes(v, blk, i, vecs, faccs, bufs, sub):
+    """faccs (16 tokens each) after block pair i: block A's terms, then block B's."""
+    b = v.b
+    wbuf = bufs[0]
+    _store_bytes(b, wbuf, 0, blk.w)
+    fv = ir.VectorType(F32, 16)
+    for h in range(2):
+        blk_i = b.add(b.mul(i, _c64(2)), _c64(h))
+        blk_q = [b.gep(q, [b.mul(blk_i, _c64(8 * 64))]) for q, _, _ in vecs]
+        raw = [v.zeros(I32, 16) for _ in vecs]
+        for j in range(8):
+            wj = _bcast32(b, wbuf, 8 * h + j)
+            for n, p in enumerate(blk_q):
+                raw[n] = dpbusd(b, raw[n], wj, _load_vec(b, b.gep(p, [_c64(64 * j)]), I8, 64, 1), blk.wide)
+        dh = v.fsplat(b.extract_element(blk.d2, ir.Constant(I32, h)), 16)
+        mh = None if blk.m2 is None else v.fsplat(b.extract_element(blk.m2, ir.Constant(I32, h)), 16)
+        for n, (_, d, s) in enumerate(vecs):
+            bs = _load_vec(b, b.gep(s, [b.mul(blk_i, _c64(16))]), I32, 16, 4)
+            x = raw[n] if not blk.off else b.add(raw[n], b.mul(bs, ir.Constant(bs.type, [blk.off] * 16)))
+            dx = _load_vec(b, b.gep(d, [b.mul(blk_i, _c64(16))]), F32, 16, 4)
+            faccs[n] = _fma(b, b.sitofp(x, fv), b.fmul(dh, dx), faccs[n])
+            if mh is not None:
+                faccs[n] = _fma(b, b.sitofp(bs, fv), b.fmul(mh, dx), faccs[n])
+    return faccs
+
+
+# --------------------------------------------------------------------------- the row kernels
+
+class _Tokens:
+    """Data pointers and row widths of the three activation arrays: the rows of any token (or
+    token vector, for the transposed arrays)."""
+
+    def __init__(self, context, b, tys, vals):
+        self.b = b
+        self.arrs = []
+        for aty, val in zip(tys, vals):
+            A = _array(context, b, aty, val)
+            self.arrs.append((A.data, cgutils.unpack_tuple(b, A.shape, 2)[1]))
+
+    def rows(self, tok):
+        return tuple(self.b.gep(data, [self.b.mul(tok, width)]) for data, width in self.arrs)
+
+
+def _weight_row(context, b, aty, w, r):
+    W = _array(context, b, aty, w)
+    rb = cgutils.unpack_tuple(b, W.shape, 2)[1]
+    return b.gep(W.data, [b.mul(r, rb)]), rb
+
+
+def _loop(b, start, end, init, body):
+    """for i in range(start, end): state = body(i, state); returns the final state (a list)."""
     entry = b.basic_block
     head = b.append_basic_block("int.head")
     loop = b.append_basic_block("int.body")
@@ -291,112 +492,230 @@ def _loop(b, count, init, body):
     b.branch(head)
     b.position_at_end(head)
     i = b.phi(I64)
-    i.add_incoming(ir.Constant(I64, 0), entry)
+    i.add_incoming(start, entry)
     state = []
     for x in init:
         p = b.phi(x.type)
         p.add_incoming(x, entry)
         state.append(p)
-    b.cbranch(b.icmp_signed("<", i, count), loop, done)
+    b.cbranch(b.icmp_signed("<", i, end), loop, done)
     b.position_at_end(loop)
     new = body(i, state)
-    end = b.basic_block
-    i.add_incoming(b.add(i, ir.Constant(I64, 1)), end)
+    end_bb = b.basic_block
+    i.add_incoming(b.add(i, _c64(1)), end_bb)
     for p, x in zip(state, new):
-        p.add_incoming(x, end)
+        p.add_incoming(x, end_bb)
     b.branch(head)
     b.position_at_end(done)
     return state
 
 
-def _emit_k_row(b, row, decode, step_bytes, n_tok):
-    n_blocks = b.sdiv(row.n_cols, ir.Constant(I64, QK_K))
-    zero16, zero8 = ir.Constant(_F32V16, [0.0] * 16), ir.Constant(_F32V8, [0.0] * 8)
-
-    def body(i, state):
-        v = IntBlockIR(b, b.gep(row.wrow, [b.mul(i, ir.Constant(I64, step_bytes))]), None)
-        blk = decode(v)
-        new = []
-        for t in range(n_tok):
-            a_ptr = b.gep(row.q[t], [b.mul(i, ir.Constant(I64, QK_K))])
-            dx = b.load(b.gep(row.d[t], [i]))
-            s_ptr = b.gep(row.s[t], [b.mul(i, ir.Constant(I64, 16))])
-            new += _k_token(v, blk, a_ptr, dx, s_ptr, state[2 * t], state[2 * t + 1])
-        return new
-
-    state = _loop(b, n_blocks, [zero16, zero8] * n_tok, body)
-    for t in range(n_tok):
-        y = b.fadd(_reduce_tree(b, state[2 * t], 16), _reduce_tree(b, state[2 * t + 1], 8))
-        b.store(y, row.out[t])
-
-
-def _emit_pair_row(b, row, decode, block_bytes, n_tok):
-    n_blocks = b.sdiv(row.rb, ir.Constant(I64, block_bytes))     # weight blocks (odd counts allowed)
-    zero16 = ir.Constant(_F32V16, [0.0] * 16)
-
+def _steps(b, kind, decode, nbytes, wrows, rb, i0, i1, init, apply):
+    """Steps i0 .. i1-1 of the weight rows wrows: state = apply(vbs, i, state), vbs[r] row r's
+    step i as a function emitting its decoder (returns (v, blk); emitted once, where first used).
+    A legacy row of an odd number of blocks ends in a step of one block (the other half zeros)."""
     def step(i, state, n_blk):
-        v = IntBlockIR(b, b.gep(row.wrow, [b.mul(i, ir.Constant(I64, 2 * block_bytes))]), None)
-        blk = decode(v, n_blk)
-        return [_pair_token(v, blk, b.gep(row.q[t], [b.mul(i, ir.Constant(I64, 64))]),
-                            b.gep(row.d[t], [b.mul(i, ir.Constant(I64, 2))]),
-                            b.gep(row.s[t], [b.mul(i, ir.Constant(I64, 2))]), state[t])
-                for t in range(n_tok)]
+        def decoder(wrow):
+            done = []
 
-    n_pairs = b.sdiv(n_blocks, ir.Constant(I64, 2))
-    state = _loop(b, n_pairs, [zero16] * n_tok, lambda i, s: step(i, s, 2))
-    # the odd last block: activations are padded to pairs, the weight half is zeros
-    has_tail = b.icmp_signed("!=", b.srem(n_blocks, ir.Constant(I64, 2)), ir.Constant(I64, 0))
+            def vb():
+                if not done:
+                    if kind == "k":
+                        v = IntBlockIR(b, b.gep(wrow, [b.mul(i, _c64(nbytes))]), None)
+                        done.append((v, decode(v)))
+                    else:
+                        v = IntBlockIR(b, b.gep(wrow, [b.mul(i, _c64(2 * nbytes))]), None)
+                        done.append((v, decode(v, n_blk)))
+                return done[0]
+            return vb
+        return apply([decoder(w) for w in wrows], i, state)
+
+    if kind == "k":
+        return _loop(b, i0, i1, init, lambda i, s: step(i, s, None))
+    n_blocks = b.sdiv(rb, _c64(nbytes))
+    n_full = b.sdiv(n_blocks, _c64(2))
+    end = b.select(b.icmp_signed("<", i1, n_full), i1, n_full)
+    state = _loop(b, i0, end, init, lambda i, s: step(i, s, 2))
+    has_tail = b.icmp_signed(">", i1, n_full)
     before = b.basic_block
     tail = b.append_basic_block("int.tail")
     join = b.append_basic_block("int.join")
     b.cbranch(has_tail, tail, join)
     b.position_at_end(tail)
-    tailed = step(n_pairs, state, 1)
+    tailed = step(n_full, state, 1)
     tail_end = b.basic_block
     b.branch(join)
     b.position_at_end(join)
     merged = []
-    for t in range(n_tok):          # all phis first: LLVM wants them at the top of the block
-        p = b.phi(_F32V16)
-        p.add_incoming(state[t], before)
-        p.add_incoming(tailed[t], tail_end)
+    for x, y in zip(state, tailed):          # all phis first: LLVM wants them at the top of the block
+        p = b.phi(x.type)
+        p.add_incoming(x, before)
+        p.add_incoming(y, tail_end)
         merged.append(p)
-    for t in range(n_tok):
-        b.store(_reduce_tree(b, merged[t], 16), row.out[t])
+    return merged
+
+
+def type_tag(qtype: int) -> tuple:
+    """The quant type as a compile-time constant: a tuple of that many zeros, whose Numba type
+    (UniTuple(int64, qtype)) differs per type. The kernels take it where a plain int would make
+    one compilation build every type's decoders: with the tag a model compiles (and caches) only
+    the types its files hold, and nothing is retyped at run time (numba.literally would retype
+    every kernel from scratch in every process before finding the cached one)."""
+    return (0,) * int(qtype)
+
+
+def _qtype_arg(qtype):
+    """The intrinsics' type for the qtype argument, and the one type to emit code for when it is
+    a type_tag, else None (a plain int: a switch over all SPECS)."""
+    if isinstance(qtype, types.UniTuple) and qtype.count in SPECS:
+        return qtype, qtype.count
+    return types.int64, None
+
+
+def _by_type(b, qtype, done, emit, only=None):
+    """switch over SPECS on qtype; emit(qt, kind, decode, nbytes) writes each case's code. With
+    `only` (a compile-time type) just that type's code."""
+    if only is not None:
+        if only not in SPECS:
+            raise TypeError(f"no integer kernel for ggml type {only}")
+        emit(only, *SPECS[only])
+        b.branch(done)
+        return
+    by_type = b.switch(qtype, done)
+    for qt, spec in SPECS.items():
+        bb = b.append_basic_block(f"int.t{qt}")
+        by_type.add_case(ir.Constant(I64, qt), bb)
+        b.position_at_end(bb)
+        emit(qt, *spec)
+        b.branch(done)
+
+
+def _c_2d(*arrays):
+    return all(isinstance(a, types.Array) and a.layout == "C" and a.ndim == 2 for a in arrays)
+
+
+def _make_lane_dot(across_rows: bool):
+    """The register kernels: a group of n (1, 2 or 4) lanes, tokens t0 + u of row r (row_dot) or
+    rows r + u for token t0 (rows_dot), float state in registers for the whole row."""
+    name = "rows_dot" if across_rows else "row_dot"
+
+    def lane_dot(typingctx, qtype, n_lanes, w, r, xq, xd, xs, t0, out, oc):
+        if not _c_2d(w, xq, xd, xs, out):
+            return None
+        qt_type, only = _qtype_arg(qtype)
+        sig = types.void(qt_type, types.intp, w, types.intp, xq, xd, xs, types.intp, out, types.intp)
+
+        def codegen(context, builder, signature, args):
+            b = builder
+            qt_, n_, w_, r_, xq_, xd_, xs_, t0_, out_, oc_ = args
+            done = b.append_basic_block(f"{name}.done")
+
+            def emit(qt, kind, decode, nbytes):
+                by_n = b.switch(n_, done)
+                for n in (4, 2, 1):
+                    bb = b.append_basic_block(f"{name}.n{n}")
+                    by_n.add_case(ir.Constant(I64, n), bb)
+                    b.position_at_end(bb)
+                    lanes = [_c64(u) for u in range(n)]
+                    rows = [b.add(r_, u) for u in lanes] if across_rows else [r_]
+                    toks = [t0_] if across_rows else [b.add(t0_, u) for u in lanes]
+                    wrows, rbs = zip(*[_weight_row(context, b, signature.args[2], w_, x) for x in rows])
+                    tok = _Tokens(context, b, signature.args[4:7], (xq_, xd_, xs_))
+                    trows = [tok.rows(t) for t in toks]
+                    group = _k_group if kind == "k" else _pair_group
+                    n_steps = b.sdiv(rbs[0], _c64(nbytes))
+                    if kind != "k":
+                        n_steps = b.sdiv(b.add(n_steps, _c64(1)), _c64(2))
+
+                    def step(vbs, i, state):
+                        entries = [(vb, trows[0]) for vb in vbs] if across_rows else [(vbs[0], t) for t in trows]
+                        return [group(b, entries, i, state[0])]
+                    zero = ir.Constant(ir.VectorType(F32, n), [0.0] * n)
+                    (facc,) = _steps(b, kind, decode, nbytes, list(wrows), rbs[0], _c64(0), n_steps, [zero], step)
+                    O = _array(context, b, signature.args[8], out_)
+                    width = cgutils.unpack_tuple(b, O.shape, 2)[1]
+                    for u, lane in enumerate(lanes):
+                        t, col = (t0_, b.add(oc_, lane)) if across_rows else (toks[u], oc_)
+                        b.store(b.extract_element(facc, ir.Constant(I32, u)), b.gep(O.data, [b.add(b.mul(t, width), col)]))
+                    b.branch(done)
+                b.position_at_end(b.append_basic_block(f"{name}.unreachable"))
+
+            _by_type(b, qt_, done, emit, only)
+            b.position_at_end(done)
+            return context.get_dummy_value()
+        return sig, codegen
+    lane_dot.__name__ = name
+    return intrinsic(lane_dot)
+
+
+# row_dot(qtype, n, w, r, xq, xd, xs, t0, out, oc): out[t0 + u, oc] = (row r of W) . (activation row
+# t0 + u) for u < n (1, 2 or 4). w: (rows, row_bytes) uint8 of type qtype; xq int8, xd float32, xs
+# int16 rows from quantize_act.quantize_rows with the block act_block(qtype); out float32 (k, >= oc
+# + 1). Unchecked: the caller validated shapes.
+row_dot = _make_lane_dot(False)
+# rows_dot(qtype, n, w, r0, xq, xd, xs, t, out, oc0): out[t, oc0 + u] = (row r0 + u) . (activation
+# row t): the k = 1 kernel, the lane folding shared by n rows, each step of each row decoded once.
+rows_dot = _make_lane_dot(True)
 
 
 @intrinsic
-def row_dot(typingctx, qtype, n_tok, w, r, xq, xd, xs, t0, out, oc):
-    """out[t0 + t, oc] = (row r of W) . (activation row t0 + t), for t < n_tok (1, 2 or 4).
+def row_acc(typingctx, qtype, w, r, xa, xb, xc, u0, n, s0, s1, acc, ar):
+    """acc[ar, unit (u0 + j) + l] for l < unit, j < n, after steps s0 .. s1-1 of row r.
 
-    w: (rows, row_bytes) uint8 of type qtype; xq int8, xd float32, xs int16 rows from
-    quantize_act.quantize_rows with the block act_block(qtype); out float32 (k, >= oc + 1).
-    Unchecked: the caller validated shapes.
+    xa, xb, xc from quantize_tiled: row-major rows (xc int16) -> unit 4, token groups; transposed
+    token vectors (xc int32) -> unit 16, token lanes. Each step is decoded once into registers
+    (token lanes: and a stack buffer) and applied to all n units before the next step is read.
     """
-    for a in (w, xq, xd, xs, out):
-        if not isinstance(a, types.Array) or a.layout != "C" or a.ndim != 2:
-            return None
-    sig = types.void(types.int64, types.intp, w, types.intp, xq, xd, xs, types.intp, out, types.intp)
+    if not _c_2d(w, xa, xb, xc, acc):
+        return None
+    unit = 16 if xc.dtype == types.int32 else 4
+    qt_type, only = _qtype_arg(qtype)
+    sig = types.void(qt_type, w, types.intp, xa, xb, xc, types.intp, types.intp, types.intp, types.intp,
+                     acc, types.intp)
 
     def codegen(context, builder, signature, args):
         b = builder
-        done = b.append_basic_block("row_dot.done")
-        by_type = b.switch(args[0], done)
-        for qt, (kind, decode, nbytes) in SPECS.items():
-            type_bb = b.append_basic_block(f"row_dot.t{qt}")
-            by_type.add_case(ir.Constant(I64, qt), type_bb)
-            b.position_at_end(type_bb)
-            by_tok = b.switch(args[1], done)
-            for n_tok in TOKEN_TILES:
-                tok_bb = b.append_basic_block(f"row_dot.t{qt}.n{n_tok}")
-                by_tok.add_case(ir.Constant(I64, n_tok), tok_bb)
-                b.position_at_end(tok_bb)
-                row = _Row(context, b, signature, args, n_tok)
-                if kind == "k":
-                    _emit_k_row(b, row, decode, nbytes, n_tok)
-                else:
-                    _emit_pair_row(b, row, decode, nbytes, n_tok)
-                b.branch(done)
+        qt_, w_, r_, xa_, xb_, xc_, u0_, n_, s0_, s1_, acc_, ar_ = args
+        done = b.append_basic_block("row_acc.done")
+        bufs = [cgutils.alloca_once(b, ir.ArrayType(I8, 256)) for _ in range(2)] + \
+            [cgutils.alloca_once(b, ir.ArrayType(I8, 32)) for _ in range(2)]
+        bufs = [b.bitcast(p, I8.as_pointer()) for p in bufs]
+
+        def emit(qt, kind, decode, nbytes):
+            wrow, rb = _weight_row(context, b, signature.args[1], w_, r_)
+            tok = _Tokens(context, b, signature.args[3:6], (xa_, xb_, xc_))
+            A = _array(context, b, signature.args[10], acc_)
+            acc_row = b.gep(A.data, [b.mul(ar_, cgutils.unpack_tuple(b, A.shape, 2)[1])])
+            fv = ir.VectorType(F32, unit)
+
+            def apply(vbs, i, state):
+                vb = _decoded(vbs[0])       # before the loop over units: decoded once per step
+
+                def units(first, count):
+                    """count (1 or 2) consecutive units from unit `first`."""
+                    us = [b.add(first, _c64(x)) for x in range(count)]
+                    ps = [b.bitcast(b.gep(acc_row, [b.mul(u, _c64(unit))]), fv.as_pointer()) for u in us]
+                    faccs = [b.load(p, align=4) for p in ps]
+                    if unit == 16:
+                        lanes = _k_lanes if kind == "k" else _pair_lanes
+                        faccs = lanes(*vb, i, [tok.rows(u) for u in us], faccs, bufs, K_SUB.get(qt))
+                    else:
+                        toks = [tok.rows(b.add(b.mul(us[0], _c64(4)), _c64(t))) for t in range(4)]
+                        faccs = [(_k_group if kind == "k" else _pair_group)(b, [(vb, t) for t in toks], i, faccs[0])]
+                    for p, f in zip(ps, faccs):
+                        b.store(f, p, align=4)
+
+                # token lanes: vectors in pairs (each broadcast weight dword serves two), then the odd one
+                per = 2 if unit == 16 else 1
+                _loop(b, _c64(0), b.sdiv(n_, _c64(per)), [], lambda j, _: units(b.add(u0_, b.mul(j, _c64(per))), per) or [])
+                if per == 2:
+                    odd = b.icmp_signed("!=", b.srem(n_, _c64(2)), _c64(0))
+                    with b.if_then(odd):
+                        units(b.add(u0_, b.sub(n_, _c64(1))), 1)
+                return []
+            _steps(b, kind, decode, nbytes, [wrow], rb, s0_, s1_, [], apply)
+
+        _by_type(b, qt_, done, emit, only)
         b.position_at_end(done)
         return context.get_dummy_value()
     return sig, codegen
@@ -413,12 +732,76 @@ def row_dots(qtype, w, r, xq, xd, xs, out, oc):
         t0 += n
 
 
+ROW_TILE = 8          # rows sharing an L1-resident chunk of the activations (token groups)
+ROW_TILE_LANES = 32   # the same for token lanes: the activations of 16+ tokens cost more to stream
+TILE_UNITS = 4        # token groups (16 tokens) or token vectors (64) per pass over a chunk
+ACT_L1_BYTES = 24576  # activation bytes of a chunk (all the pass's tokens) kept in L1
+TILED_MIN_K = 4       # k from which matvec runs the tiled kernels (below: row_dots, state in registers)
+# k from which the tiled kernel runs on token lanes (transposed activations, padded to 16 tokens):
+# measured crossover, one core: legacy types 8-12 tokens (27B-wide rows: groups 8 % faster at 8,
+# lanes 20-30 % faster at 12), K-quants 12-16 (their token groups share more of the work between
+# tokens: one maddubs + dpwssd pair per 64 weights and token)
+LANES_MIN_K = {"k": 16, "pair": 10}
+
+
+def uses_lanes(qtype: int, k: int) -> bool:
+    return k >= LANES_MIN_K[SPECS[int(qtype)][0]]
+
+
+@njit(cache=CACHE, nogil=True, inline="always")
+def tile_sums(qtype, w, r0, n_rows, xa, xb, xc, n_steps, chunk, acc):
+    """acc[r, t] = row r0 + r (r < n_rows) . token t, for all tokens of the (padded) activations:
+    column chunks of `chunk` steps, each swept by the tile's rows for TILE_UNITS units of tokens.
+    xa, xb, xc: quantize_tiled's rows (groups of 4 tokens) or quantize_lanes' token vectors (16)."""
+    k_pad = acc.shape[1]
+    n_units = k_pad // 4 if xa.shape[0] == k_pad else xa.shape[0]      # groups of 4 or vectors of 16
+    acc[:n_rows] = 0.0
+    for u0 in range(0, n_units, TILE_UNITS):
+        n = min(TILE_UNITS, n_units - u0)
+        for s0 in range(0, n_steps, chunk):
+            s1 = min(n_steps, s0 + chunk)
+            for r in range(n_rows):
+                row_acc(qtype, w, r0 + r, xa, xb, xc, u0, n, s0, s1, acc, r)
+
+
+@njit(cache=CACHE, nogil=True, inline="always")
+def rows_dots(qtype, w, r0, n_rows, xq, xd, xs, t, out, oc0):
+    """out[t, oc0 + j] for j < n_rows: rows r0 .. r0 + n_rows - 1 for token t, in passes of 4, 2, 1
+    rows (faster than row_dots row by row for one token; the same bits)."""
+    j = 0
+    while j < n_rows:
+        n = 4 if n_rows - j >= 4 else (2 if n_rows - j >= 2 else 1)
+        rows_dot(qtype, n, w, r0 + j, xq, xd, xs, t, out, oc0 + j)
+        j += n
+
+
 @njit(cache=CACHE, nogil=True, parallel=True)
 def _matvec_int_kernel(w, qtype, xq, xd, xs, out, n_groups):
     rows = w.shape[0]
+    k = xq.shape[0]
     for g in prange(n_groups):
-        for r in range(g * rows // n_groups, (g + 1) * rows // n_groups):
-            row_dots(qtype, w, r, xq, xd, xs, out, r)
+        lo, hi = g * rows // n_groups, (g + 1) * rows // n_groups
+        if k == 1:
+            rows_dots(qtype, w, lo, hi - lo, xq, xd, xs, 0, out, lo)
+        else:
+            for r in range(lo, hi):
+                row_dots(qtype, w, r, xq, xd, xs, out, r)
+
+
+@njit(cache=CACHE, nogil=True, parallel=True)
+def _matvec_tiled_kernel(w, qtype, xa, xb, xc, k_pad, out, n_steps, chunk, row_tile, n_groups):
+    rows = w.shape[0]
+    k = out.shape[0]
+    n_tiles = (rows + row_tile - 1) // row_tile
+    for g in prange(n_groups):
+        acc = np.empty((row_tile, k_pad), np.float32)
+        for tile in range(g * n_tiles // n_groups, (g + 1) * n_tiles // n_groups):
+            r0 = tile * row_tile
+            n_rows = min(row_tile, rows - r0)
+            tile_sums(qtype, w, r0, n_rows, xa, xb, xc, n_steps, chunk, acc)
+            for t in range(k):
+                for r in range(n_rows):
+                    out[t, r0 + r] = acc[r, t]
 
 
 def n_row_groups(rows: int) -> int:
@@ -426,14 +809,54 @@ def n_row_groups(rows: int) -> int:
     return max(1, min(rows, GROUPS_PER_THREAD * numba.get_num_threads()))
 
 
+def tiling(qtype: int, w_shape: tuple[int, int], k: int) -> tuple[int, int, int, int]:
+    """(steps per row, steps per column chunk, rows per tile, parallel work items) of the tiled
+    kernel for k tokens and a (rows, row_bytes) weight matrix."""
+    rows, row_bytes = w_shape
+    step_cols = QK_K if SPECS[int(qtype)][0] == "k" else 2 * QK_LEGACY
+    unit = 16 if uses_lanes(qtype, k) else 4
+    tokens = min(-(-k // unit) * unit, unit * TILE_UNITS)
+    # big tiles share each activation chunk among more rows, but leave 2 tiles per thread at least
+    row_tile = max(ROW_TILE, min(ROW_TILE_LANES if unit == 16 else ROW_TILE, rows // (2 * numba.get_num_threads())))
+    n_tiles = -(-rows // row_tile)
+    return (steps_per_row(qtype, row_bytes), max(1, ACT_L1_BYTES // (tokens * step_cols)), row_tile,
+            n_row_groups(n_tiles))
+
+
 def quantize_for(qtype: int, x: np.ndarray):
     """x's rows quantized as the integer kernel of `qtype` reads them: (q, d, s)."""
     return quantize_rows(x, act_block(qtype))
 
 
+def quantize_tiled(qtype: int, x: np.ndarray):
+    """The activations of the tiled kernel for x's k >= TILED_MIN_K rows: (xa, xb, xc, k_pad).
+
+    Token groups: quantize_for's rows with zero rows up to a multiple of 4 tokens. Token lanes:
+    padded to 16 tokens and transposed per 16-token vector V: xa[V, 64 e4 + 4 l + i] = q[16 V + l,
+    4 e4 + i] (4-byte groups of 16 tokens side by side), xb[V, 16 b + l] = d[16 V + l, b], and xc the
+    16-value sums as i16 pairs (K-quants) or the 32-value sums as int32 (legacy), laid out as xb."""
+    k = x.shape[0]
+    unit = 16 if uses_lanes(qtype, k) else 4
+    k_pad = -(-k // unit) * unit
+    q, d, s = quantize_rows(x, act_block(qtype), pad_rows=k_pad - k)
+    if unit == 4:
+        return q, d, s, k_pad
+    nv = k_pad // 16
+
+    def lanes(a):
+        return np.ascontiguousarray(a.reshape(nv, 16, -1).transpose(0, 2, 1)).reshape(nv, -1)
+    s = s.view(np.int32) if act_block(qtype) == QK_K else s.astype(np.int32)
+    return lanes(q.view(np.int32)).view(np.int8), lanes(d), lanes(s), k_pad
+
+
 def matvec_int_into(w: np.ndarray, qtype: int, x: np.ndarray, out: np.ndarray, xq=None) -> np.ndarray:
     """out = W x on int8 activations. Operands already checked (matvec.check_operands); xq: x
-    already quantized for this type (quantize_for), e.g. shared by gate and up."""
-    q, d, s = quantize_for(qtype, x) if xq is None else xq
-    _matvec_int_kernel(w, int(qtype), q, d, s, out, n_row_groups(w.shape[0]))
+    already quantized for this type by quantize_for (k < TILED_MIN_K) or quantize_tiled."""
+    k = x.shape[0]
+    if k < TILED_MIN_K:
+        q, d, s = quantize_for(qtype, x) if xq is None else xq
+        _matvec_int_kernel(w, type_tag(qtype), q, d, s, out, n_row_groups(w.shape[0]))
+        return out
+    xa, xb, xc, k_pad = quantize_tiled(qtype, x) if xq is None else xq
+    _matvec_tiled_kernel(w, type_tag(qtype), xa, xb, xc, k_pad, out, *tiling(qtype, w.shape, k))
     return out

@@ -18,43 +18,57 @@ values (zeros, d = 0, s = 0) so the kernel can always take two blocks at a time.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 QK_K = 256          # K-quant super-block
 QK_LEGACY = 32      # Q4_0 .. Q8_0 block
 PAD_LEGACY = 64     # legacy rows padded to pairs of blocks
 
 
+@njit(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz"}, inline="always")
+def _quantize_row(x, block, group, q, d, s):
+    """One row (1-D views). fastmath without reassociation (no NaN / inf / signed-zero care: the
+    activations are finite): every value is computed by the same operations (max is exact in any
+    order)."""
+    n = x.shape[0]
+    for b in range(n // block):
+        c0 = b * block
+        amax = np.float32(0.0)
+        for i in range(c0, c0 + block):
+            amax = max(amax, abs(x[i]))
+        # max|x| / 127 as the scale; multiply by 127 / max|x| (one division per block) so the
+        # largest value maps to exactly +-127.
+        d[b] = amax / np.float32(127.0)
+        inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+        for i in range(c0, c0 + block):
+            q[i] = np.int8(min(max(np.rint(x[i] * inv), np.float32(-127.0)), np.float32(127.0)))
+    for g in range(n // group):
+        acc = np.int32(0)
+        for i in range(g * group, (g + 1) * group):
+            acc += np.int32(q[i])
+        s[g] = np.int16(acc)
+
+
 @njit(cache=True, nogil=True)
 def _quantize_rows(x, block, group, q, d, s):
-    k, n = x.shape
-    for t in range(k):
-        for b in range(n // block):
-            c0 = b * block
-            amax = np.float32(0.0)
-            for i in range(c0, c0 + block):
-                a = abs(x[t, i])
-                if a > amax:
-                    amax = a
-            # max|x| / 127 as the scale; multiply by 127 / max|x| (one division per block) so the
-            # largest value maps to exactly +-127.
-            scale = amax / np.float32(127.0)
-            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-            d[t, b] = scale
-            for i in range(c0, c0 + block):
-                v = np.rint(x[t, i] * inv)
-                q[t, i] = np.int8(min(max(v, np.float32(-127.0)), np.float32(127.0)))
-        for g in range(n // group):
-            acc = 0
-            for i in range(g * group, (g + 1) * group):
-                acc += np.int32(q[t, i])
-            s[t, g] = np.int16(acc)
+    for t in range(x.shape[0]):
+        _quantize_row(x[t], block, group, q[t], d[t], s[t])
 
 
-def quantize_rows(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+@njit(cache=True, nogil=True, parallel=True)
+def _quantize_rows_parallel(x, block, group, q, d, s):
+    for t in prange(x.shape[0]):
+        _quantize_row(x[t], block, group, q[t], d[t], s[t])
+
+
+PARALLEL_MIN_ROWS = 16      # fewer rows: a parallel region costs more than it saves
+
+
+def quantize_rows(x: np.ndarray, block: int, pad_rows: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(q int8 (k, n_pad), d float32 (k, n_pad/block), s int16 (k, n_pad/group)) for x (k, n).
 
     block 256: Q8_K-like (group sums of 16). block 32: Q8_0-like (sums of 32, rows padded to 64).
+    pad_rows: that many all-zero rows (q = d = s = 0) after the k rows.
     """
     x = np.ascontiguousarray(x, dtype=np.float32)
     k, n = x.shape
@@ -66,10 +80,10 @@ def quantize_rows(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np
         group, n_pad = QK_LEGACY, -(-n // PAD_LEGACY) * PAD_LEGACY
     else:
         raise ValueError(f"activation block must be {QK_K} or {QK_LEGACY}, got {block}")
-    q = np.zeros((k, n_pad), np.int8)
-    d = np.zeros((k, n_pad // block), np.float32)
-    s = np.zeros((k, n_pad // group), np.int16)
-    _quantize_rows(x, block, group, q, d, s)
+    q = np.zeros((k + pad_rows, n_pad), np.int8)
+    d = np.zeros((k + pad_rows, n_pad // block), np.float32)
+    s = np.zeros((k + pad_rows, n_pad // group), np.int16)
+    (_quantize_rows_parallel if k >= PARALLEL_MIN_ROWS else _quantize_rows)(x, block, group, q, d, s)
     return q, d, s
 
 

@@ -33,7 +33,8 @@ def _dispatchers() -> list:
     # ones with HYBRIDRT_EXACT_ACTIVATIONS (kernels the run never calls would read as cold forever)
     if matvec.EXACT_DEFAULT:
         return [matvec._matvec_kernel, ffn._gate_up_kernel, blocks.decode_rows]
-    return [matvec_int._matvec_int_kernel, ffn._gate_up_int_kernel, blocks.decode_rows]
+    return [matvec_int._matvec_int_kernel, matvec_int._matvec_tiled_kernel, ffn._gate_up_int_kernel,
+            ffn._gate_up_tiled_kernel, blocks.decode_rows]
 
 
 def kernels_cold() -> bool:
@@ -48,10 +49,13 @@ def kernels_cold() -> bool:
 
 
 def compile_kernels(model: "Model") -> None:
-    """One token through a 2-position session: compiles (or loads) every kernel the model uses."""
-    session = model.session(n_ctx=2)
+    """Batches of 1, 4 and 16 tokens: compiles (or loads) every kernel the model uses, for decode
+    (row kernels) and prompts (cpu_kernels.matvec_int's tiled kernels on token groups and lanes),
+    each for the model's quant types only."""
+    session = model.session(n_ctx=24)
     token = model.tokenizer.bos_id if model.tokenizer.bos_id is not None else 0
-    session.eval([token], logits="last")
+    for k in (1, 4, 16):
+        session.eval([token] * k, logits="last")
 
 
 def announce_and_compile(model: "Model | str | os.PathLike | None") -> bool:

@@ -3,6 +3,8 @@
 Run with the oracle venv's Python (scripts/oracle_setup.sh builds it):
     ~/.cache/hybridrt/oracle-venv/bin/python scripts/bench_llamacpp.py MODEL.gguf [-n 128] [-t 2]
 Prints one JSON line: prompt and decode tokens/s, greedy, best of --reps.
+--pp N: instead time prompt processing of an N-token prompt (the prompt's tokens repeated, BOS
+first) in one llama_eval call (n_batch = n_ubatch = N), best of --reps; -n 0 then skips decode.
 """
 import argparse
 import json
@@ -16,10 +18,16 @@ parser.add_argument("-p", "--prompt", default="The history of the city of Paris 
 parser.add_argument("-n", "--n-gen", type=int, default=128)
 parser.add_argument("-t", "--threads", type=int, default=2)
 parser.add_argument("-r", "--reps", type=int, default=3)
+parser.add_argument("--pp", type=int, default=0, help="prompt length in tokens (the prompt repeated)")
 args = parser.parse_args()
 
-llm = Llama(args.model, n_ctx=1024, n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
+n_batch = max(512, args.pp)
+llm = Llama(args.model, n_ctx=max(1024, args.pp + args.n_gen + 8), n_batch=n_batch, n_ubatch=n_batch,
+            n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
 tokens = llm.tokenize(args.prompt.encode(), add_bos=True)
+if args.pp:
+    body = llm.tokenize((" " + args.prompt).encode(), add_bos=False)
+    tokens = (tokens + body * (args.pp // len(body) + 1))[: args.pp]
 best_pp = best_tg = 0.0
 for _ in range(args.reps):
     llm.reset()

@@ -2,6 +2,7 @@
 """Benchmark cpu_kernels.matvec against this machine's memory read bandwidth and a torch baseline.
 
     python scripts/bench_matvec.py [--quick] [--json PATH] [--threads N] [--kernel int|float|both] [--cpu-time]
+                                   [--ks 1,2,3,4,8] [--types Q4_K,Q8_0] [--baseline DIR]
 
 1. Read bandwidth: a parallel Numba streaming sum over a 1 GiB float32 array, best of 3.
 2. For each type, FFN shape and k in {1, 2, 3, 4, 8}: median time of `matvec` on random valid
@@ -18,6 +19,10 @@
 4. First matvec call in a fresh process with a warm Numba cache (import + call).
 
 --quick: Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 on the Qwen3.6-27B FFN shapes only (< 3 minutes on 2 threads).
+--ks: the token counts (default 1,2,3,4,8; e.g. 1,4,8,16,64 for prompt batches); --types: a subset.
+--baseline DIR: also time DIR/cpu_kernels (an older copy, e.g. `git archive REV cpu_kernels | tar -x
+-C DIR`) imported under another name, each row right after the current kernel's: before/after side
+by side in one run (kernel "int-base" / "float-base").
 """
 from __future__ import annotations
 
@@ -140,6 +145,19 @@ def first_call_seconds() -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def load_baseline(root: str):
+    """DIR/cpu_kernels imported as the package `cpu_kernels_baseline`; returns its matvec."""
+    import importlib.util
+
+    pkg = os.path.join(os.path.abspath(root), "cpu_kernels")
+    spec = importlib.util.spec_from_file_location("cpu_kernels_baseline", os.path.join(pkg, "__init__.py"),
+                                                  submodule_search_locations=[pkg])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["cpu_kernels_baseline"] = module
+    spec.loader.exec_module(module)
+    return importlib.import_module("cpu_kernels_baseline.matvec").matvec
+
+
 def _row(qtype, label, rows, cols, k, kernel, cold, cold_min, hot, hot_min, torch_ms, base_ms, nbytes, bw) -> dict:
     """One result row (times in ms; per_token_vs_k1 against the same kernel's k=1 time)."""
     gbps = nbytes / cold / 1e6
@@ -163,7 +181,11 @@ def main() -> None:
                     help="matvec's default integer kernel, the exact float kernel, or both (default)")
     ap.add_argument("--cpu-time", action="store_true",
                     help="time with the thread's CPU time (use with --threads 1 on a busy machine)")
+    ap.add_argument("--ks", default=",".join(map(str, KS)), help="token counts, comma-separated (first: the base)")
+    ap.add_argument("--types", help="quant types, comma-separated (default: --quick's or all)")
+    ap.add_argument("--baseline", help="a directory holding an older cpu_kernels to time side by side")
     args = ap.parse_args()
+    ks = [int(k) for k in args.ks.split(",")]
     if args.cpu_time:
         if args.threads != 1:
             ap.error("--cpu-time measures one thread: use --threads 1")
@@ -173,6 +195,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     types = QUICK_TYPES if args.quick else [T(t) for t in SUPPORTED_TYPES]
+    if args.types:
+        types = [T[name] for name in args.types.split(",")]
     shapes = SHAPES[:2] if args.quick else SHAPES
     repeats = 5 if args.quick else 9
     rng = np.random.default_rng(0)
@@ -183,8 +207,13 @@ def main() -> None:
     pool = WeightPool(rng)
     rows_out = []
     kernels = ("int", "float") if args.kernel == "both" else (args.kernel,)
+    fns = {"int": matvec, "float": matvec}
+    if args.baseline:
+        fns.update({"int-base": load_baseline(args.baseline), "float-base": None})
+        fns["float-base"] = fns["int-base"]
+        kernels = tuple(x for kern in kernels for x in (kern, f"{kern}-base"))
     print(f"integer lowering: {ISA}")
-    hdr = f"{'type':7} {'shape':18} {'kernel':15} {'k':>2} {'cold ms':>8} {'GB/s':>6} {'%bw':>5} {'GMAC/s':>7} {'tok/k1':>6} " \
+    hdr = f"{'type':7} {'shape':18} {'kernel':20} {'k':>2} {'cold ms':>8} {'GB/s':>6} {'%bw':>5} {'GMAC/s':>7} {'tok/k1':>6} " \
           f"{'hot ms':>7} {'torch ms':>8}"
     print(hdr)
     for qtype in types:
@@ -193,26 +222,27 @@ def main() -> None:
             w_hot = mats[0]
             w_f32 = torch.from_numpy(dequantize(w_hot, qtype).astype(np.float32))
             base_ms = {}
-            for k in KS:
+            for k in ks:
                 x = rng.standard_normal((k, cols)).astype(np.float32)
                 out = np.empty((k, rows), np.float32)
                 xt = torch.from_numpy(x)
                 torch.matmul(xt, w_f32.T)
                 torch_ms, _ = time_ms(lambda i: torch.matmul(xt, w_f32.T), repeats)
                 for kernel in kernels:
-                    if kernel == "int" and int(qtype) not in INT_TYPES:
+                    if kernel.startswith("int") and int(qtype) not in INT_TYPES:
                         continue
-                    exact = kernel == "float"
-                    name = f"int-{ISA}" if kernel == "int" else "float"
-                    matvec(w_hot, qtype, x, out, exact=exact)          # compile / warm up
-                    cold, cold_min = time_ms(lambda i: matvec(mats[(i * 7 + 1) % len(mats)], qtype, x, out,
-                                                              exact=exact), repeats)
-                    hot, hot_min = time_ms(lambda i: matvec(w_hot, qtype, x, out, exact=exact), repeats)
+                    exact = kernel.startswith("float")
+                    name = kernel.replace("int", f"int-{ISA}", 1) if kernel.startswith("int") else kernel
+                    mv = fns[kernel]
+                    mv(w_hot, qtype, x, out, exact=exact)          # compile / warm up
+                    cold, cold_min = time_ms(lambda i: mv(mats[(i * 7 + 1) % len(mats)], qtype, x, out,
+                                                          exact=exact), repeats)
+                    hot, hot_min = time_ms(lambda i: mv(w_hot, qtype, x, out, exact=exact), repeats)
                     base_ms.setdefault(kernel, cold)
                     row = _row(qtype, label, rows, cols, k, name, cold, cold_min, hot, hot_min, torch_ms,
                                base_ms[kernel], w_hot.nbytes, bw)
                     rows_out.append(row)
-                    print(f"{row['type']:7} {label:18} {name:15} {k:>2} {cold:8.2f} {row['weight_gbps']:6.1f} "
+                    print(f"{row['type']:7} {label:18} {name:20} {k:>2} {cold:8.2f} {row['weight_gbps']:6.1f} "
                           f"{row['pct_of_bw']:5.1f} {row['gmacs']:7.1f} {row['per_token_vs_k1']:6.2f} {hot:7.2f} "
                           f"{torch_ms:8.2f}", flush=True)
             del w_f32

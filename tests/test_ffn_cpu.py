@@ -53,7 +53,7 @@ def test_ffn_matches_float64_reference(types, t_down, act, exact):
     wg = random_weights(tg, n_ff, n_embd, rng)
     wu = random_weights(tu, n_ff, n_embd, rng)
     wd = random_weights(t_down, n_embd, n_ff, rng)
-    for k in (1, 4, 7):
+    for k in (1, 4, 7, 18):
         x = rng.standard_normal((k, n_embd)).astype(np.float32)
         y = ffn_glu(x, wg, tg, wu, tu, wd, t_down, act=act, exact=exact)
         ref = _reference(x, wg, tg, wu, tu, wd, t_down, act)
@@ -70,12 +70,12 @@ def test_ffn_token_result_does_not_depend_on_batch(exact):
     n_embd, n_ff = 256, 768
     wg, wu = random_weights(T.Q4_K, n_ff, n_embd, rng), random_weights(T.Q4_K, n_ff, n_embd, rng)
     wd = random_weights(T.Q6_K, n_embd, n_ff, rng)
-    x = rng.standard_normal((9, n_embd)).astype(np.float32)
-    scratch = FfnScratch.allocate(9, n_ff, n_embd)
+    x = rng.standard_normal((21, n_embd)).astype(np.float32)     # 21: token lanes (>= 16) and a padded vector
+    scratch = FfnScratch.allocate(21, n_ff, n_embd)
     batch = ffn_glu(x, wg, T.Q4_K, wu, T.Q4_K, wd, T.Q6_K, act="silu", scratch=scratch, exact=exact).copy()
     assert np.shares_memory(ffn_glu(x[:2], wg, T.Q4_K, wu, T.Q4_K, wd, T.Q6_K, scratch=scratch, exact=exact),
                             scratch.out)
-    for t in range(9):
+    for t in range(21):
         alone = ffn_glu(x[t:t + 1], wg, T.Q4_K, wu, T.Q4_K, wd, T.Q6_K, act="silu", exact=exact)
         assert np.array_equal(alone.view(np.uint32), batch[t:t + 1].view(np.uint32))
 

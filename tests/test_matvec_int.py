@@ -6,7 +6,10 @@
    |y - W x| <= sum_i |W[r, i]| * d[t, block(i)] / 2 (each value is off by at most half a step).
 3. Every lowering (avx512vnni, avxvnni, avx2, portable) gives the same bits: integer sums are exact
    and the float steps after them are the same.
-Bit identity across k and threads is in test_matvec.py (both paths).
+4. Prompt-sized batches (the token-lane kernel from 16 tokens, several column chunks and row tiles)
+   give every token the bits it gets alone, on 1 and 2 threads; so do row_dots and rows_dots, the
+   entry points of fused kernels.
+Bit identity across k <= 16 and threads is in test_matvec.py (both paths).
 """
 from __future__ import annotations
 
@@ -16,13 +19,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numba
 import numpy as np
 import pytest
 from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from cpu_kernels.matvec import matvec
-from cpu_kernels.matvec_int import INT_TYPES, act_block, quantize_for
+from cpu_kernels.matvec_int import INT_TYPES, act_block, quantize_for, row_dots, rows_dots
 from cpu_kernels.matvec_testdata import random_weights
 from cpu_kernels.quantize_act import dequantize_rows, quantize_rows
 from cpu_kernels.simd_int import ISA, _host_features
@@ -50,7 +54,7 @@ def test_exact_on_quantized_activations(qtype):
     rows, cols = 37, _cols(qtype)
     w = random_weights(qtype, rows, cols, rng)
     wd = dequantize(w, qtype).astype(np.float64)
-    for k in (1, 3, 8):
+    for k in (1, 3, 8, 19):          # row lanes, token groups, groups + a padded group, token lanes
         x = _x(rng, k, cols)
         y = matvec(w, qtype, x)
         q, d, _ = quantize_for(qtype, x)
@@ -154,3 +158,33 @@ def test_every_lowering_gives_the_same_bits(tmp_path, isa):
     for qtype in INT:
         here = matvec(arrays[f"w_{qtype.name}"], qtype, arrays[f"x_{qtype.name}"]).view(np.uint32)
         assert here.tolist() == got["res"][qtype.name], f"{qtype.name}: {isa} differs from {ISA}"
+
+
+@numba.njit
+def _by_row_dots(qtype, w, xq, xd, xs, out, rows_at_once):
+    if rows_at_once:
+        for t in range(xq.shape[0]):
+            rows_dots(qtype, w, 0, w.shape[0], xq, xd, xs, t, out, 0)
+    else:
+        for r in range(w.shape[0]):
+            row_dots(qtype, w, r, xq, xd, xs, out, r)
+
+
+@pytest.mark.parametrize("qtype", INT, ids=lambda t: t.name)
+def test_prompt_batches_give_each_token_its_own_bits(qtype):
+    rng = np.random.default_rng(300 + int(qtype))
+    rows, cols = 37, 32 * 75 if act_block(qtype) == 32 else 256 * 9     # several column chunks
+    w = random_weights(qtype, rows, cols, rng)
+    x = _x(rng, 40, cols)
+    x[7] *= 1e3
+    alone = np.stack([matvec(w, qtype, x[t:t + 1])[0] for t in range(40)]).view(np.uint32)
+    for threads in (1, 2):
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        for k, start in ((16, 0), (17, 3), (33, 7), (40, 0)):
+            y = matvec(w, qtype, x[start:start + k]).view(np.uint32)
+            assert np.array_equal(y, alone[start:start + k]), f"{qtype.name}: batch of {k} from {start}, {threads} threads"
+    q, d, s = quantize_for(qtype, x[:3])
+    for rows_at_once in (False, True):
+        out = np.empty((3, rows), np.float32)
+        _by_row_dots(int(qtype), w, q, d, s, out, rows_at_once)
+        assert np.array_equal(out.view(np.uint32), alone[:3]), f"{qtype.name}: rows_at_once={rows_at_once}"
