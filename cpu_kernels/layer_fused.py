@@ -32,8 +32,9 @@ from numba import njit, prange
 from numba.core.errors import NumbaPerformanceWarning
 
 from .ffn import _act_times
+from .formats import format_of
 from .matvec import tile_products
-from .matvec_int import row_dots
+from .matvec_int import act_block, row_dots
 from .matvec_simd import TILE_ROWS
 from .quantize_act import PAD_LEGACY, QK_K, QK_LEGACY, _quantize_rows
 from .simd_int import CACHE
@@ -47,7 +48,16 @@ ATTEND_PARALLEL_MIN = 1 << 15    # (token, head) x keys x head size products bef
 warnings.filterwarnings("ignore", message="The keyword argument 'parallel=True' was specified",
                         category=NumbaPerformanceWarning)
 
-_DOT_FLAGS = {"reassoc", "contract", "nsz"}    # lets LLVM vectorize a dot; fixed per length, so stable
+
+def matrix_operands(raw: np.ndarray, qtype: int, integer: bool) -> tuple:
+    """(raw rows, type, block, integer) as the kernels below take a matrix: integer selects
+    row_dots on int8 activations (the type must have an integer kernel) over the float kernel;
+    block is the activation block on the integer path, the weight block on the float path.
+    Every matrix goes in as a read-only view, so all of them are one Numba type (one compilation)."""
+    raw = raw.view(np.uint8).view()
+    raw.flags.writeable = False
+    block = act_block(qtype) if integer else format_of(qtype).block_elems
+    return raw, int(qtype), block, bool(integer)
 
 
 # --------------------------------------------------------------------------- row-wise helpers
@@ -89,11 +99,13 @@ def _quantized(x, block):
     return q, d, s
 
 
-@njit(cache=CACHE, nogil=True, fastmath=_DOT_FLAGS)
-def _dot(a, a0, b, b0, n):
+@njit(cache=CACHE, nogil=True, inline="always")
+def _dot(a, b):
+    """sum_i a[i] * b[i] over two equal-length views (indices from 0: LLVM vectorizes this where
+    an offset index, with its negative-index wraparound check, stays scalar)."""
     s = np.float32(0.0)
-    for i in range(n):
-        s += a[a0 + i] * b[b0 + i]
+    for i in range(a.shape[0]):
+        s += a[i] * b[i]
     return s
 
 
@@ -202,10 +214,10 @@ def _attend_one(item, q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale,
     lo = max(first, pos - window + 1) if window > 0 else first
     n_keys = pos + 1 - lo
     scores = np.empty(n_keys, np.float32)
-    qrow = q[t]
+    qh = q[t, h * d:(h + 1) * d]
     m = np.float32(-np.inf)
     for j in range(n_keys):
-        sc = _dot(qrow, h * d, k_cache[lo + j, g], 0, d) * scale
+        sc = _dot(qh, k_cache[lo + j, g]) * scale
         scores[j] = sc
         m = max(m, sc)
     total = 0.0
@@ -214,25 +226,29 @@ def _attend_one(item, q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale,
         scores[j] = e
         total += e
     inv = np.float32(1.0 / total)
-    acc = np.empty(dv, np.float32)      # np.zeros would be a parallel loop of its own (parallel=True)
+    acc = o[t, h * dv:(h + 1) * dv]
     for i in range(dv):
         acc[i] = 0.0
     for j in range(n_keys):
         p = scores[j] * inv
-        vrow = v_cache[lo + j, g]
+        v = v_cache[lo + j, g]
         for i in range(dv):
-            acc[i] += p * vrow[i]
-    for i in range(dv):
-        o[t, h * dv + i] = acc[i]
+            acc[i] += p * v[i]
 
 
-@njit(cache=CACHE, nogil=True, parallel=True)
+# Attention runs with reassociation: LLVM vectorizes the score dots (~5x faster than in index
+# order). Every (token, head) runs the same inlined loop with the same head size, in both kernels,
+# so a score does not depend on the batch or the thread count (tests/test_layer_fused.py checks).
+_ATTEND_MATH = {"reassoc", "nsz"}
+
+
+@njit(cache=CACHE, nogil=True, parallel=True, fastmath=_ATTEND_MATH)
 def _attend_parallel(q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale, window, first):
     for item in prange(q.shape[0] * n_head):
         _attend_one(item, q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale, window, first)
 
 
-@njit(cache=CACHE, nogil=True, parallel=True)     # parallel=True for the codegen, as _project_serial
+@njit(cache=CACHE, nogil=True, parallel=True, fastmath=_ATTEND_MATH)   # parallel=True: as _project_serial
 def _attend_serial(q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale, window, first):
     for item in range(q.shape[0] * n_head):
         _attend_one(item, q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale, window, first)

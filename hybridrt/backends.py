@@ -19,7 +19,6 @@ from cpu_kernels.dequant import dequantize, gather_rows
 from cpu_kernels.ffn import ACTIVATIONS, ffn_glu
 from cpu_kernels.formats import format_of
 from cpu_kernels.matvec import matvec, use_int
-from cpu_kernels.matvec_int import act_block
 from gpu_kernels.attention import ROWWISE_MAX
 from gpu_kernels.linear import linear_rows
 from gpu_kernels.pointwise import per_token
@@ -131,14 +130,7 @@ class RoutedExperts:
 
 
 def _fused_operands(linear: CpuQuantLinear, rows: slice = slice(None)) -> tuple:
-    """(raw rows, type, block, integer?) of an mmap matrix as layer_fused's projections take it:
-    the block is the activation block on the integer path, the weight block on the float path.
-    Every matrix goes in as a read-only view, so all of them are one Numba type (one compilation)."""
-    raw = linear.raw[rows].view()
-    raw.flags.writeable = False
-    is_int = use_int(linear.qtype, linear.exact)
-    block = act_block(linear.qtype) if is_int else format_of(linear.qtype).block_elems
-    return raw, int(linear.qtype), block, is_int
+    return layer_fused.matrix_operands(linear.raw[rows], linear.qtype, use_int(linear.qtype, linear.exact))
 
 
 def _f32_cache(state, index: int):
