@@ -133,14 +133,28 @@ def _fused_operands(linear: CpuQuantLinear, rows: slice = slice(None)) -> tuple:
     return layer_fused.matrix_operands(linear.raw[rows], linear.qtype, use_int(linear.qtype, linear.exact))
 
 
-def _f32_cache(state, index: int):
-    """The layer's K and V cache as float32 numpy arrays, or None for another storage type."""
-    k, v = state.kv.k[index], state.kv.v[index]
-    if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
-        return None
-    if k.dtype != torch.float32 or v.dtype != torch.float32 or k.device.type != "cpu":
-        return None
-    return k.numpy(), v.numpy()
+def _fused_state(state, index: int, spec) -> tuple | None:
+    """(K cache, V cache, rotary cos, rotary sin) of a session's layer as numpy views, or None when
+    the cache is not float32 on the CPU. Kept in the session's state: a decode step would otherwise
+    rebuild them for every layer."""
+    views = state.extra.setdefault("fused_layer_views", {})
+    key = (index, spec.rope)
+    found = views.get(key)
+    if found is None:
+        k, v = state.kv.k[index], state.kv.v[index]
+        if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)) or \
+                k.dtype != torch.float32 or v.dtype != torch.float32 or k.device.type != "cpu":
+            found = ()
+        else:
+            table = state.rotary(spec.rope, k.device)
+            found = (k.numpy(), v.numpy(), table.cos.numpy(), table.sin.numpy())
+        views[key] = found
+    return found or None
+
+
+def _rows_f32(h: torch.Tensor) -> np.ndarray:
+    """A CPU trunk's float32 hidden rows as a C-contiguous array (no copy when they already are)."""
+    return np.ascontiguousarray(h.numpy() if h.dtype == torch.float32 else _cpu_f32(h).numpy())
 
 
 class FusedAttentionBlock:
@@ -165,19 +179,19 @@ class FusedAttentionBlock:
         self.q_norm = a.q_norm.numpy() if spec.qk_norm else self.norm
         self.k_norm = a.k_norm.numpy() if spec.qk_norm else self.norm
         self.nbytes = a.wo.nbytes + (a.wqkv.nbytes if a.wqkv is not None else a.wq.nbytes + a.wk.nbytes + a.wv.nbytes)
+        self.weights = (*self.qkv[0], *self.qkv[1], *self.qkv[2], *self.wo)
 
     def __call__(self, h: torch.Tensor, state, pos_list: list[int]) -> torch.Tensor:
-        cache = _f32_cache(state, self.attn.cache_index)
-        if cache is None or len(pos_list) > ROWWISE_MAX:
-            return self.block(h, state, pos_list)
         s = self.attn.spec
-        table = state.rotary(s.rope, h.device)
+        views = _fused_state(state, self.attn.cache_index, s)
+        if views is None or len(pos_list) > ROWWISE_MAX:
+            return self.block(h, state, pos_list)
+        k_cache, v_cache, cos, sin = views
         out = layer_fused.attention_block(
-            _cpu_f32(h).numpy(), numba.get_num_threads(), self.norm, self.post_norm,
-            self.block.post_norm is not None, s.eps, *self.qkv[0], *self.qkv[1], *self.qkv[2], *self.wo,
-            self.q_norm, self.k_norm, s.qk_norm, table.cos.numpy(), table.sin.numpy(), s.rope.n_rot,
-            s.rope.neox, *cache, pos_list[0], s.n_head, s.n_kv, s.head_dim, s.head_dim_v, s.scale,
-            s.window, s.first_pos)
+            _rows_f32(h), numba.get_num_threads(), self.norm, self.post_norm, self.block.post_norm is not None,
+            s.eps, *self.weights, self.q_norm, self.k_norm, s.qk_norm, cos, sin, s.rope.n_rot, s.rope.neox,
+            k_cache, v_cache, pos_list[0], s.n_head, s.n_kv, s.head_dim, s.head_dim_v, s.scale, s.window,
+            s.first_pos)
         return torch.from_numpy(out)
 
 
@@ -193,14 +207,13 @@ class FusedFfnBlock:
         self.norm = block.norm.numpy()
         self.post_norm = block.post_norm.numpy() if block.post_norm is not None else self.norm
         self.nbytes = ffn.nbytes
+        self.args = (self.norm, self.post_norm, block.post_norm is not None, block.eps,
+                     *self.gate, *self.up, *self.down, self.act)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         if h.shape[0] > ROWWISE_MAX:
             return self.block(h)
-        out = layer_fused.ffn_block(_cpu_f32(h).numpy(), numba.get_num_threads(), self.norm, self.post_norm,
-                                    self.block.post_norm is not None, self.block.eps,
-                                    *self.gate, *self.up, *self.down, self.act)
-        return torch.from_numpy(out)
+        return torch.from_numpy(layer_fused.ffn_block(_rows_f32(h), numba.get_num_threads(), *self.args))
 
 
 class Embedding:
