@@ -25,6 +25,7 @@ for other cache types and for prompt batches.
 from __future__ import annotations
 
 import math
+import os
 import warnings
 
 import numpy as np
@@ -38,6 +39,10 @@ from .matvec_int import act_block, row_dots
 from .matvec_simd import TILE_ROWS
 from .quantize_act import PAD_LEGACY, QK_K, QK_LEGACY, _quantize_rows
 from .simd_int import CACHE
+
+# Whether a CPU trunk binds these kernels (hybridrt.backends.WeightBinder): HYBRIDRT_FUSED_LAYERS=0
+# keeps the torch trunk ops, e.g. to run a test session both ways
+FUSED_DEFAULT = os.environ.get("HYBRIDRT_FUSED_LAYERS", "1") not in ("", "0")
 
 ROWS_PER_UNIT = 16          # a unit of parallel work: 16 output rows of one matrix
 GROUPS_PER_THREAD = 4       # work items per thread, so a slow core does not hold up the region

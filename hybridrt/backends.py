@@ -8,8 +8,6 @@ Moving a tensor between the two is a placement decision, not a change to model c
 """
 from __future__ import annotations
 
-import os
-
 import numba
 import numpy as np
 import torch
@@ -29,8 +27,7 @@ from .executor import Executor, HostExperts, HostFFN, SplitFFN, TracedBackend
 from .gguf_file import GGUFFile
 
 
-# HYBRIDRT_FUSED_LAYERS=0 keeps the torch trunk ops on a CPU trunk (e.g. a test session run both ways)
-FUSED_DEFAULT = os.environ.get("HYBRIDRT_FUSED_LAYERS", "1") not in ("", "0")
+FUSED_DEFAULT = layer_fused.FUSED_DEFAULT
 
 
 def _cpu_f32(x: torch.Tensor) -> torch.Tensor:
