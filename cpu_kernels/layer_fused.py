@@ -17,10 +17,12 @@ loops. The projections of one step are one parallel region (q, k and v together;
 together), or a plain loop when the matrices are too small to pay for waking the other threads.
 
 Bit identity across the batch: every step works on one token row at a time with the same
-operations whatever k is (row_dots and tile_products are bit-stable across k; norms, rotary and
-attention are per row, their reductions in a fixed order), so a token's result is the same alone or
-in a verify batch. The KV cache here is float32 [n_ctx, n_kv, d]; the backend keeps the torch path
-for other cache types and for prompt batches.
+operations whatever k is (activation rows are quantized one by one; row_dots and tile_products are
+bit-stable across k; norms, rotary and attention are per row, and each (token, head) runs the same
+compiled attention loop in the serial and the parallel kernel), so a token's result is the same
+alone or in a verify batch, on any number of threads (tests/test_layer_fused.py). The KV cache here
+is float32 [n_ctx, n_kv, d]; the backend keeps the torch path for other cache types and for prompt
+batches (> 32 tokens).
 """
 from __future__ import annotations
 
