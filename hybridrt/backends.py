@@ -8,13 +8,15 @@ Moving a tensor between the two is a placement decision, not a change to model c
 """
 from __future__ import annotations
 
+import numba
 import numpy as np
 import torch
 
+from cpu_kernels import layer_fused
 from cpu_kernels.dequant import dequantize, gather_rows
-from cpu_kernels.ffn import ffn_glu
+from cpu_kernels.ffn import ACTIVATIONS, ffn_glu
 from cpu_kernels.formats import format_of
-from cpu_kernels.matvec import matvec
+from cpu_kernels.matvec import matvec, use_int
 from gpu_kernels.attention import ROWWISE_MAX
 from gpu_kernels.linear import linear_rows
 from gpu_kernels.pointwise import per_token
@@ -23,6 +25,9 @@ from gpu_kernels.quant import QUANTIZED_TYPES
 
 from .executor import Executor, HostExperts, HostFFN, SplitFFN, TracedBackend
 from .gguf_file import GGUFFile
+
+
+FUSED_DEFAULT = layer_fused.FUSED_DEFAULT
 
 
 def _cpu_f32(x: torch.Tensor) -> torch.Tensor:
@@ -121,6 +126,93 @@ class RoutedExperts:
         return out
 
 
+def _fused_operands(linear: CpuQuantLinear, rows: slice = slice(None)) -> tuple:
+    return layer_fused.matrix_operands(linear.raw[rows], linear.qtype, use_int(linear.qtype, linear.exact))
+
+
+def _fused_state(state, index: int, spec) -> tuple | None:
+    """(K cache, V cache, rotary cos, rotary sin) of a session's layer as numpy views, or None when
+    the cache is not float32 on the CPU. Kept in the session's state: a decode step would otherwise
+    rebuild them for every layer."""
+    views = state.extra.setdefault("fused_layer_views", {})
+    key = (index, spec.rope)
+    found = views.get(key)
+    if found is None:
+        k, v = state.kv.k[index], state.kv.v[index]
+        if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)) or \
+                k.dtype != torch.float32 or v.dtype != torch.float32 or k.device.type != "cpu":
+            found = ()
+        else:
+            table = state.rotary(spec.rope, k.device)
+            found = (k.numpy(), v.numpy(), table.cos.numpy(), table.sin.numpy())
+        views[key] = found
+    return found or None
+
+
+def _rows_f32(h: torch.Tensor) -> np.ndarray:
+    """A CPU trunk's float32 hidden rows as a C-contiguous array (no copy when they already are)."""
+    return np.ascontiguousarray(h.numpy() if h.dtype == torch.float32 else _cpu_f32(h).numpy())
+
+
+class FusedAttentionBlock:
+    """A layer's attention half (norm, q/k/v, q/k norm, rotary, KV write, attention, output
+    projection, post-norm, residual) as one layer_fused call, for a CPU trunk whose attention
+    matrices are all in the mmap. Decode and verify batches (<= ROWWISE_MAX tokens) on a float32
+    cache take it; prompt batches and other cache types run `block`, the torch path it wraps."""
+
+    def __init__(self, block):
+        self.block, self.attn = block, block.attn     # .attn.spec is read at every call
+        a = block.attn
+        if a.wqkv is not None:
+            nq, nk, _ = a.qkv_rows
+            parts = (slice(0, nq), slice(nq, nq + nk), slice(nq + nk, None))
+            self.qkv = [_fused_operands(a.wqkv, p) for p in parts]
+        else:
+            self.qkv = [_fused_operands(m) for m in (a.wq, a.wk, a.wv)]
+        self.wo = _fused_operands(a.wo)
+        self.norm = block.norm.numpy()
+        self.post_norm = block.post_norm.numpy() if block.post_norm is not None else self.norm
+        spec = a.spec
+        self.q_norm = a.q_norm.numpy() if spec.qk_norm else self.norm
+        self.k_norm = a.k_norm.numpy() if spec.qk_norm else self.norm
+        self.nbytes = a.wo.nbytes + (a.wqkv.nbytes if a.wqkv is not None else a.wq.nbytes + a.wk.nbytes + a.wv.nbytes)
+        self.weights = (*self.qkv[0], *self.qkv[1], *self.qkv[2], *self.wo)
+
+    def __call__(self, h: torch.Tensor, state, pos_list: list[int]) -> torch.Tensor:
+        s = self.attn.spec
+        views = _fused_state(state, self.attn.cache_index, s)
+        if views is None or len(pos_list) > ROWWISE_MAX:
+            return self.block(h, state, pos_list)
+        k_cache, v_cache, cos, sin = views
+        out = layer_fused.attention_block(
+            _rows_f32(h), numba.get_num_threads(), self.norm, self.post_norm, self.block.post_norm is not None,
+            s.eps, *self.weights, self.q_norm, self.k_norm, s.qk_norm, cos, sin, s.rope.n_rot, s.rope.neox,
+            k_cache, v_cache, pos_list[0], s.n_head, s.n_kv, s.head_dim, s.head_dim_v, s.scale, s.window,
+            s.first_pos)
+        return torch.from_numpy(out)
+
+
+class FusedFfnBlock:
+    """A layer's FFN half (norm, gate/up, activation, down, post-norm, residual) as one
+    layer_fused call, for a CPU trunk whose FFN matrices are all in the mmap; prompt batches run
+    `block`, the path it wraps (whose FFN is the same CpuGluFFN kernels)."""
+
+    def __init__(self, block):
+        self.block, ffn = block, block.ffn
+        self.gate, self.up, self.down = (_fused_operands(m) for m in (ffn.gate, ffn.up, ffn.down))
+        self.act = ACTIVATIONS[ffn.act]
+        self.norm = block.norm.numpy()
+        self.post_norm = block.post_norm.numpy() if block.post_norm is not None else self.norm
+        self.nbytes = ffn.nbytes
+        self.args = (self.norm, self.post_norm, block.post_norm is not None, block.eps,
+                     *self.gate, *self.up, *self.down, self.act)
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        if h.shape[0] > ROWWISE_MAX:
+            return self.block(h)
+        return torch.from_numpy(layer_fused.ffn_block(_rows_f32(h), numba.get_num_threads(), *self.args))
+
+
 class Embedding:
     """Token embedding rows gathered from the mmap (a step needs only k rows of it)."""
 
@@ -156,13 +248,18 @@ class WeightBinder:
     as `HostExperts` (likewise, with the routing), `split` = (layer, units) binds that layer's
     first `units` intermediate units on the device and the rest on the CPU, and with tracing on,
     device backends report their calls to the trace.
+
+    Without an executor, on a CPU trunk, a layer's attention and FFN halves whose matrices are all
+    in the mmap run as one fused Numba call each (`attention_block`, `ffn_block`).
     """
 
     def __init__(self, gguf: GGUFFile, device: torch.device, tensor_devices: dict[str, str] | None = None,
                  default: str = "cpu", device_dtype: torch.dtype = torch.float32,
                  executor: Executor | None = None, split: tuple[int, int] | None = None,
-                 exact: bool | None = None):
+                 exact: bool | None = None, fused: bool | None = None):
         self.gguf, self.device = gguf, device
+        # False: the torch trunk ops even where the fused kernels could run (None: FUSED_DEFAULT)
+        self.fused = FUSED_DEFAULT if fused is None else fused
         self.tensor_devices = tensor_devices or {}
         self.default, self.device_dtype = default, device_dtype
         self.executor, self.split, self.exact = executor, split, exact
@@ -278,6 +375,27 @@ class WeightBinder:
                          self._cpu(_ffn_units(raws[2], d.qtype, n_ff, units, n_ff), d.qtype, rest, n_embd,
                                         f"{names[2]}[:, {units}:]"), act)
         return SplitFFN(dev, HostFFN(host, self.executor, f"{prefix} [{units}:]"), self.executor, prefix)
+
+    def _fusable(self) -> bool:
+        """The fused layer kernels serve a plain CPU trunk: no plan executing (its trunk is
+        "the device", even when a CPU stands in for it) and nothing traced."""
+        return self.executor is None and self.device.type == "cpu" and self.fused
+
+    def attention_block(self, block):
+        """How a layer's attention half runs: `block` (models.common.AttentionBlock, torch ops
+        around the bound matrices) or, on a CPU trunk with all its matrices in the mmap, the
+        fused kernel wrapping it. Gated attention (qwen35) keeps the torch path."""
+        a = block.attn
+        mats = [a.wqkv, a.wo] if a.wqkv is not None else [a.wq, a.wk, a.wv, a.wo]
+        if self._fusable() and not a.spec.gated and all(type(m) is CpuQuantLinear for m in mats):
+            return FusedAttentionBlock(block)
+        return block
+
+    def ffn_block(self, block):
+        """How a layer's FFN half runs: `block` (models.common.FfnBlock) or the fused kernel."""
+        if self._fusable() and type(block.ffn) is CpuGluFFN:
+            return FusedFfnBlock(block)
+        return block
 
     def embedding(self, name: str) -> Embedding:
         return Embedding(self.gguf, name, self.device)

@@ -25,16 +25,17 @@ MESSAGE = "compiling CPU kernels (first run only) ..."
 
 def _dispatchers() -> list:
     """The Numba kernels a model calls from Python (the rest are compiled into these): the
-    k-input matvec, the fused gate/up FFN, and the row decoder behind embedding gathers and
-    load-time dequantization."""
-    from cpu_kernels import blocks, ffn, matvec, matvec_int
+    k-input matvec, the fused gate/up FFN, the row decoder behind embedding gathers and
+    load-time dequantization, and the fused layer halves of a CPU trunk."""
+    from cpu_kernels import blocks, ffn, layer_fused, matvec, matvec_int
 
+    fused = [layer_fused.attention_block, layer_fused.ffn_block] if layer_fused.FUSED_DEFAULT else []
     # the path quantized matrices take by default: integer kernels on int8 activations, or the float
     # ones with HYBRIDRT_EXACT_ACTIVATIONS (kernels the run never calls would read as cold forever)
     if matvec.EXACT_DEFAULT:
-        return [matvec._matvec_kernel, ffn._gate_up_kernel, blocks.decode_rows]
+        return [matvec._matvec_kernel, ffn._gate_up_kernel, blocks.decode_rows] + fused
     return [matvec_int._matvec_int_kernel, matvec_int._matvec_tiled_kernel, ffn._gate_up_int_kernel,
-            ffn._gate_up_tiled_kernel, blocks.decode_rows]
+            ffn._gate_up_tiled_kernel, blocks.decode_rows] + fused
 
 
 def kernels_cold() -> bool:

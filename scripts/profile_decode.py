@@ -1,8 +1,12 @@
-"""Where a decode step's time goes: quantized-kernel time vs everything else (torch ops, Python).
+"""Where a decode step's time goes, fused CPU trunk next to the torch trunk, in one run.
 
-    python scripts/profile_decode.py [MODEL] [-t 2] [-n 40]
-Wraps the CPU backends' kernel entry points (matvec, fused FFN) with timers, decodes n tokens
-after a warm-up, and prints ms per token per part; the output head is also timed alone.
+    python scripts/profile_decode.py [MODEL] [-t 2] [-n 40] [--reps 3] [--cpu-time]
+Loads the model twice: with the fused layer kernels (cpu_kernels/layer_fused.py: one Numba call per
+attention half and per FFN half) and with HYBRIDRT_FUSED_LAYERS=0's torch trunk ops. Their entry
+points are wrapped with timers; the two alternate, n decode steps each after a warm-up, best of
+--reps, and the output head is also timed alone. --cpu-time: the calling thread's CPU time instead
+of wall time (use with -t 1, where all the work is on that thread; immune to other processes'
+load on a shared machine).
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import time
 import torch
 
 import hybridrt.backends as backends
+from cpu_kernels import layer_fused
 from hybridrt.loader import load_model
 
 
@@ -20,40 +25,63 @@ def main() -> None:
     ap.add_argument("model", nargs="?", default="smollm2-135m")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-n", "--n-steps", type=int, default=40)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--cpu-time", action="store_true")
     args = ap.parse_args()
+    clock = time.thread_time if args.cpu_time else time.perf_counter
 
-    spent = {"matvec": 0.0, "ffn": 0.0}
+    parts = ("attention half", "FFN half", "matvec", "ffn_glu")
+    spent = dict.fromkeys(parts, 0.0)
 
     def timed(name, fn):
         def wrapper(*a, **k):
-            t0 = time.perf_counter()
+            t0 = clock()
             try:
                 return fn(*a, **k)
             finally:
-                spent[name] += time.perf_counter() - t0
+                spent[name] += clock() - t0
         return wrapper
 
+    layer_fused.attention_block = timed("attention half", layer_fused.attention_block)
+    layer_fused.ffn_block = timed("FFN half", layer_fused.ffn_block)
     backends.matvec = timed("matvec", backends.matvec)
-    backends.ffn_glu = timed("ffn", backends.ffn_glu)
-    m = load_model(args.model, threads=args.threads)
-    s = m.session(256)
-    s.eval(list(range(100, 120)), logits="last")
+    backends.ffn_glu = timed("ffn_glu", backends.ffn_glu)
+
+    runs = {}
+    for fused in (True, False):
+        backends.FUSED_DEFAULT = fused
+        m = load_model(args.model, threads=args.threads)
+        s = m.session(256)
+        s.eval(list(range(100, 120)), logits="last")
+        runs["fused" if fused else "torch trunk"] = (m, s)
+    m = runs["fused"][0]
     buf = torch.empty(1, m.n_vocab)
-    for _ in range(5):
-        s.eval([500], logits="last", out=buf)
-    spent.update(matvec=0.0, ffn=0.0)
-    t0 = time.perf_counter()
-    for _ in range(args.n_steps):
-        s.eval([500], logits="last", out=buf)
-    total = (time.perf_counter() - t0) / args.n_steps * 1e3
+    best = {}
+    for _ in range(args.reps):
+        for name, (_, s) in runs.items():
+            for _ in range(5):
+                s.eval([500], logits="last", out=buf)
+            spent.update(dict.fromkeys(parts, 0.0))
+            t0 = clock()
+            for _ in range(args.n_steps):
+                s.eval([500], logits="last", out=buf)
+            total = (clock() - t0) / args.n_steps * 1e3
+            if name not in best or total < best[name][0]:
+                best[name] = (total, {p: v / args.n_steps * 1e3 for p, v in spent.items()})
+            s.truncate(20)
     x = torch.randn(1, m.n_embd)
-    t0 = time.perf_counter()
-    for _ in range(args.n_steps):
-        m.output(x, out=buf)
-    head = (time.perf_counter() - t0) / args.n_steps * 1e3
-    mv, ffn = (spent[k] / args.n_steps * 1e3 for k in ("matvec", "ffn"))
-    print(f"{m.gguf.path}: {total:.1f} ms/token = matvec {mv:.1f} (output head alone {head:.1f}) "
-          f"+ fused FFN {ffn:.1f} + other {total - mv - ffn:.1f}")
+    head = float("inf")
+    for _ in range(args.reps):
+        t0 = clock()
+        for _ in range(args.n_steps):
+            m.output(x, out=buf)
+        head = min(head, (clock() - t0) / args.n_steps * 1e3)
+    print(f"{m.gguf.path}, {args.threads} threads, {'CPU' if args.cpu_time else 'wall'} time, "
+          f"best of {args.reps} x {args.n_steps} steps; output head alone {head:.2f} ms")
+    for name, (total, p) in best.items():
+        kernels = " + ".join(f"{k} {v:.2f}" for k, v in p.items() if v > 0)
+        print(f"  {name:12s} {total:6.2f} ms/token = {kernels} + other {total - sum(p.values()):.2f}")
+    print(f"  fused / torch trunk speed: {best['torch trunk'][0] / best['fused'][0]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -63,6 +63,31 @@ def test_logits_match_float64_reference(tiny_file, arch, mix):
     assert np.mean(got.argmax(-1) == ref.argmax(-1)) >= 0.99
 
 
+FUSED_ARCHS = ("llama", "qwen3", "gemma3")      # their layer halves run as layer_fused kernels on a CPU trunk
+
+
+@pytest.mark.parametrize("mix", ["f32", "q8_0"])
+@pytest.mark.parametrize("arch", FUSED_ARCHS)
+def test_decode_steps_match_float64_reference(tiny_file, arch, mix):
+    """The same positions as above in decode and verify steps (<= 32 tokens: the fused CPU layer
+    kernels, where one forward of 40 tokens takes the torch path; with HYBRIDRT_FUSED_LAYERS=0
+    the torch trunk) on the exact path."""
+    from cpu_kernels.layer_fused import FUSED_DEFAULT
+    from hybridrt.backends import FusedAttentionBlock, FusedFfnBlock
+
+    path = tiny_file(arch, mix)
+    model = load_model(path, exact_activations=True)
+    fused = [isinstance(a, FusedAttentionBlock) and isinstance(f, FusedFfnBlock) for a, f in model.layers]
+    assert all(fused) if FUSED_DEFAULT else not any(fused)
+    tokens = tokens_for(model, N_POS, seed=10 * ARCHS.index(arch) + (mix == "q8_0"))
+    s = model.session(64, k_max=8)
+    got = np.concatenate([s.eval(tokens[i:j]).numpy() for i, j in ((0, 7), (7, 8), (8, 16), (16, 19),
+                                                                    (19, 20), (20, 28), (28, 40))])
+    err = rel_err(got, reference_for(path).forward(tokens))
+    print(f"\n{arch} {mix} in steps: relative error {err:.3g} over {N_POS} positions")
+    assert err <= MAX_REL, f"{arch} {mix}: relative error {err:.3g}"
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_token_logits_do_not_depend_on_the_batch(tiny_file, arch):
     model = load_model(tiny_file(arch, "q8_0"))
@@ -79,19 +104,21 @@ def test_token_logits_do_not_depend_on_the_batch(tiny_file, arch):
 
 
 def test_the_bound_sees_a_sliding_window_off_by_one(tiny_file):
-    """Negative control: gemma3's local layers seeing one key too many is far outside 1e-4."""
-    from hybridrt.models.common import Attention
-
+    """Negative control: gemma3's local layers seeing one key too many is far outside 1e-4
+    (whichever path runs the attention blocks: both read their Attention's spec at every call)."""
     path = tiny_file("gemma3", "f32")
     model = load_model(path)
     tokens = tokens_for(model, N_POS, seed=3)
     ref = reference_for(path).forward(tokens)
-    local = [m for layer in model.layers for m in layer if isinstance(m, Attention) and m.spec.window]
+    local = [block.attn for block, _ in model.layers if block.attn.spec.window]
     assert local
     for attn in local:
         attn.spec = dataclasses.replace(attn.spec, window=attn.spec.window + 1)
     got = model.session(64).eval(tokens).numpy()
     assert rel_err(got, ref) > 1e-2
+    s = model.session(64)           # decode steps: the fused kernels see the same spec
+    stepped = np.concatenate([s.eval(tokens[i:i + 8]).numpy() for i in range(0, N_POS, 8)])
+    assert rel_err(stepped, ref) > 1e-2
 
 
 @pytest.mark.parametrize("arch", ARCHS)

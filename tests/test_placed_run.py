@@ -42,7 +42,10 @@ def budget_for(path, request: PlacementRequest, whole_layers: int, extra_granule
 
 
 def ffn_of(model, layer: int):
-    return model.layers[layer][3]
+    """The bound FFN of a layer: llama/gemma3 layers are (attention half, FFN half), qwen35's
+    (attn_norm, mixer, ffn_norm, ffn)."""
+    parts = model.layers[layer]
+    return parts[3] if len(parts) == 4 else parts[1].ffn
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +75,7 @@ def test_smollm2_binds_exactly_what_the_plan_says(smollm2_placed):
             assert ffn.host_half.ffn.gate.n_out == 1536 - plan.ffn_split.gpu_units
         else:
             assert isinstance(ffn, HostFFN) and isinstance(ffn.ffn, CpuGluFFN)
-    attn = m.layers[0][1]
+    attn = m.layers[0][0].attn
     assert isinstance(attn.wqkv, QuantLinear) and isinstance(m.output, QuantLinear)
     line = placement_line(plan, "cpu")
     assert "offloaded 14/30 FFN layers + 768/1536 units of layer 14" in line

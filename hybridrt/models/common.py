@@ -114,3 +114,44 @@ class Attention:
         if gate is not None:
             o = o * per_token(torch.sigmoid, gate)
         return self.wo(o)
+
+
+class AttentionBlock:
+    """A layer's attention half, h + [post_norm](attn(rms_norm(h))), in torch ops around the bound
+    matrices. The binder may hand back a fused CPU kernel in its place (`WeightBinder.attention_block`)."""
+
+    def __init__(self, w: WeightBinder, prefix: str, spec: AttentionSpec, cache_index: int,
+                 post_norm: str | None = None):
+        self.eps = spec.eps
+        self.norm = w.dense(f"{prefix}.attn_norm.weight")
+        self.attn = Attention(w, prefix, spec, cache_index)
+        self.post_norm = w.dense(f"{prefix}.{post_norm}.weight") if post_norm else None
+
+    def __call__(self, h: torch.Tensor, state: ModelState, pos_list: list[int]) -> torch.Tensor:
+        a = self.attn(rms_norm(h, self.norm, self.eps), state, pos_list)
+        return h + (a if self.post_norm is None else rms_norm(a, self.post_norm, self.eps))
+
+
+class FfnBlock:
+    """A layer's FFN half, h + [post_norm](ffn(rms_norm(h))), around the bound gated FFN."""
+
+    def __init__(self, w: WeightBinder, prefix: str, act: str, eps: float, post_norm: str | None = None):
+        self.eps = eps
+        self.norm = w.dense(f"{prefix}.ffn_norm.weight")
+        self.ffn = w.glu_ffn(prefix, act=act)
+        self.post_norm = w.dense(f"{prefix}.{post_norm}.weight") if post_norm else None
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        f = self.ffn(rms_norm(h, self.norm, self.eps))
+        return h + (f if self.post_norm is None else rms_norm(f, self.post_norm, self.eps))
+
+
+def attention_block(w: WeightBinder, prefix: str, spec: AttentionSpec, cache_index: int,
+                    post_norm: str | None = None):
+    """The attention half of layer `prefix` as the binder runs it (torch ops or one fused call)."""
+    return w.attention_block(AttentionBlock(w, prefix, spec, cache_index, post_norm))
+
+
+def ffn_block(w: WeightBinder, prefix: str, act: str, eps: float, post_norm: str | None = None):
+    """The FFN half of layer `prefix` as the binder runs it."""
+    return w.ffn_block(FfnBlock(w, prefix, act, eps, post_norm))

@@ -11,12 +11,10 @@ import math
 
 import torch
 
-from gpu_kernels.norms import rms_norm
-
 from ..backends import WeightBinder
 from ..gguf_file import GGUFFile
 from .base import Model
-from .common import Attention, AttentionSpec, RopeSpec, rope_scale
+from .common import AttentionSpec, RopeSpec, attention_block, ffn_block, rope_scale
 
 SWA_PATTERN = 6            # layer i is global iff i % 6 == 5
 LOCAL_ROPE_BASE = 10000.0
@@ -42,12 +40,8 @@ class Gemma3(Model):
                                  window=window if is_local else 0, qk_norm=True)
             p = f"blk.{i}"
             self.layers.append((
-                binder.dense(f"{p}.attn_norm.weight"),
-                Attention(binder, p, spec, cache_index=i),
-                binder.dense(f"{p}.post_attention_norm.weight"),
-                binder.dense(f"{p}.ffn_norm.weight"),
-                binder.glu_ffn(p, act="gelu_tanh"),
-                binder.dense(f"{p}.post_ffw_norm.weight"),
+                attention_block(binder, p, spec, cache_index=i, post_norm="post_attention_norm"),
+                ffn_block(binder, p, "gelu_tanh", self.eps, post_norm="post_ffw_norm"),
             ))
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -56,10 +50,6 @@ class Gemma3(Model):
     def forward(self, state, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
         pos_list = list(range(start_pos, start_pos + tokens.shape[0]))
         h = self.embed(tokens)
-        eps = self.eps
-        for attn_norm, attn, post_attn_norm, ffn_norm, ffn, post_ffn_norm in self.layers:
-            a = attn(rms_norm(h, attn_norm, eps), state, pos_list)
-            h = h + rms_norm(a, post_attn_norm, eps)
-            f = ffn(rms_norm(h, ffn_norm, eps))
-            h = h + rms_norm(f, post_ffn_norm, eps)
+        for attn, ffn in self.layers:        # h + rms_norm(f(rms_norm(h)), post norm), each half
+            h = ffn(attn(h, state, pos_list))
         return self.final_norm(h)

@@ -8,12 +8,10 @@ import math
 
 import torch
 
-from gpu_kernels.norms import rms_norm
-
 from ..backends import WeightBinder
 from ..gguf_file import GGUFFile
 from .base import Model
-from .common import Attention, AttentionSpec, RopeSpec, rope_scale
+from .common import AttentionSpec, RopeSpec, attention_block, ffn_block, rope_scale
 
 
 class Llama(Model):
@@ -33,19 +31,14 @@ class Llama(Model):
         self.layers = []
         for i in range(self.n_layer):
             p = f"blk.{i}"
-            self.layers.append((
-                binder.dense(f"{p}.attn_norm.weight"),
-                Attention(binder, p, spec, cache_index=i),
-                binder.dense(f"{p}.ffn_norm.weight"),
-                binder.glu_ffn(p, act="silu"),
-            ))
+            self.layers.append((attention_block(binder, p, spec, cache_index=i),
+                                ffn_block(binder, p, "silu", self.eps)))
 
     def forward(self, state, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
         pos_list = list(range(start_pos, start_pos + tokens.shape[0]))
         h = self.embed(tokens)
-        for attn_norm, attn, ffn_norm, ffn in self.layers:
-            h = h + attn(rms_norm(h, attn_norm, self.eps), state, pos_list)
-            h = h + ffn(rms_norm(h, ffn_norm, self.eps))
+        for attn, ffn in self.layers:        # each half: h + f(rms_norm(h)), norm and residual included
+            h = ffn(attn(h, state, pos_list))
         return self.final_norm(h)
 
 

@@ -1,0 +1,346 @@
+"""One transformer layer half in one Numba call: the fused CPU trunk for decode and verify steps.
+
+A small model's decode step on the CPU was mostly overhead: ~20 torch ops per layer (norms, rotary,
+row-wise attention, residual adds) at 5-40 us each, and four small matvec calls per layer each
+crossing torch -> numpy -> Numba. Here a layer's attention half
+
+    h + post_norm(W_o attend(rotary(qk_norm(W_q,k,v rms_norm(h))), KV cache))
+
+and its FFN half
+
+    h + post_norm(W_down (act(W_gate x) * W_up x)),  x = rms_norm(h)
+
+are each one call (`attention_block`, `ffn_block`) that runs the projections with matvec_int's
+`row_dots` (int8 activations) or matvec's float `tile_products` (the exact path, and the types with
+no integer kernel), matrix by matrix as `use_int` decides, and everything between them in plain
+loops. The projections of one step are one parallel region (q, k and v together; gate and up
+together), or a plain loop when the matrices are too small to pay for waking the other threads.
+
+Bit identity across the batch: every step works on one token row at a time with the same
+operations whatever k is (activation rows are quantized one by one; row_dots and tile_products are
+bit-stable across k; norms, rotary and attention are per row, and each (token, head) runs the same
+compiled attention loop in the serial and the parallel kernel), so a token's result is the same
+alone or in a verify batch, on any number of threads (tests/test_layer_fused.py). The KV cache here
+is float32 [n_ctx, n_kv, d]; the backend keeps the torch path for other cache types and for prompt
+batches (> 32 tokens).
+"""
+from __future__ import annotations
+
+import math
+import os
+import warnings
+
+import numpy as np
+from numba import njit, prange
+from numba.core.errors import NumbaPerformanceWarning
+
+from .ffn import _act_times
+from .formats import format_of
+from .matvec import tile_products
+from .matvec_int import act_block, row_dots, rows_dots
+from .matvec_simd import TILE_ROWS
+from .quantize_act import PAD_LEGACY, QK_K, QK_LEGACY, _quantize_rows
+from .simd_int import CACHE
+
+# Whether a CPU trunk binds these kernels (hybridrt.backends.WeightBinder): HYBRIDRT_FUSED_LAYERS=0
+# keeps the torch trunk ops, e.g. to run a test session both ways
+FUSED_DEFAULT = os.environ.get("HYBRIDRT_FUSED_LAYERS", "1") not in ("", "0")
+
+ROWS_PER_UNIT = 16          # a unit of parallel work: 16 output rows of one matrix
+GROUPS_PER_THREAD = 4       # work items per thread, so a slow core does not hold up the region
+PARALLEL_MIN_WEIGHTS = 1 << 17   # below this a projection runs on the calling thread alone
+ATTEND_PARALLEL_MIN = 1 << 15    # (token, head) x keys x head size products before attention forks
+
+# _project_serial and _attend_serial are compiled with parallel=True on purpose and have no prange
+warnings.filterwarnings("ignore", message="The keyword argument 'parallel=True' was specified",
+                        category=NumbaPerformanceWarning)
+
+
+def matrix_operands(raw: np.ndarray, qtype: int, integer: bool) -> tuple:
+    """(raw rows, type, block, integer) as the kernels below take a matrix: integer selects
+    row_dots on int8 activations (the type must have an integer kernel) over the float kernel;
+    block is the activation block on the integer path, the weight block on the float path.
+    Every matrix goes in as a read-only view, so all of them are one Numba type (one compilation)."""
+    raw = raw.view(np.uint8).view()
+    raw.flags.writeable = False
+    block = act_block(qtype) if integer else format_of(qtype).block_elems
+    return raw, int(qtype), block, bool(integer)
+
+
+# --------------------------------------------------------------------------- row-wise helpers
+
+@njit(cache=CACHE, nogil=True, inline="always")
+def _rms_scale(x, lo, n, eps):
+    """1 / sqrt(mean(x[lo:lo+n]^2) + eps) as float32 (sum in float64, index order)."""
+    ss = 0.0
+    for i in range(lo, lo + n):
+        v = np.float64(x[i])
+        ss += v * v
+    return np.float32(1.0 / math.sqrt(ss / n + eps))
+
+
+@njit(cache=CACHE, nogil=True)
+def _rms_norm_rows(x, w, eps):
+    """rms_norm of every row of x (k, n) with weight w (n,)."""
+    k, n = x.shape
+    out = np.empty((k, n), np.float32)
+    for t in range(k):
+        r = _rms_scale(x[t], 0, n, eps)
+        for i in range(n):
+            out[t, i] = (x[t, i] * r) * w[i]
+    return out
+
+
+@njit(cache=CACHE, nogil=True)
+def _quantized(x, block):
+    """x's rows as matvec_int reads them (quantize_act.quantize_rows's layout and padding)."""
+    k, n = x.shape
+    if block == QK_K:
+        group, n_pad = 16, n
+    else:
+        group, n_pad = QK_LEGACY, (n + PAD_LEGACY - 1) // PAD_LEGACY * PAD_LEGACY
+    q = np.zeros((k, n_pad), np.int8)
+    d = np.zeros((k, n_pad // block), np.float32)
+    s = np.zeros((k, n_pad // group), np.int16)
+    _quantize_rows(x, block, group, q, d, s)
+    return q, d, s
+
+
+@njit(cache=CACHE, nogil=True, inline="always")
+def _dot(a, b):
+    """sum_i a[i] * b[i] over two equal-length views (indices from 0: LLVM vectorizes this where
+    an offset index, with its negative-index wraparound check, stays scalar)."""
+    s = np.float32(0.0)
+    for i in range(a.shape[0]):
+        s += a[i] * b[i]
+    return s
+
+
+# --------------------------------------------------------------------------- projections
+# Up to three matrices (q, k, v or gate, up) that read the same rows x write their outputs side by
+# side in `out`: matrix m's row r goes to column off_m + r. Work is split in units of 16 rows.
+
+@njit(cache=CACHE, nogil=True, inline="always")
+def _project_group(g, n_groups, w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, e2, i2, n2,
+                   x, q32, d32, s32, q256, d256, s256, out):
+    k = x.shape[0]
+    u0 = (n0 + ROWS_PER_UNIT - 1) // ROWS_PER_UNIT
+    u1 = (n1 + ROWS_PER_UNIT - 1) // ROWS_PER_UNIT
+    u2 = (n2 + ROWS_PER_UNIT - 1) // ROWS_PER_UNIT
+    n_units = u0 + u1 + u2
+    # np.empty, not np.zeros: in a parallel=True function np.zeros becomes a parallel loop of its
+    # own; every element of these is written before it is read
+    buf = np.empty((TILE_ROWS, 1024), np.float32)       # the float path's decode tile (matvec.CHUNK)
+    part = np.empty(4 * TILE_ROWS, np.float32)
+    acc = np.empty((k, TILE_ROWS), np.float32)
+    for u in range(g * n_units // n_groups, (g + 1) * n_units // n_groups):
+        if u < u0:
+            w, qt, be, is_int, rows, off, r_lo = w0, t0, e0, i0, n0, 0, u * ROWS_PER_UNIT
+        elif u < u0 + u1:
+            w, qt, be, is_int, rows, off, r_lo = w1, t1, e1, i1, n1, n0, (u - u0) * ROWS_PER_UNIT
+        else:
+            w, qt, be, is_int, rows, off, r_lo = w2, t2, e2, i2, n2, n0 + n1, (u - u0 - u1) * ROWS_PER_UNIT
+        r_hi = min(rows, r_lo + ROWS_PER_UNIT)
+        if is_int:
+            # one token (decode): rows_dots takes 4 rows a pass (same bits as row_dots, less float
+            # work per row); more tokens: row_dots takes 4 tokens of one row a pass
+            if be == QK_K:
+                if k == 1:
+                    rows_dots(qt, w, r_lo, r_hi - r_lo, q256, d256, s256, 0, out, off + r_lo)
+                else:
+                    for r in range(r_lo, r_hi):
+                        row_dots(qt, w, r, q256, d256, s256, out, off + r)
+            else:
+                if k == 1:
+                    rows_dots(qt, w, r_lo, r_hi - r_lo, q32, d32, s32, 0, out, off + r_lo)
+                else:
+                    for r in range(r_lo, r_hi):
+                        row_dots(qt, w, r, q32, d32, s32, out, off + r)
+        else:
+            for r0 in range(r_lo, r_hi, TILE_ROWS):
+                nr = min(TILE_ROWS, r_hi - r0)
+                tile_products(w, qt, be, r0, nr, x, buf, part, acc)
+                for t in range(k):
+                    for r in range(nr):
+                        out[t, off + r0 + r] = acc[t, r]
+
+
+@njit(cache=CACHE, nogil=True, parallel=True)
+def _project_parallel(n_groups, w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, e2, i2, n2,
+                      x, q32, d32, s32, q256, d256, s256, out):
+    for g in prange(n_groups):
+        _project_group(g, n_groups, w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, e2, i2, n2,
+                       x, q32, d32, s32, q256, d256, s256, out)
+
+
+# parallel=True without a prange: the same loop compiles ~2x faster than under a plain njit (measured
+# on the 1536 x 576 Q4_1 gate: 58 vs 117 us); it runs on the calling thread, no threads woken
+@njit(cache=CACHE, nogil=True, parallel=True)
+def _project_serial(w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, e2, i2, n2,
+                    x, q32, d32, s32, q256, d256, s256, out):
+    _project_group(0, 1, w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, e2, i2, n2,
+                   x, q32, d32, s32, q256, d256, s256, out)
+
+
+@njit(cache=CACHE, nogil=True)
+def _project(n_threads, w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, e2, i2, n2, x, out):
+    """out[:, off_m + r] = (W_m x)[r] for the three matrices (n_m = 0: absent). e_m: the matrix's
+    activation block when i_m (integer path: 32 or 256), else its weight block size (float path)."""
+    k, n_in = x.shape
+    q32, d32, s32 = np.zeros((k, 0), np.int8), np.zeros((k, 0), np.float32), np.zeros((k, 0), np.int16)
+    q256, d256, s256 = q32, d32, s32          # empty unless some matrix reads them
+    if (i0 and n0 and e0 == QK_LEGACY) or (i1 and n1 and e1 == QK_LEGACY) or (i2 and n2 and e2 == QK_LEGACY):
+        q32, d32, s32 = _quantized(x, QK_LEGACY)
+    if (i0 and n0 and e0 == QK_K) or (i1 and n1 and e1 == QK_K) or (i2 and n2 and e2 == QK_K):
+        q256, d256, s256 = _quantized(x, QK_K)
+    units = ((n0 + ROWS_PER_UNIT - 1) // ROWS_PER_UNIT + (n1 + ROWS_PER_UNIT - 1) // ROWS_PER_UNIT
+             + (n2 + ROWS_PER_UNIT - 1) // ROWS_PER_UNIT)
+    # Always through the parallel kernel: LLVM makes the row loop ~2x faster inside a parfor than
+    # in a plain loop here (measured); too small a product runs it on this thread alone.
+    if n_threads > 1 and (n0 + n1 + n2) * n_in >= PARALLEL_MIN_WEIGHTS:
+        _project_parallel(min(units, GROUPS_PER_THREAD * n_threads), w0, t0, e0, i0, n0, w1, t1, e1, i1, n1,
+                          w2, t2, e2, i2, n2, x, q32, d32, s32, q256, d256, s256, out)
+    else:
+        _project_serial(w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, e2, i2, n2,
+                        x, q32, d32, s32, q256, d256, s256, out)
+
+
+# --------------------------------------------------------------------------- attention
+
+@njit(cache=CACHE, nogil=True, inline="always")
+def _rotate(x, lo, cos, sin, pos, n_rot, neox):
+    """Rotary embedding of x[lo : lo + n_rot] at `pos` in place (neox: pairs (i, i + n_rot/2),
+    else adjacent pairs), as gpu_kernels.rotary.apply_rotary computes it."""
+    half = n_rot // 2
+    for i in range(half):
+        c, s = cos[pos, i], sin[pos, i]
+        ia, ib = (lo + i, lo + i + half) if neox else (lo + 2 * i, lo + 2 * i + 1)
+        a, b = x[ia], x[ib]
+        x[ia] = a * c - b * s
+        x[ib] = b * c + a * s
+
+
+@njit(cache=CACHE, nogil=True, inline="always")
+def _attend_one(item, q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale, window, first):
+    """Head h of token t (item = t * n_head + h) over the keys it sees: o[t, h*dv : (h+1)*dv]."""
+    t, h = item // n_head, item % n_head
+    g = h // (n_head // n_kv)
+    pos = start + t
+    lo = max(first, pos - window + 1) if window > 0 else first
+    n_keys = pos + 1 - lo
+    scores = np.empty(n_keys, np.float32)
+    qh = q[t, h * d:(h + 1) * d]
+    m = np.float32(-np.inf)
+    for j in range(n_keys):
+        sc = _dot(qh, k_cache[lo + j, g]) * scale
+        scores[j] = sc
+        m = max(m, sc)
+    total = 0.0
+    for j in range(n_keys):
+        e = np.float32(math.exp(scores[j] - m))
+        scores[j] = e
+        total += e
+    inv = np.float32(1.0 / total)
+    acc = o[t, h * dv:(h + 1) * dv]
+    for i in range(dv):
+        acc[i] = 0.0
+    for j in range(n_keys):
+        p = scores[j] * inv
+        v = v_cache[lo + j, g]
+        for i in range(dv):
+            acc[i] += p * v[i]
+
+
+# Attention runs with reassociation: LLVM vectorizes the score dots (~5x faster than in index
+# order). Every (token, head) runs the same inlined loop with the same head size, in both kernels,
+# so a score does not depend on the batch or the thread count (tests/test_layer_fused.py checks).
+_ATTEND_MATH = {"reassoc", "nsz"}
+
+
+@njit(cache=CACHE, nogil=True, parallel=True, fastmath=_ATTEND_MATH)
+def _attend_parallel(q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale, window, first):
+    for item in prange(q.shape[0] * n_head):
+        _attend_one(item, q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale, window, first)
+
+
+@njit(cache=CACHE, nogil=True, parallel=True, fastmath=_ATTEND_MATH)   # parallel=True: as _project_serial
+def _attend_serial(q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale, window, first):
+    for item in range(q.shape[0] * n_head):
+        _attend_one(item, q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale, window, first)
+
+
+@njit(cache=CACHE, nogil=True)
+def _residual(h, a, post_norm, has_post, eps):
+    """h + a, or h + rms_norm(a, post_norm) (Gemma's post-norms), row by row."""
+    k, n = h.shape
+    out = np.empty((k, n), np.float32)
+    for t in range(k):
+        r = _rms_scale(a[t], 0, n, eps) if has_post else np.float32(1.0)
+        for i in range(n):
+            out[t, i] = h[t, i] + ((a[t, i] * r) * post_norm[i] if has_post else a[t, i])
+    return out
+
+
+@njit(cache=CACHE, nogil=True)
+def attention_block(h, n_threads, attn_norm, post_norm, has_post, eps,
+                    wq, tq, eq, iq, wk, tk, ek, ik, wv, tv, ev, iv, wo, to, eo, io,
+                    q_norm, k_norm, qk_norm, cos, sin, n_rot, neox,
+                    k_cache, v_cache, start, n_head, n_kv, d, dv, scale, window, first):
+    """h (k, n_embd) float32 at positions start .. start+k-1 -> h + attention(h), writing the
+    k new key/value rows into the float32 caches (n_ctx, n_kv, d). Weights: raw ggml rows
+    (readonly uint8, one type each), with e*/i* as `_project` takes them."""
+    k, n_embd = h.shape
+    nq, nk = n_head * d, n_kv * d
+    x = _rms_norm_rows(h, attn_norm, eps)
+    qkv = np.empty((k, nq + nk + n_kv * dv), np.float32)
+    _project(n_threads, wq, tq, eq, iq, nq, wk, tk, ek, ik, nk, wv, tv, ev, iv, n_kv * dv, x, qkv)
+    q = np.empty((k, nq), np.float32)
+    for t in range(k):
+        pos = start + t
+        for c in range(nq):
+            q[t, c] = qkv[t, c]
+        for hd in range(n_head):
+            if qk_norm:
+                r = _rms_scale(q[t], hd * d, d, eps)
+                for i in range(d):
+                    q[t, hd * d + i] = (q[t, hd * d + i] * r) * q_norm[i]
+            _rotate(q[t], hd * d, cos, sin, pos, n_rot, neox)
+        for g in range(n_kv):
+            krow = k_cache[pos, g]
+            for i in range(d):
+                krow[i] = qkv[t, nq + g * d + i]
+            if qk_norm:
+                r = _rms_scale(krow, 0, d, eps)
+                for i in range(d):
+                    krow[i] = (krow[i] * r) * k_norm[i]
+            _rotate(krow, 0, cos, sin, pos, n_rot, neox)
+            for i in range(dv):
+                v_cache[pos, g, i] = qkv[t, nq + nk + g * dv + i]
+    o = np.empty((k, n_head * dv), np.float32)
+    n_items = k * n_head
+    if n_threads > 1 and n_items > 1 and n_items * (start + k) * d >= ATTEND_PARALLEL_MIN:
+        _attend_parallel(q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale, window, first)
+    else:
+        _attend_serial(q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale, window, first)
+    a = np.empty((k, n_embd), np.float32)
+    _project(n_threads, wo, to, eo, io, n_embd, wo, to, eo, io, 0, wo, to, eo, io, 0, o, a)
+    return _residual(h, a, post_norm, has_post, eps)
+
+
+@njit(cache=CACHE, nogil=True)
+def ffn_block(h, n_threads, ffn_norm, post_norm, has_post, eps,
+              wg, tg, eg, ig, wu, tu, eu, iu, wd, td, ed, i_d, act):
+    """h (k, n_embd) -> h + [post_norm](W_down (act(W_gate x) * W_up x)), x = rms_norm(h);
+    act as cpu_kernels.ffn.ACTIVATIONS (0: SiLU, 1: GELU-tanh)."""
+    k, n_embd = h.shape
+    n_ff = wg.shape[0]
+    x = _rms_norm_rows(h, ffn_norm, eps)
+    gu = np.empty((k, 2 * n_ff), np.float32)
+    _project(n_threads, wg, tg, eg, ig, n_ff, wu, tu, eu, iu, n_ff, wu, tu, eu, iu, 0, x, gu)
+    hidden = np.empty((k, n_ff), np.float32)
+    for t in range(k):
+        for r in range(n_ff):
+            hidden[t, r] = _act_times(gu[t, r], gu[t, n_ff + r], act)
+    y = np.empty((k, n_embd), np.float32)
+    _project(n_threads, wd, td, ed, i_d, n_embd, wd, td, ed, i_d, 0, wd, td, ed, i_d, 0, hidden, y)
+    return _residual(h, y, post_norm, has_post, eps)

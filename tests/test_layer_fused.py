@@ -1,0 +1,211 @@
+"""cpu_kernels.layer_fused: a layer's attention half and FFN half in one call, against float64
+references on fresh random inputs, and a token's result bitwise independent of the batch and of
+the serial / parallel choice."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from gguf.constants import GGMLQuantizationType as T
+
+from cpu_kernels import layer_fused
+from cpu_kernels.dequant import dequantize
+from cpu_kernels.ffn import ACTIVATIONS
+from cpu_kernels.matvec_testdata import random_weights
+from gpu_kernels.rotary import rotary_table
+
+N_EMBD, N_HEAD, N_KV, HEAD, N_ROT, N_FF, N_CTX = 512, 4, 2, 128, 64, 1024, 64
+EPS = 1e-6
+
+
+def _matrix(rng, qtype, rows, cols, integer):
+    raw = random_weights(qtype, rows, cols, rng)
+    w64 = dequantize(raw, qtype, cols).reshape(rows, cols).astype(np.float64)
+    if qtype == T.F32:
+        w64 *= 0.05         # random_weights' F32 values are N(0, 1): keep activations O(1)
+        raw = w64.astype(np.float32).view(np.uint8)
+    return layer_fused.matrix_operands(raw, qtype, integer), w64
+
+
+def _rms(x, w):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + EPS) * w
+
+
+def _rotate64(x, cos, sin, neox):
+    """x [..., d] at one position, first N_ROT dims rotated, float64."""
+    y, half = x.copy(), N_ROT // 2
+    ia = np.arange(half) if neox else 2 * np.arange(half)
+    ib = ia + half if neox else ia + 1
+    y[..., ia] = x[..., ia] * cos - x[..., ib] * sin
+    y[..., ib] = x[..., ib] * cos + x[..., ia] * sin
+    return y
+
+
+class Layer:
+    """Random weights of one attention half; `ref` is its float64 forward."""
+
+    def __init__(self, rng, types, integer, qk_norm, post, neox, window, first=0):
+        dims = [(N_HEAD * HEAD, N_EMBD), (N_KV * HEAD, N_EMBD), (N_KV * HEAD, N_EMBD), (N_EMBD, N_HEAD * HEAD)]
+        self.ops, self.w = zip(*(_matrix(rng, t, r, c, integer and t != T.F32) for t, (r, c) in zip(types, dims)))
+        self.norm = rng.uniform(0.5, 1.5, N_EMBD).astype(np.float32)
+        self.post = rng.uniform(0.5, 1.5, N_EMBD).astype(np.float32)
+        self.q_norm = rng.uniform(0.5, 1.5, HEAD).astype(np.float32)
+        self.k_norm = rng.uniform(0.5, 1.5, HEAD).astype(np.float32)
+        self.qk_norm, self.has_post, self.neox, self.window, self.first = qk_norm, post, neox, window, first
+        table = rotary_table(N_CTX, N_ROT, 10000.0, neox)
+        self.cos, self.sin = table.cos.numpy(), table.sin.numpy()
+
+    def run(self, h, k_cache, v_cache, start, n_threads=1):
+        return layer_fused.attention_block(
+            h, n_threads, self.norm, self.post, self.has_post, EPS, *self.ops[0], *self.ops[1], *self.ops[2],
+            *self.ops[3], self.q_norm, self.k_norm, self.qk_norm, self.cos, self.sin, N_ROT, self.neox,
+            k_cache, v_cache, start, N_HEAD, N_KV, HEAD, HEAD, 1 / math.sqrt(HEAD), self.window, self.first)
+
+    def ref(self, h, k_cache, v_cache, start):
+        """float64: returns (h + attention, the caches with the new rows)."""
+        wq, wk, wv, wo = self.w
+        h64 = h.astype(np.float64)
+        x = _rms(h64, self.norm)
+        q = (x @ wq.T).reshape(-1, N_HEAD, HEAD)
+        k = (x @ wk.T).reshape(-1, N_KV, HEAD)
+        v = (x @ wv.T).reshape(-1, N_KV, HEAD)
+        if self.qk_norm:
+            q, k = _rms(q, self.q_norm), _rms(k, self.k_norm)
+        keys, vals = k_cache.astype(np.float64), v_cache.astype(np.float64)
+        out = np.empty((len(h), N_HEAD * HEAD))
+        for t in range(len(h)):
+            pos = start + t
+            cos, sin = self.cos[pos].astype(np.float64), self.sin[pos].astype(np.float64)
+            q[t], keys[pos] = _rotate64(q[t], cos, sin, self.neox), _rotate64(k[t], cos, sin, self.neox)
+            vals[pos] = v[t]
+        for t in range(len(h)):
+            pos = start + t
+            lo = max(self.first, pos - self.window + 1) if self.window else self.first
+            for hd in range(N_HEAD):
+                g = hd // (N_HEAD // N_KV)
+                s = keys[lo:pos + 1, g] @ q[t, hd] / math.sqrt(HEAD)
+                p = np.exp(s - s.max())
+                out[t, hd * HEAD:(hd + 1) * HEAD] = (p / p.sum()) @ vals[lo:pos + 1, g]
+        a = out @ wo.T
+        return h64 + (_rms(a, self.post) if self.has_post else a), keys, vals
+
+
+def _caches(rng, start):
+    k = np.zeros((N_CTX, N_KV, HEAD), np.float32)
+    v = np.zeros((N_CTX, N_KV, HEAD), np.float32)
+    k[:start] = rng.standard_normal((start, N_KV, HEAD))
+    v[:start] = rng.standard_normal((start, N_KV, HEAD))
+    return k, v
+
+
+def _rel(got, ref, base):
+    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref - base))
+
+
+ATTN_CASES = {   # types of q, k, v, o; q/k norm, post-norm, neox, window
+    "llama-f32": ((T.F32,) * 4, False, False, False, 0),
+    "llama-q4_1": ((T.Q4_1,) * 4, False, False, False, 0),
+    "qwen3-q8_0": ((T.Q8_0,) * 4, True, False, True, 0),
+    "gemma3-mixed": ((T.Q5_0, T.Q5_0, T.Q8_0, T.Q4_K), True, True, True, 7),
+}
+
+
+@pytest.mark.parametrize("integer", [False, True], ids=["float", "int8"])
+@pytest.mark.parametrize("case", list(ATTN_CASES))
+def test_attention_block_matches_float64(case, integer):
+    types, qk_norm, post, neox, window = ATTN_CASES[case]
+    rng = np.random.default_rng()
+    layer = Layer(rng, types, integer, qk_norm, post, neox, window)
+    start, k = int(rng.integers(5, 30)), 3
+    h = rng.standard_normal((k, N_EMBD)).astype(np.float32)
+    kc, vc = _caches(rng, start)
+    ref, ref_k, ref_v = layer.ref(h, kc, vc, start)
+    got = layer.run(h, kc, vc, start)
+    err = _rel(got, ref, h)
+    # float path: float32 rounding; int8 path: activation quantization (|dx| <= d / 2 per value)
+    assert err <= (3e-2 if integer else 2e-6), f"{case}: relative error {err:.3g}"
+    assert _rel(kc[start:start + k], ref_k[start:start + k], 0) <= (3e-2 if integer else 2e-6)
+    assert _rel(vc[start:start + k], ref_v[start:start + k], 0) <= (3e-2 if integer else 2e-6)
+    assert not kc[start + k:].any()             # nothing written past the batch
+
+
+def test_attention_block_window_and_first_position_are_honoured():
+    """A key outside the window (or before `first`) must not count: changing it changes nothing."""
+    rng = np.random.default_rng()
+    for window, first in ((5, 0), (0, 4)):
+        layer = Layer(rng, (T.Q8_0,) * 4, True, True, False, True, window, first)
+        start = 20
+        h = rng.standard_normal((2, N_EMBD)).astype(np.float32)
+        kc, vc = _caches(rng, start)
+        got = layer.run(h, kc.copy(), vc.copy(), start)
+        hidden = first if first else start - window      # this row is invisible to both tokens
+        kc[hidden - 1], vc[hidden - 1] = 50.0, 50.0
+        assert np.array_equal(layer.run(h, kc.copy(), vc.copy(), start), got)
+        kc[hidden + 1] += 1.0                            # and this one is seen
+        assert not np.array_equal(layer.run(h, kc.copy(), vc.copy(), start), got)
+
+
+@pytest.mark.parametrize("case", ["llama-q4_1", "gemma3-mixed"])
+def test_attention_block_token_does_not_depend_on_the_batch_or_threads(case):
+    types, qk_norm, post, neox, window = ATTN_CASES[case]
+    rng = np.random.default_rng()
+    layer = Layer(rng, types, True, qk_norm, post, neox, window)
+    start, n = 30, 8
+    h = rng.standard_normal((n, N_EMBD)).astype(np.float32)
+    kc, vc = _caches(rng, start)
+    k1, v1 = kc.copy(), vc.copy()
+    singles = np.concatenate([layer.run(h[t:t + 1], k1, v1, start + t) for t in range(n)])
+    for k, threads in ((2, 1), (3, 2), (8, 2), (8, 1)):    # threads 2: the parallel regions
+        kb, vb = kc.copy(), vc.copy()
+        batched = np.concatenate([layer.run(h[i:i + k], kb, vb, start + i, threads) for i in range(0, n, k)])
+        assert np.array_equal(batched, singles), f"batch of {k}, {threads} threads"
+        assert np.array_equal(kb, k1) and np.array_equal(vb, v1)
+
+
+FFN_CASES = {   # gate, up, down types; activation; post-norm
+    "llama-f32": ((T.F32,) * 3, "silu", False),
+    "llama-q4_1": ((T.Q4_1,) * 3, "silu", False),
+    "gemma3-q5_0-q6_k": ((T.Q5_0, T.Q5_0, T.Q6_K), "gelu_tanh", True),
+    "k-quants": ((T.Q4_K, T.Q4_K, T.Q8_0), "silu", True),
+}
+
+
+def _ffn(rng, case, integer):
+    types, act, post = FFN_CASES[case]
+    dims = [(N_FF, N_EMBD), (N_FF, N_EMBD), (N_EMBD, N_FF)]
+    ops, w = zip(*(_matrix(rng, t, r, c, integer and t != T.F32) for t, (r, c) in zip(types, dims)))
+    norm, post_w = (rng.uniform(0.5, 1.5, N_EMBD).astype(np.float32) for _ in range(2))
+
+    def run(h, n_threads=1):
+        return layer_fused.ffn_block(h, n_threads, norm, post_w, post, EPS, *ops[0], *ops[1], *ops[2],
+                                     ACTIVATIONS[act])
+
+    def ref(h):
+        h64 = h.astype(np.float64)
+        x = _rms(h64, norm)
+        g, u = x @ w[0].T, x @ w[1].T
+        a = g / (1 + np.exp(-g)) if act == "silu" else \
+            0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3)))
+        y = (a * u) @ w[2].T
+        return h64 + (_rms(y, post_w) if post else y)
+    return run, ref
+
+
+@pytest.mark.parametrize("integer", [False, True], ids=["float", "int8"])
+@pytest.mark.parametrize("case", list(FFN_CASES))
+def test_ffn_block_matches_float64(case, integer):
+    rng = np.random.default_rng()
+    run, ref = _ffn(rng, case, integer)
+    h = rng.standard_normal((3, N_EMBD)).astype(np.float32)
+    err = _rel(run(h), ref(h), h)
+    assert err <= (3e-2 if integer else 2e-6), f"{case}: relative error {err:.3g}"
+
+
+def test_ffn_block_token_does_not_depend_on_the_batch_or_threads():
+    rng = np.random.default_rng()
+    run, _ = _ffn(rng, "gemma3-q5_0-q6_k", True)
+    h = rng.standard_normal((8, N_EMBD)).astype(np.float32)
+    singles = np.concatenate([run(h[t:t + 1]) for t in range(8)])
+    for k, threads in ((2, 1), (3, 2), (8, 2)):
+        assert np.array_equal(np.concatenate([run(h[i:i + k], threads) for i in range(0, 8, k)]), singles)
