@@ -8,6 +8,8 @@ rms_norm / rotary functions as the runtime are used, so the exported head comput
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -145,15 +147,17 @@ class MTPHeadModule(nn.Module):
         return {f"mtp.{k}.weight": v.detach().float().numpy() for k, v in out.items()}
 
 
-def initial_head_tensors(model, draft_ids: torch.Tensor, kind: BlockKind) -> dict[str, torch.Tensor]:
+def initial_head_tensors(model, draft_ids: torch.Tensor, kind: BlockKind, scale: float = 1.0) -> dict[str, torch.Tensor]:
     """Start from the target: the block from its last full-attention layer, the head norm from its
-    output norm, the head from its output rows of the draft vocabulary, eh_proj = [I | I] (the sum
-    of the normed embedding and the normed hidden), enorm = hnorm = 1."""
+    output norm, the head from its output rows of the draft vocabulary, enorm = hnorm = 1 and
+    eh_proj = [I | I] * scale / sqrt(2): the sum of the normed embedding and the normed hidden at
+    `scale`, the RMS of the residual stream the copied layer reads in the target (its attention and
+    FFN outputs are sized for that residual; a unit-RMS input would be drowned by them)."""
     layer, spec = head_attention_spec(model)
     g, d = model.gguf, model.n_embd
     t = {mine: read_f32(g, f"blk.{layer}.{theirs}.weight") for mine, theirs in block_tensor_names(kind, spec).items()}
     t["enorm"], t["hnorm"] = torch.ones(d), torch.ones(d)
-    t["eh_proj"] = torch.cat((torch.eye(d), torch.eye(d)), dim=1)
+    t["eh_proj"] = torch.cat((torch.eye(d), torch.eye(d)), dim=1) * (scale / math.sqrt(2))
     t["head_norm"] = read_f32(g, "output_norm.weight")
     t["head"] = output_rows(model, draft_ids)
     return t
@@ -190,6 +194,17 @@ class TorchTeacher:
                                           spec, kind, model.eps).requires_grad_(False))
             if spec.rope not in self.rotary:
                 self.rotary[spec.rope] = Rotary(spec, n_ctx)
+
+    @torch.no_grad()
+    def residual_rms(self, tokens: list[int], layer: int) -> float:
+        """Median RMS of the residual stream entering `layer` over `tokens` (position 0 excluded:
+        the first token's residual is an outlier in most models)."""
+        ids = torch.tensor([tokens])
+        pos, valid = torch.arange(len(tokens))[None], torch.ones(1, len(tokens), dtype=torch.bool)
+        h = F.embedding(ids, self.embed_rows) * self.embed_scale
+        for block in self.blocks[:layer]:
+            h = block(h, self.rotary[block.spec.rope].rows(pos), visible(pos, pos, valid, block.spec.window))
+        return float(h[0, 1:].pow(2).mean(-1).sqrt().median())
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor,

@@ -91,7 +91,7 @@ def prompt_ids(model, p: Prompt) -> list[int]:
 
 
 def write_text(model, teacher: TorchTeacher | None, prompts: list[list[int]], temps: list[float], n_new: int,
-               seed: int, progress, label: str, group: int = 16) -> list[list[int]]:
+               seed: int, progress, label: str, group: int = 32) -> list[list[int]]:
     """Continuations of `prompts`, batched through the torch teacher where the architecture has one."""
     stop = set(model.tokenizer.eog_ids)
     gen = torch.Generator().manual_seed(seed)
@@ -212,12 +212,23 @@ def _progress():
                     TimeRemainingColumn(), TextColumn("{task.fields[info]}"), transient=False)
 
 
-def prepare_data(model, cfg: TrainConfig, cache: Path, progress) -> tuple[list[Sequence], list[Sequence]]:
+def residual_scale(model, teacher: TorchTeacher | None, tokens: list[int]) -> float:
+    """The residual RMS the head's block starts at (1.0 where there is no torch teacher: qwen35)."""
+    if model.arch not in TorchTeacher.SUPPORTED:
+        return 1.0
+    teacher = teacher or TorchTeacher(model, block_kind(model.arch), MAX_SEQ)
+    return teacher.residual_rms(tokens, head_attention_spec(model)[0])
+
+
+def prepare_data(model, cfg: TrainConfig, cache: Path, progress) -> tuple[list[Sequence], list[Sequence], float]:
     sig = _signature(model, cfg, "data")
     if cache.exists():
         saved = torch.load(cache, weights_only=False)
         if saved.get("signature") == sig:
-            return saved["train"], saved["heldout"]
+            if "scale" not in saved:        # a cache written before the scale was kept
+                saved["scale"] = residual_scale(model, None, saved["train"][0].tokens.tolist())
+                torch.save(saved, cache)
+            return saved["train"], saved["heldout"], saved["scale"]
     threads = torch.get_num_threads()
     n_cont = max(1, math.ceil(cfg.tokens / cfg.gen_len))
     train_prompts = [TRAIN_PROMPTS[i % len(TRAIN_PROMPTS)] for i in range(n_cont)]
@@ -231,6 +242,7 @@ def prepare_data(model, cfg: TrainConfig, cache: Path, progress) -> tuple[list[S
     new = write_text(model, teacher, train_ids, temps, cfg.gen_len, cfg.seed, progress, "training text")
     held_new = write_text(model, teacher, held_ids, [0.0] * len(held_ids), cfg.heldout_len, cfg.seed + 1,
                           progress, "held-out text")
+    scale = residual_scale(model, teacher, train_ids[0] + new[0])
     del teacher
     torch.set_num_threads(1)        # hybridrt's trunk runs torch single-threaded next to Numba's pool
     train = teacher_force(model, [p + c for p, c in zip(train_ids, new)], [len(p) for p in train_ids],
@@ -238,8 +250,8 @@ def prepare_data(model, cfg: TrainConfig, cache: Path, progress) -> tuple[list[S
     heldout = teacher_force(model, [p + c for p, c in zip(held_ids, held_new)], [len(p) for p in held_ids],
                             progress, "held-out targets", with_argmax=True)
     torch.set_num_threads(threads)
-    torch.save({"signature": sig, "train": train, "heldout": heldout}, cache)
-    return train, heldout
+    torch.save({"signature": sig, "train": train, "heldout": heldout, "scale": scale}, cache)
+    return train, heldout, scale
 
 
 def train_mtp(model, out: str | Path, cfg: TrainConfig, quiet: bool = False) -> TrainResult:
@@ -251,10 +263,10 @@ def train_mtp(model, out: str | Path, cfg: TrainConfig, quiet: bool = False) -> 
     progress = _progress()
     progress.disable = quiet
     with progress:
-        train, heldout = prepare_data(model, cfg, Path(f"{out}.data.pt"), progress)
+        train, heldout, scale = prepare_data(model, cfg, Path(f"{out}.data.pt"), progress)
         draft_ids = pick_draft_vocab(train, model.n_vocab, cfg.draft_vocab)
         _, spec = head_attention_spec(model)
-        head = MTPHeadModule(initial_head_tensors(model, draft_ids, kind), spec, kind, model.eps, MAX_SEQ + 1)
+        head = MTPHeadModule(initial_head_tensors(model, draft_ids, kind, scale), spec, kind, model.eps, MAX_SEQ + 1)
         w_draft = output_rows(model, draft_ids)
         opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
         start, best_acc, best_state, stale, history = 0, heldout_acceptance(model, head, heldout, draft_ids), None, 0, []
