@@ -83,7 +83,7 @@ def bench_model(model: str, args) -> dict:
         [(f"adaptive<={max(args.n_max)}", max(args.n_max), True)]
     run_mode(m, m.tokenize("Hello"), 8, max(args.n_max), False)        # compile / warm up
     rows = []
-    for name, ids in prompts(m):
+    for name, ids in prompts(m)[:args.limit]:
         best = {label: None for label, _, _ in modes}
         ref = None
         for _ in range(args.reps):
@@ -140,6 +140,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--draft-vocab", type=int, default=4096)
+    ap.add_argument("--limit", type=int, help="only the first LIMIT prompts (a quick check)")
     ap.add_argument("--json", type=Path, help="write the raw results here")
     args = ap.parse_args()
     results = [bench_model(model, args) for model in args.model]
