@@ -76,12 +76,41 @@ def run_mode(m, ids: list[int], n_gen: int, n_max: int | None, adaptive: bool):
     return out, stats.decode_s, sum(stats.spec.drafted), sum(stats.spec.accepted)
 
 
+def step_costs(m, reps: int = 30) -> dict:
+    """Median ms of a plain step, a 2-token verify and one head draft (step + head), alternating in
+    one process so all three see the same load."""
+    s = m.session(512, k_max=4)
+    ids = m.tokenize("The history of the printing press begins in the fifteenth century, when")
+    s.eval(ids)
+    h, pos = s.hidden[-1:], len(ids)
+    times = {"plain": [], "verify2": [], "draft": []}
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        s.eval([100], start_pos=pos, logits="last")
+        t1 = time.perf_counter()
+        s.eval([100, 101], start_pos=pos, logits="all")
+        t2 = time.perf_counter()
+        _, out = m.mtp.step(s.state, torch.tensor([100]), h, pos)
+        m.mtp.head(out)
+        t3 = time.perf_counter()
+        for key, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+            times[key].append(dt)
+    ms = {k: 1e3 * sorted(v)[len(v) // 2] for k, v in times.items()}
+    return {**ms, "verify2_over_plain": ms["verify2"] / ms["plain"], "draft_over_plain": ms["draft"] / ms["plain"]}
+
+
 def bench_model(model: str, args) -> dict:
     head = head_for(model, args)
     m = load_model(model, threads=args.threads, mtp_head=head)
     modes = [("plain", None, False)] + [(f"N={n}", n, False) for n in args.n_max] + \
         [(f"adaptive<={max(args.n_max)}", max(args.n_max), True)]
     run_mode(m, m.tokenize("Hello"), 8, max(args.n_max), False)        # compile / warm up
+    costs = step_costs(m)
+    print(f"{Path(model).stem} step costs (median ms): plain {costs['plain']:.1f}, verify of 2 {costs['verify2']:.1f} "
+          f"({costs['verify2_over_plain']:.2f}x), one draft {costs['draft']:.1f} ({costs['draft_over_plain']:.1%})",
+          file=sys.stderr)
+    if args.costs_only:
+        return {"model": str(resolve_model(model)), "head": str(head), "costs": costs}
     rows = []
     for name, ids in prompts(m)[:args.limit]:
         best = {label: None for label, _, _ in modes}
@@ -100,7 +129,8 @@ def bench_model(model: str, args) -> dict:
         print(f"{Path(model).stem} {name}: " + ", ".join(
             f"{k} {args.n_gen / v['s']:.1f} t/s" + (f" acc {v['accepted'] / max(1, v['drafted']):.0%}" if v["drafted"] else "")
             for k, v in best.items()), file=sys.stderr)
-    return {"model": str(resolve_model(model)), "head": str(head), "modes": [lbl for lbl, _, _ in modes], "rows": rows}
+    return {"model": str(resolve_model(model)), "head": str(head), "costs": costs,
+            "modes": [lbl for lbl, _, _ in modes], "rows": rows}
 
 
 def summarize(res: dict, n_gen: int) -> list[str]:
@@ -141,12 +171,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--draft-vocab", type=int, default=4096)
     ap.add_argument("--limit", type=int, help="only the first LIMIT prompts (a quick check)")
+    ap.add_argument("--costs-only", action="store_true", help="only the plain / verify-2 / draft step costs")
     ap.add_argument("--json", type=Path, help="write the raw results here")
     args = ap.parse_args()
     results = [bench_model(model, args) for model in args.model]
     for res in results:
-        print("\n".join(summarize(res, args.n_gen)))
-        print()
+        if "rows" in res:
+            print("\n".join(summarize(res, args.n_gen)))
+            print()
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 
