@@ -238,3 +238,24 @@ def test_train_mtp_cli(tiny_llama, tmp_path):
     r = subprocess.run([sys.executable, "-c", "from hybridrt.cli import main; main()", "train-mtp", "-m", str(tiny_llama),
                         "-o", str(tmp_path / "c.gguf"), "--loss", "mse"], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: train-mtp: --loss must be one of kl, argmax"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_real_model_greedy_parity_with_trained_head(name):
+    """Greedy draft-mtp with the cached trained head (scripts/bench_mtp.py trains it) equals plain
+    decoding, at fixed N and adaptive."""
+    head = Path.home() / f".cache/hybridrt/heads/{name}.mtp.gguf"
+    if not head.exists():
+        pytest.skip(f"no trained head at {head}: python3 scripts/bench_mtp.py -m {name}")
+    m = load_model(name, mtp_head=head)
+    ids = m.tokenize("Question: Why do leaves change color in autumn?\nAnswer:")
+    ref, _ = generate(m, m.session(256), ids, 32, GREEDY, stop_ids=set())
+    for n_max, adaptive in ((1, False), (3, False), (3, True)):
+        spec = SpecConfig(n_max=n_max, adaptive=adaptive)
+        session = m.session(256, k_max=spec.k_max)
+        out, stats = speculative_generate(m, session, ids, 32, GREEDY, build_source("draft-mtp", session, GREEDY, spec),
+                                          spec, stop_ids=set())
+        assert out == ref
+        if not adaptive:
+            assert sum(stats.spec.accepted) > 0
