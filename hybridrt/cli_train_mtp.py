@@ -34,6 +34,7 @@ def train_mtp(
     import torch
 
     from .loader import load_model
+    from .mtp_head import block_kind
     from .train_mtp import TrainConfig, train_mtp as run_training
 
     cfg = TrainConfig(tokens=tokens, steps=steps, draft_vocab=draft_vocab, seed=seed, loss=loss, lr=lr,
@@ -42,8 +43,6 @@ def train_mtp(
         raise UserError(f"-o {out}: directory {out.parent} does not exist")
     m = load_model(model, threads=threads)
     torch.set_num_threads(threads or torch.get_num_threads() or 1)
-    from .mtp_head import block_kind
-
     block_kind(m.arch)      # an unsupported target is one error line before any work
     r = run_training(m, out, cfg, quiet=as_json)
     summary = {"head": str(r.path), "heldout_acceptance": r.acceptance, "steps": r.steps, "draft_vocab": r.draft_vocab,

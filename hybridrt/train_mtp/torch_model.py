@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpu_kernels.dequant import dequantize
+from cpu_kernels.dequant import dequantize, gather_rows
 from gpu_kernels.norms import rms_norm
 from gpu_kernels.rotary import RotaryRows, apply_rotary, rotary_table
 
@@ -167,8 +167,6 @@ def output_rows(model, ids: torch.Tensor | None) -> torch.Tensor:
     """The target's output matrix (rows `ids`, or all) as float32 [rows, n_embd]."""
     name = "output.weight" if "output.weight" in model.gguf.tensors else "token_embd.weight"
     info = model.gguf.tensors[name]
-    from cpu_kernels.dequant import gather_rows
-
     rows = ids.numpy() if ids is not None else np.arange(info.n_rows, dtype=np.int64)
     return torch.from_numpy(gather_rows(model.gguf.tensor_bytes(name), info.qtype, info.shape[0], rows))
 

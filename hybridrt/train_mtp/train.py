@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UserError
-from ..mtp_head import HEAD_TYPES, block_kind, head_attention_spec, write_head
+from ..mtp_head import HEAD_TYPES, block_kind, head_attention_spec, target_fingerprint, write_head
 from ..sampling import SamplerConfig
 from .prompts import HELDOUT_PROMPTS, TRAIN_PROMPTS, Prompt
 from .torch_model import MTPHeadModule, TorchTeacher, initial_head_tensors, output_rows
@@ -197,8 +197,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def _signature(model, cfg: TrainConfig, what: str, init: float = 0.0) -> str:
-    from ..mtp_head import target_fingerprint
-
+    """What the cached text ("data") or the checkpoint ("ckpt", with the block's starting scale)
+    depends on: when any of it changes, that stage starts afresh instead of resuming."""
     keys = {k: v for k, v in asdict(cfg).items() if what == "ckpt" or k in ("tokens", "seed", "gen_len", "heldout_len")}
     prompts = [(p.kind, p.text) for p in TRAIN_PROMPTS + HELDOUT_PROMPTS]
     blob = json.dumps([target_fingerprint(model.gguf), keys, prompts if what == "data" else init], sort_keys=True)
