@@ -86,13 +86,14 @@ def pull(name: str = typer.Argument(..., help="gemma3-270m or smollm2-135m")):
     print(pull_model(name))
 
 
-from . import cli_bench, cli_plan, cli_run, cli_serve, warmup  # noqa: E402  (commands in their own modules)
+from . import cli_bench, cli_plan, cli_run, cli_serve, cli_train_mtp, warmup  # noqa: E402  (commands in their own modules)
 
 app.command("run")(cli_run.run)
 app.command("bench")(cli_bench.bench)
 app.command("plan")(cli_plan.plan)
 app.command("serve")(cli_serve.serve)
 app.command("warmup")(warmup.warmup)
+app.command("train-mtp")(cli_train_mtp.train_mtp)
 
 
 def _open(path):

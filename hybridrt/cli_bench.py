@@ -151,6 +151,7 @@ def bench(
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome/Perfetto trace of the bench to this file."),
     exact_activations: bool = typer.Option(False, "--exact-activations", help="Run the mmap'd matrices on float32 activations (exact; slower) instead of int8 activations with integer dot products (llama.cpp's numerics)."),
     adaptive: Optional[bool] = typer.Option(None, "--adaptive/--no-adaptive", help="Adaptive draft length (default: on for draft-mtp and draft-simple)."),
+    mtp_head: Optional[Path] = typer.Option(None, "--mtp-head", help="MTP head from `hybridrt train-mtp` for --spec-type draft-mtp (replaces a built-in head)."),
 ):
     """Prompt and decode tokens/s, plus achieved weight bandwidth (bytes per token x tokens/s) and the
     planner's predicted speed. With --spec-type: plain and speculative decoding of the same prompt,
@@ -171,7 +172,7 @@ def bench(
     if request is not None:
         request = dataclasses.replace(request, cpu_bw=cbw)
     m = load_model(model, device=device, threads=threads, placement=request, trace=trace is not None,
-                   exact_activations=True if exact_activations else None)
+                   exact_activations=True if exact_activations else None, mtp_head=mtp_head)
     if m.plan is not None:
         print(placement_line(m.plan, device), file=sys.stderr)
     try:

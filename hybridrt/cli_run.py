@@ -81,6 +81,7 @@ def run(
     ngram_n: int = typer.Option(4, "--spec-ngram-size-n", help="ngram-simple: longest n-gram to match (tried down to 2)."),
     exact_activations: bool = typer.Option(False, "--exact-activations", help="Run the mmap'd matrices on float32 activations (exact; slower) instead of int8 activations with integer dot products (llama.cpp's numerics)."),
     adaptive: Optional[bool] = typer.Option(None, "--adaptive/--no-adaptive", help="Choose each step's draft count within --spec-draft-n-max from the live acceptance and measured verify cost (default: on for draft-mtp and draft-simple)."),
+    mtp_head: Optional[Path] = typer.Option(None, "--mtp-head", help="MTP head from `hybridrt train-mtp` for --spec-type draft-mtp (replaces a built-in head)."),
 ):
     """Generate text from a prompt (streams tokens; timings on stderr like llama.cpp)."""
     from .generate import generate
@@ -103,7 +104,7 @@ def run(
     request = placement_options(model, vram, device, ctx_size, cache_type_k, cache_type_v, spec_type,
                                 draft_n_max, model_draft, margin)
     m = load_model(model, device=device, threads=threads, placement=request, trace=trace is not None,
-                   exact_activations=True if exact_activations else None)
+                   exact_activations=True if exact_activations else None, mtp_head=mtp_head)
     if m.plan is not None:
         print(placement_line(m.plan, device), file=sys.stderr)
     if chat:

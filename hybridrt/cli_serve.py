@@ -65,6 +65,7 @@ def serve(
     ngram_n: int = typer.Option(4, "--spec-ngram-size-n", help="ngram-simple: longest n-gram to match (tried down to 2)."),
     adaptive: Optional[bool] = typer.Option(None, "--adaptive/--no-adaptive", help="Choose each step's draft count within --spec-draft-n-max (default: on for draft-mtp and draft-simple, as run)."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level (warning: no access log)."),
+    mtp_head: Optional[Path] = typer.Option(None, "--mtp-head", help="MTP head from `hybridrt train-mtp` for --spec-type draft-mtp (replaces a built-in head)."),
 ):
     """Serve the model over HTTP with OpenAI's API (/v1/chat/completions, /v1/completions, ...)."""
     uvicorn = _server_stack()
@@ -90,7 +91,7 @@ def serve(
     _threadsafe_kernels(parallel)
     path = resolve_model(model)
     announce_and_compile(path)
-    m = load_model(path, threads=threads)
+    m = load_model(path, threads=threads, mtp_head=mtp_head)
     if ctx_size is not None and ctx_size > m.n_ctx_train:
         raise UserError(f"-c {ctx_size} is larger than the model's training context {m.n_ctx_train}")
     n_ctx = m.n_ctx_train if ctx_size == 0 else ctx_size or min(4096, m.n_ctx_train)

@@ -37,7 +37,8 @@ def set_threads(n: int | None, trunk_on_cpu: bool = True) -> None:
 def load_model(model: str | os.PathLike | None = None, device: str = "cpu",
                tensor_devices: dict[str, str] | None = None, threads: int | None = None,
                placement: PlacementRequest | None = None, vram: int | str | None = None,
-               trace: Tracer | bool | None = None, exact_activations: bool | None = None) -> Model:
+               trace: Tracer | bool | None = None, exact_activations: bool | None = None,
+               mtp_head: str | os.PathLike | None = None) -> Model:
     """Load a GGUF model.
 
     With `placement` (or just `vram`: a byte count or a size like "12GiB"), the planner decides
@@ -50,7 +51,9 @@ def load_model(model: str | os.PathLike | None = None, device: str = "cpu",
     `trace`: a Tracer (or True for a new one) that records device work, CPU FFN layers and transfers.
     `exact_activations`: True runs the mmap'd matrices on float32 activations (the exact path the
     float64 reference tests use), False on int8 activations with integer dot products (llama.cpp's
-    numerics, several times faster); None: the process default (HYBRIDRT_EXACT_ACTIVATIONS)."""
+    numerics, several times faster); None: the process default (HYBRIDRT_EXACT_ACTIVATIONS).
+    `mtp_head`: a head file from `hybridrt train-mtp`, bound as `model.mtp` (replacing a built-in
+    one) for `--spec-type draft-mtp`; a head trained for another target is a UserError."""
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is available (use --device cpu)")
@@ -72,6 +75,10 @@ def load_model(model: str | os.PathLike | None = None, device: str = "cpu",
                           exact=exact_activations)
     m = model_class(gguf.arch)(gguf, binder)
     m.executor, m.plan = executor, plan
+    if mtp_head is not None:
+        from .mtp_head import load_mtp_head
+
+        m.mtp = load_mtp_head(m, mtp_head, tensor_devices)
     return m
 
 

@@ -10,6 +10,11 @@ Chained entries beyond the accepted prefix are overwritten by step 1 of the next
 before anything reads them, so the MTP KV needs no explicit rollback.
 Position 0 has no previous hidden, so (as in llama.cpp, and the float64 reference) the MTP
 sequence starts at position 1. A prompt is written as soon as it is observed.
+
+A trained head (`--mtp-head`, hybridrt.mtp_head) may cover only a draft vocabulary: its logits
+row i is token `draft_ids[i]`. The picker chooses among those rows and the choice (and, sampled,
+q's candidate ids) is mapped back to token ids, so q is exactly zero off the draft vocabulary and
+the acceptance rule (min(1, p/q), residual max(0, p - q)) needs nothing special.
 """
 from __future__ import annotations
 
@@ -36,7 +41,8 @@ class MTPSource:
         self.tokens: list[int] = []                 # committed tokens at positions >= synced
         self.prev_hidden: list[torch.Tensor] = []   # trunk hidden of the position before each
         self.last_hidden: torch.Tensor | None = None    # trunk hidden of the last observed position
-        self.row = torch.empty(1, session.model.n_vocab)
+        self.draft_ids = getattr(mtp, "draft_ids", None)
+        self.row = torch.empty(1, session.model.n_vocab if self.draft_ids is None else len(self.draft_ids))
 
     def observe(self, start: int, tokens: Sequence[int], hidden: torch.Tensor | None) -> None:
         for j, token in enumerate(tokens):
@@ -70,8 +76,18 @@ class MTPSource:
         h = self._write(tokens, hiddens, start)
         self.synced, self.tokens, self.prev_hidden = pos + 1, [], []
         for i in range(n_max):
-            logits = self.mtp.head(h, out=self.row)[0]
-            if not self.picker.add(draft, logits) or i == n_max - 1:
+            if not self.add(draft, self.mtp.head(h, out=self.row)[0]) or i == n_max - 1:
                 break
             _, h = self.mtp.step(self.state, torch.tensor(draft.tokens[-1:]), h, pos + 1 + i, logits=False)
         return draft
+
+    def add(self, draft: Draft, logits_row: torch.Tensor) -> bool:
+        """Append the token the picker chooses from the head's logits row; with a draft vocabulary
+        the chosen row (and q's candidate rows) are renamed to token ids."""
+        if not self.picker.add(draft, logits_row):
+            return False
+        if self.draft_ids is not None:
+            draft.tokens[-1] = int(self.draft_ids[draft.tokens[-1]])
+            if draft.q_ids is not None:
+                draft.q_ids[-1] = self.draft_ids[draft.q_ids[-1]]
+        return True

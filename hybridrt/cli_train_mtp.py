@@ -1,0 +1,56 @@
+"""`hybridrt train-mtp`: train an MTP draft head for a target that has none (hybridrt/train_mtp)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .errors import UserError
+
+MODEL_HELP = "GGUF path or a known name (gemma3-270m, smollm2-135m) of the target"
+
+
+def train_mtp(
+    model: str = typer.Option(..., "-m", "--model", help=MODEL_HELP),
+    out: Path = typer.Option(..., "-o", "--out", help="The head GGUF to write (HEAD.gguf.data.pt and HEAD.gguf.ckpt are kept beside it so a run resumes)."),
+    tokens: int = typer.Option(16384, "--tokens", help="Training tokens the target generates for itself."),
+    steps: int = typer.Option(300, "--steps", help="Optimizer steps (early stopping by held-out acceptance may end sooner)."),
+    draft_vocab: int = typer.Option(4096, "--draft-vocab", help="Output rows of the head: the most frequent tokens of the target's own text (0: the full vocabulary)."),
+    seed: int = typer.Option(0, "--seed", help="Every random choice (text sampling, batches) follows it."),
+    threads: Optional[int] = typer.Option(None, "-t", "--threads", help="CPU threads (default: all cores)."),
+    loss: str = typer.Option("kl", "--loss", help="kl: KL to the target's logits over the draft vocabulary; argmax: cross-entropy to their argmax."),
+    lr: float = typer.Option(5e-4, "--lr", help="Peak learning rate (AdamW, warm-up then cosine)."),
+    batch: int = typer.Option(8, "--batch", help="Sequences per step."),
+    gen_len: int = typer.Option(192, "--gen-len", help="Tokens per training continuation."),
+    eval_every: int = typer.Option(25, "--eval-every", help="Steps between held-out evaluations."),
+    patience: int = typer.Option(4, "--patience", help="Stop after this many evaluations without a better acceptance."),
+    head_type: str = typer.Option("q8_0", "--head-type", help="Storage of the head's matrices: q8_0, f16, f32."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (no progress bar)."),
+):
+    """Train an MTP (NextN) draft head by self-distillation: the target writes its own text, the head
+    learns the target's token after next; use it with --spec-type draft-mtp --mtp-head HEAD.gguf."""
+    import torch
+
+    from .loader import load_model
+    from .mtp_head import block_kind
+    from .train_mtp import TrainConfig, train_mtp as run_training
+
+    cfg = TrainConfig(tokens=tokens, steps=steps, draft_vocab=draft_vocab, seed=seed, loss=loss, lr=lr,
+                      batch=batch, gen_len=gen_len, eval_every=eval_every, patience=patience, head_type=head_type)
+    if not out.parent.exists():
+        raise UserError(f"-o {out}: directory {out.parent} does not exist")
+    m = load_model(model, threads=threads)
+    torch.set_num_threads(threads or torch.get_num_threads() or 1)
+    block_kind(m.arch)      # an unsupported target is one error line before any work
+    r = run_training(m, out, cfg, quiet=as_json)
+    summary = {"head": str(r.path), "heldout_acceptance": r.acceptance, "steps": r.steps, "draft_vocab": r.draft_vocab,
+               "train_tokens": r.n_train_tokens, "wall_s": round(r.wall_s, 1), "cpu_s": round(r.cpu_s, 1),
+               "history": r.history}
+    if as_json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(f"wrote {r.path}: held-out greedy acceptance {r.acceptance:.1%} after {r.steps} steps, "
+              f"draft vocabulary {r.draft_vocab}, {r.n_train_tokens} training tokens, "
+              f"{r.wall_s:.0f} s wall / {r.cpu_s:.0f} s CPU")

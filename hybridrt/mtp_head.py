@@ -1,0 +1,216 @@
+"""A trained MTP (NextN) head in a GGUF of its own, loaded next to a target that has none.
+
+`hybridrt train-mtp` writes it; `load_model(..., mtp_head=PATH)` (`--mtp-head`) binds it as
+`model.mtp`, and `speculative.draft_mtp.MTPSource` drafts with it through the same `step` / `head`
+calls it makes on qwen35's built-in head.
+
+The block is qwen35's NextN layout with a block of the target's own kind:
+  e = RMSNorm(embed(t); enorm), hn = RMSNorm(h; hnorm), x = eh_proj [e ; hn],
+  x = block(x)  (the target's attention + FFN layer shape, attention over the head's own KV),
+  logits = head(RMSNorm(x; head_norm))
+where h is the target's final-normed hidden of the position before t. The output layer may cover
+only a draft vocabulary (`mtp_head.draft_vocab`, token ids): drafts are then only ever those
+tokens, and `MTPSource` maps the head's row index back to the token id.
+
+Tensor names: mtp.{enorm,hnorm,eh_proj,head_norm,head}.weight and the block's own names under the
+`mtp` prefix (attn_norm, attn_q/k/v/output, attn_q_norm/attn_k_norm, ffn_norm, ffn_gate/up/down,
+and gemma3's post_attention_norm / post_ffw_norm).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gpu_kernels.norms import rms_norm
+
+from .backends import WeightBinder
+from .errors import UserError
+from .gguf_file import GGUFError, GGUFFile
+from .kv_cache import KVCache
+from .models.common import Attention, AttentionSpec, ModelState
+
+HEAD_ARCH = "mtp_head"
+PREFIX = "mtp"
+SUPPORTED_TARGETS = ("llama", "qwen3", "gemma3", "qwen35")
+KV_KEY = "mtp_kv"       # ModelState.extra entry holding the head's own KV cache
+
+
+@dataclass(frozen=True)
+class BlockKind:
+    """What kind of transformer block the head carries: the target's own."""
+    act: str                # "silu" or "gelu_tanh"
+    sandwich: bool          # gemma3: RMSNorm after the attention and after the FFN output
+    ffn_norm: str           # the pre-FFN norm's tensor name in the target (qwen35: post_attention_norm)
+
+
+def block_kind(arch: str) -> BlockKind:
+    if arch == "gemma3":
+        return BlockKind(act="gelu_tanh", sandwich=True, ffn_norm="ffn_norm")
+    if arch == "qwen35":
+        return BlockKind(act="silu", sandwich=False, ffn_norm="post_attention_norm")
+    if arch in ("llama", "qwen3"):
+        return BlockKind(act="silu", sandwich=False, ffn_norm="ffn_norm")
+    raise UserError(f"train-mtp / --mtp-head: {arch} targets are not supported "
+                    f"(one of: {', '.join(SUPPORTED_TARGETS)})")
+
+
+def head_attention_spec(model) -> tuple[int, AttentionSpec]:
+    """The index and attention spec of the target's last full-context attention layer: the layer the
+    head's block copies its shape (and its initial weights) from. Every model here keeps
+    (norm, mixer, ...) tuples in `model.layers`."""
+    for i in reversed(range(len(model.layers))):
+        mixer = model.layers[i][1]
+        if isinstance(mixer, Attention) and mixer.spec.window == 0:
+            return i, dataclasses.replace(mixer.spec, first_pos=1)
+    raise UserError(f"{model.arch}: no full-attention layer to build an MTP head from")
+
+
+def target_fingerprint(gguf: GGUFFile) -> str:
+    """sha256 of the output matrix's bytes (the token embedding when it is tied): what the head's
+    draft logits are trained against, so a head refuses any other target's weights."""
+    name = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
+    return hashlib.sha256(gguf.tensor_bytes(name).tobytes()).hexdigest()
+
+
+class TrainedMTPHead:
+    """The loaded head: `step` writes its KV and returns its output hidden, `head` its logits over
+    the draft vocabulary (`draft_ids[i]` is row i's token; None: the full vocabulary)."""
+
+    def __init__(self, w: WeightBinder, model, kind: BlockKind, spec: AttentionSpec,
+                 draft_ids: torch.Tensor | None):
+        p = PREFIX
+        self.model, self.kind, self.eps = model, kind, model.eps
+        self.enorm = w.dense(f"{p}.enorm.weight")
+        self.hnorm = w.dense(f"{p}.hnorm.weight")
+        self.eh_proj = w.linear(f"{p}.eh_proj.weight")
+        self.attn_norm = w.dense(f"{p}.attn_norm.weight")
+        self.attn = Attention(w, p, spec, cache_index=0)
+        self.ffn_norm = w.dense(f"{p}.ffn_norm.weight")
+        self.ffn = w.glu_ffn(p, act=kind.act)
+        if kind.sandwich:
+            self.post_attn_norm = w.dense(f"{p}.post_attention_norm.weight")
+            self.post_ffn_norm = w.dense(f"{p}.post_ffw_norm.weight")
+        self.head_norm = w.dense(f"{p}.head_norm.weight")
+        self.output = w.linear(f"{p}.head.weight")
+        self.spec, self.draft_ids = spec, draft_ids
+        self.n_out = self.output.n_out
+
+    def _kv(self, state: ModelState) -> KVCache:
+        # the head's cache lives with the session's state (qwen35 sessions already make one)
+        kv = getattr(state, "mtp_kv", None)
+        kv = state.extra.get(KV_KEY) if kv is None else kv
+        if kv is None:
+            s = self.spec
+            kv = KVCache(1, state.n_ctx, s.n_kv, s.head_dim, s.head_dim_v, torch.float32, self.model.device)
+            state.extra[KV_KEY] = kv
+        return kv
+
+    def step(self, state: ModelState, tokens: torch.Tensor, hidden: torch.Tensor, start_pos: int,
+             logits: bool = True, out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """As qwen35's MTPHead.step: tokens at [start_pos, +n) with the hidden of the position before
+        each; returns (logits or None, the head's output hidden for chaining)."""
+        n = tokens.shape[0]
+        pos_list = list(range(start_pos, start_pos + n))
+        e = rms_norm(self.model.embed(tokens), self.enorm, self.eps)
+        hn = rms_norm(hidden, self.hnorm, self.eps)
+        x = self.eh_proj(torch.cat((e, hn), dim=-1))
+        head_state = ModelState(n_ctx=state.n_ctx, kv=self._kv(state), rope=state.rope, rope_rows=state.rope_rows)
+        a = self.attn(rms_norm(x, self.attn_norm, self.eps), head_state, pos_list)
+        x = x + (rms_norm(a, self.post_attn_norm, self.eps) if self.kind.sandwich else a)
+        f = self.ffn(rms_norm(x, self.ffn_norm, self.eps))
+        x = x + (rms_norm(f, self.post_ffn_norm, self.eps) if self.kind.sandwich else f)
+        normed = rms_norm(x, self.head_norm, self.eps)
+        return (self.head(normed, out=out) if logits else None), normed
+
+    def head(self, normed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.output(normed, out=out)
+
+
+HEAD_TYPES = {"f32": "F32", "f16": "F16", "q8_0": "Q8_0"}
+
+
+def write_head(path: str | Path, tensors: dict[str, np.ndarray], target: GGUFFile, n_vocab: int,
+               draft_ids: np.ndarray | None, head_type: str = "q8_0", extra: dict | None = None) -> Path:
+    """Write a head GGUF: `tensors` maps names under the `mtp` prefix to float32 arrays in numpy
+    order ([rows, row length]); matrices are stored as `head_type` (norms stay F32)."""
+    import gguf
+    from gguf import quants
+
+    qtype = gguf.GGMLQuantizationType[HEAD_TYPES[head_type]]
+    w = gguf.GGUFWriter(str(path), HEAD_ARCH)
+    target_name = target.get("general.name", Path(target.path).name)
+    w.add_name(f"MTP head for {target_name}")
+    w.add_string(f"{HEAD_ARCH}.target.architecture", target.arch)
+    w.add_uint32(f"{HEAD_ARCH}.target.n_embd", int(target.get("embedding_length")))
+    w.add_uint32(f"{HEAD_ARCH}.target.n_vocab", int(n_vocab))
+    w.add_string(f"{HEAD_ARCH}.target.fingerprint", target_fingerprint(target))
+    w.add_string(f"{HEAD_ARCH}.target.file", Path(target.path).name)
+    if draft_ids is not None:
+        w.add_array(f"{HEAD_ARCH}.draft_vocab", [int(i) for i in draft_ids])
+    for key, value in (extra or {}).items():
+        if isinstance(value, str):
+            w.add_string(f"{HEAD_ARCH}.train.{key}", value)
+        elif isinstance(value, float):
+            w.add_float32(f"{HEAD_ARCH}.train.{key}", value)
+        else:
+            w.add_uint32(f"{HEAD_ARCH}.train.{key}", int(value))
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name], dtype=np.float32)
+        if a.ndim < 2 or qtype == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, a)
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            w.add_tensor(name, a.astype(np.float16))
+        else:
+            w.add_tensor(name, quants.quantize(a, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
+
+def _meta(f: GGUFFile, key: str):
+    value = f.metadata.get(f"{HEAD_ARCH}.{key}")
+    if value is None:
+        raise UserError(f"--mtp-head {f.path}: not an MTP head file (no {HEAD_ARCH}.{key}); "
+                        f"write one with `hybridrt train-mtp`")
+    return value
+
+
+def load_mtp_head(model, path: str | Path, tensor_devices: dict[str, str] | None = None) -> TrainedMTPHead:
+    """Bind the head at `path` to `model`, refusing a head trained for another target."""
+    try:
+        f = GGUFFile(path)
+    except (OSError, GGUFError) as exc:
+        raise UserError(f"--mtp-head {path}: {exc}") from None
+    if f.arch != HEAD_ARCH:
+        raise UserError(f"--mtp-head {path}: not an MTP head file (architecture '{f.arch}'); "
+                        f"write one with `hybridrt train-mtp`")
+    target = {"architecture": str(_meta(f, "target.architecture")),
+              "n_embd": int(_meta(f, "target.n_embd")),
+              "n_vocab": int(_meta(f, "target.n_vocab")),
+              "fingerprint": str(_meta(f, "target.fingerprint"))}
+    have = {"architecture": model.arch, "n_embd": model.n_embd, "n_vocab": model.n_vocab,
+            "fingerprint": target_fingerprint(model.gguf)}
+    for key, want in target.items():
+        if have[key] != want:
+            what = f"{want[:12]}..." if key == "fingerprint" else want
+            got = f"{have[key][:12]}..." if key == "fingerprint" else have[key]
+            raise UserError(f"--mtp-head {path} was trained for another target: its {key} is {what}, "
+                            f"the model's is {got}")
+    kind = block_kind(model.arch)
+    _, spec = head_attention_spec(model)
+    ids = f.metadata.get(f"{HEAD_ARCH}.draft_vocab")
+    draft_ids = torch.from_numpy(np.asarray(ids, dtype=np.int64).copy()) if ids is not None else None
+    binder = WeightBinder(f, model.device, tensor_devices, device_dtype=model.binder.device_dtype,
+                          exact=model.binder.exact)
+    head = TrainedMTPHead(binder, model, kind, spec, draft_ids)
+    want_rows = len(draft_ids) if draft_ids is not None else model.n_vocab
+    if head.n_out != want_rows:
+        raise UserError(f"--mtp-head {path}: output layer has {head.n_out} rows for {want_rows} draft tokens")
+    return head

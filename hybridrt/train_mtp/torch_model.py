@@ -1,0 +1,254 @@
+"""The trainable MTP head and the batched teacher, in plain torch (float32, autograd, CPU).
+
+One `TorchBlock` implements a transformer block of the target's kind (llama / qwen3 / gemma3 /
+qwen35's gated attention) over a batch of sequences: it is the head's block while training, and
+every layer of `TorchTeacher`, the target run on many sequences at once to write the training text
+(hybridrt's own decoding runs one sequence at a time, ~10x slower per token for this). The same
+rms_norm / rotary functions as the runtime are used, so the exported head computes what was trained.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cpu_kernels.dequant import dequantize, gather_rows
+from gpu_kernels.norms import rms_norm
+from gpu_kernels.rotary import RotaryRows, apply_rotary, rotary_table
+
+from ..models.common import AttentionSpec
+from ..mtp_head import BlockKind, head_attention_spec
+
+ATTN = ("attn_q", "attn_k", "attn_v", "attn_output")
+FFN = ("ffn_gate", "ffn_up", "ffn_down")
+
+
+def read_f32(gguf, name: str) -> torch.Tensor:
+    """A tensor of the target, dequantized to float32 in numpy order."""
+    info = gguf.tensors[name]
+    values = dequantize(gguf.tensor_bytes(name), info.qtype, info.shape[0])
+    return torch.from_numpy(values.reshape(tuple(reversed(info.shape))).copy())
+
+
+def block_tensor_names(kind: BlockKind, spec: AttentionSpec) -> dict[str, str]:
+    """The head's block tensor (its own name) -> the target layer's tensor suffix it starts from."""
+    names = {n: n for n in ATTN + FFN + ("attn_norm",)}
+    names["ffn_norm"] = kind.ffn_norm
+    if spec.qk_norm:
+        names.update(attn_q_norm="attn_q_norm", attn_k_norm="attn_k_norm")
+    if kind.sandwich:
+        names.update(post_attention_norm="post_attention_norm", post_ffw_norm="post_ffw_norm")
+    return names
+
+
+class Rotary:
+    """cos/sin tables of one rope spec, gathered for [batch, tokens] positions."""
+
+    def __init__(self, spec: AttentionSpec, n_ctx: int):
+        self.table = rotary_table(n_ctx, spec.rope.n_rot, spec.rope.base, spec.rope.neox, spec.rope.scale)
+
+    def rows(self, pos: torch.Tensor) -> RotaryRows:
+        t = self.table
+        return RotaryRows(t.cos[pos].unsqueeze(-2), t.sin[pos].unsqueeze(-2), t.n_rot, t.neox)
+
+
+class TorchBlock(nn.Module):
+    def __init__(self, weights: dict[str, torch.Tensor], spec: AttentionSpec, kind: BlockKind, eps: float):
+        super().__init__()
+        self.spec, self.kind, self.eps = spec, kind, eps
+        self.w = nn.ParameterDict({k: nn.Parameter(v.clone()) for k, v in weights.items()})
+
+    def attention(self, x: torch.Tensor, rot: RotaryRows, mask: torch.Tensor, cache: dict | None) -> torch.Tensor:
+        s, w = self.spec, self.w
+        b, t, _ = x.shape
+        q = x @ w["attn_q"].T
+        k = (x @ w["attn_k"].T).view(b, t, s.n_kv, s.head_dim)
+        v = (x @ w["attn_v"].T).view(b, t, s.n_kv, s.head_dim_v)
+        gate = None
+        if s.gated:
+            q = q.view(b, t, s.n_head, 2 * s.head_dim)
+            q, gate = q[..., :s.head_dim], q[..., s.head_dim:].reshape(b, t, s.n_head * s.head_dim)
+        else:
+            q = q.view(b, t, s.n_head, s.head_dim)
+        if s.qk_norm:
+            q = rms_norm(q, w["attn_q_norm"], s.eps)
+            k = rms_norm(k, w["attn_k_norm"], s.eps)
+        q, k = apply_rotary(q, rot), apply_rotary(k, rot)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)          # [b, n_kv, t, d]
+        if cache is not None:
+            if "k" in cache:
+                k, v = torch.cat((cache["k"], k), dim=2), torch.cat((cache["v"], v), dim=2)
+            cache["k"], cache["v"] = k, v
+        group = s.n_head // s.n_kv
+        if group > 1:       # head h reads kv head h // group (as gpu_kernels.attention.attend)
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=s.scale)
+        o = o.transpose(1, 2).reshape(b, t, s.n_head * s.head_dim_v)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return o @ w["attn_output"].T
+
+    def forward(self, x: torch.Tensor, rot: RotaryRows, mask: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
+        w, eps, kind = self.w, self.eps, self.kind
+        a = self.attention(rms_norm(x, w["attn_norm"], eps), rot, mask, cache)
+        x = x + (rms_norm(a, w["post_attention_norm"], eps) if kind.sandwich else a)
+        h = rms_norm(x, w["ffn_norm"], eps)
+        g = h @ w["ffn_gate"].T
+        g = F.silu(g) if kind.act == "silu" else F.gelu(g, approximate="tanh")
+        f = (g * (h @ w["ffn_up"].T)) @ w["ffn_down"].T
+        return x + (rms_norm(f, w["post_ffw_norm"], eps) if kind.sandwich else f)
+
+
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor, window: int) -> torch.Tensor:
+    """Attention mask [b, 1, tq, tk]: causal over positions, padding keys hidden, sliding window."""
+    m = (k_pos[:, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]
+    if window > 0:
+        m &= q_pos[:, :, None] - k_pos[:, None, :] < window
+    # a padding query that sees nothing would give NaN rows (and NaN keys for later queries to
+    # multiply by zero): let it see the first slot
+    m[..., 0] |= ~m.any(-1)
+    return m[:, None]
+
+
+class MTPHeadModule(nn.Module):
+    """The head being trained: enorm, hnorm, eh_proj, one block, head_norm, head over the draft
+    vocabulary. `forward(emb, hidden, pos, k_valid)`: emb = the target's embedding of token j,
+    hidden = the target's final hidden of j - 1; returns draft logits [b, t, V]."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], spec: AttentionSpec, kind: BlockKind, eps: float, n_ctx: int):
+        super().__init__()
+        self.eps = eps
+        self.enorm = nn.Parameter(tensors["enorm"].clone())
+        self.hnorm = nn.Parameter(tensors["hnorm"].clone())
+        self.eh_proj = nn.Parameter(tensors["eh_proj"].clone())
+        self.block = TorchBlock({k: v for k, v in tensors.items() if k in block_tensor_names(kind, spec)},
+                                spec, kind, eps)
+        self.head_norm = nn.Parameter(tensors["head_norm"].clone())
+        self.head = nn.Parameter(tensors["head"].clone())
+        self.rotary = Rotary(spec, n_ctx)
+
+    def features(self, emb: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, k_valid: torch.Tensor) -> torch.Tensor:
+        e = rms_norm(emb, self.enorm, self.eps)
+        hn = rms_norm(hidden, self.hnorm, self.eps)
+        x = torch.cat((e, hn), dim=-1) @ self.eh_proj.T
+        x = self.block(x, self.rotary.rows(pos), visible(pos, pos, k_valid, 0))
+        return rms_norm(x, self.head_norm, self.eps)
+
+    def forward(self, emb, hidden, pos, k_valid) -> torch.Tensor:
+        return self.features(emb, hidden, pos, k_valid) @ self.head.T
+
+    def export(self) -> dict[str, np.ndarray]:
+        """Tensors under the head file's names (mtp.*.weight)."""
+        out = {"enorm": self.enorm, "hnorm": self.hnorm, "eh_proj": self.eh_proj,
+               "head_norm": self.head_norm, "head": self.head, **dict(self.block.w.items())}
+        return {f"mtp.{k}.weight": v.detach().float().numpy() for k, v in out.items()}
+
+
+def initial_head_tensors(model, draft_ids: torch.Tensor, kind: BlockKind, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """Start from the target: the block from its last full-attention layer, the head norm from its
+    output norm, the head from its output rows of the draft vocabulary, enorm = hnorm = 1 and
+    eh_proj = [I | I] * scale / sqrt(2): the sum of the normed embedding and the normed hidden at
+    `scale`, the RMS of the residual stream the copied layer reads in the target (its attention and
+    FFN outputs are sized for that residual; a unit-RMS input would be drowned by them)."""
+    layer, spec = head_attention_spec(model)
+    g, d = model.gguf, model.n_embd
+    t = {mine: read_f32(g, f"blk.{layer}.{theirs}.weight") for mine, theirs in block_tensor_names(kind, spec).items()}
+    t["enorm"], t["hnorm"] = torch.ones(d), torch.ones(d)
+    t["eh_proj"] = torch.cat((torch.eye(d), torch.eye(d)), dim=1) * (scale / math.sqrt(2))
+    t["head_norm"] = read_f32(g, "output_norm.weight")
+    t["head"] = output_rows(model, draft_ids)
+    return t
+
+
+def output_rows(model, ids: torch.Tensor | None) -> torch.Tensor:
+    """The target's output matrix (rows `ids`, or all) as float32 [rows, n_embd]."""
+    name = "output.weight" if "output.weight" in model.gguf.tensors else "token_embd.weight"
+    info = model.gguf.tensors[name]
+    rows = ids.numpy() if ids is not None else np.arange(info.n_rows, dtype=np.int64)
+    return torch.from_numpy(gather_rows(model.gguf.tensor_bytes(name), info.qtype, info.shape[0], rows))
+
+
+class TorchTeacher:
+    """The target (llama / qwen3 / gemma3) in torch, decoding a batch of prompts at once with a KV
+    cache; prompts are left-padded, each sequence keeping its own positions."""
+
+    SUPPORTED = ("llama", "qwen3", "gemma3")
+
+    def __init__(self, model, kind: BlockKind, n_ctx: int):
+        g = model.gguf
+        self.model, self.n_ctx = model, n_ctx
+        self.embed_rows = read_f32(g, "token_embd.weight")
+        self.output = read_f32(g, "output.weight") if "output.weight" in g.tensors else self.embed_rows
+        self.embed_scale = float(getattr(model, "embed_scale", 1.0))
+        self.output_norm = read_f32(g, "output_norm.weight")
+        self.blocks, self.rotary = [], {}
+        for i, layer in enumerate(model.layers):
+            spec = layer[1].spec
+            names = block_tensor_names(kind, spec)
+            self.blocks.append(TorchBlock({m: read_f32(g, f"blk.{i}.{t}.weight") for m, t in names.items()},
+                                          spec, kind, model.eps).requires_grad_(False))
+            if spec.rope not in self.rotary:
+                self.rotary[spec.rope] = Rotary(spec, n_ctx)
+
+    @torch.no_grad()
+    def residual_rms(self, tokens: list[int], layer: int) -> float:
+        """Median RMS of the residual stream entering `layer` over `tokens` (position 0 excluded:
+        the first token's residual is an outlier in most models)."""
+        ids = torch.tensor([tokens])
+        pos, valid = torch.arange(len(tokens))[None], torch.ones(1, len(tokens), dtype=torch.bool)
+        h = F.embedding(ids, self.embed_rows) * self.embed_scale
+        for block in self.blocks[:layer]:
+            h = block(h, self.rotary[block.spec.rope].rows(pos), visible(pos, pos, valid, block.spec.window))
+        return float(h[0, 1:].pow(2).mean(-1).sqrt().median())
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor,
+             caches: list[dict]) -> torch.Tensor:
+        """tokens/pos [b, t]; k_pos/k_valid [b, cached + t]. Returns last-position logits [b, V]."""
+        h = F.embedding(tokens, self.embed_rows) * self.embed_scale
+        rows = {spec: r.rows(pos) for spec, r in self.rotary.items()}
+        masks = {}
+        for block, cache in zip(self.blocks, caches):
+            w = block.spec.window
+            if w not in masks:
+                masks[w] = visible(pos, k_pos, k_valid, w)
+            h = block(h, rows[block.spec.rope], masks[w], cache)
+        return rms_norm(h[:, -1], self.output_norm, self.model.eps) @ self.output.T
+
+    def generate(self, prompts: list[list[int]], n_new: int, temps: list[float], gen: torch.Generator,
+                 stop_ids: set[int], top_k: int = 40) -> list[list[int]]:
+        """Each prompt continued by up to n_new tokens (temperature temps[i]; 0 = greedy, else
+        top-k sampling), a stop token ending (and included in) its continuation."""
+        b, longest = len(prompts), max(len(p) for p in prompts)
+        pad = torch.tensor([longest - len(p) for p in prompts])
+        tokens = torch.zeros(b, longest, dtype=torch.int64)
+        for i, p in enumerate(prompts):
+            tokens[i, pad[i]:] = torch.tensor(p)
+        slots = torch.arange(longest)[None, :].expand(b, -1)
+        pos = (slots - pad[:, None]).clamp(min=0)
+        k_valid = slots >= pad[:, None]
+        k_pos = pos
+        caches = [{} for _ in self.blocks]
+        temp = torch.tensor(temps, dtype=torch.float32)[:, None]
+        out = [[] for _ in prompts]
+        done = torch.zeros(b, dtype=torch.bool)
+        logits = self.step(tokens, pos, k_pos, k_valid, caches)
+        for _ in range(n_new):
+            top, ids = torch.topk(logits, top_k, dim=-1)
+            probs = torch.softmax(top / temp.clamp(min=1e-6), dim=-1)
+            sampled = ids.gather(1, torch.multinomial(probs, 1, generator=gen))[:, 0]
+            nxt = torch.where(temp[:, 0] > 0, sampled, ids[:, 0])
+            for i in range(b):
+                if not done[i]:
+                    out[i].append(int(nxt[i]))
+                    done[i] = int(nxt[i]) in stop_ids
+            if bool(done.all()):
+                break
+            pos = k_pos[:, -1:] + 1
+            k_pos = torch.cat((k_pos, pos), dim=1)
+            k_valid = torch.cat((k_valid, torch.ones(b, 1, dtype=torch.bool)), dim=1)
+            logits = self.step(nxt[:, None], pos, k_pos, k_valid, caches)
+        return out

@@ -1,0 +1,320 @@
+"""`hybridrt train-mtp`: an MTP head for a target that has none, by self-distillation on the CPU.
+
+1. The frozen target writes its own training text: the built-in training prompts continued at a
+   mix of temperatures (batched in torch for llama / qwen3 / gemma3, hybridrt's own decoding for
+   qwen35), and greedy continuations of the held-out prompts for evaluation.
+2. hybridrt runs the target over that text once (teacher forcing) and keeps its final-normed
+   hidden at every position: exactly the hidden `draft_mtp` feeds the head at run time.
+3. The head learns p(t_(j+1) | h_(j-1), t_j) against the target's own distribution at j (KL to
+   the target's logits restricted to the draft vocabulary, or cross-entropy to their argmax),
+   evaluated by held-out greedy acceptance (head argmax == target argmax); the best evaluation
+   is what gets written.
+Everything is a function of --seed; the text and hiddens are cached next to the output
+(`HEAD.gguf.data.pt`) and the optimizer state checkpointed (`HEAD.gguf.ckpt`) at every
+evaluation, so an interrupted run resumes where it stopped.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import UserError
+from ..mtp_head import HEAD_TYPES, block_kind, head_attention_spec, target_fingerprint, write_head
+from ..sampling import SamplerConfig
+from .prompts import HELDOUT_PROMPTS, TRAIN_PROMPTS, Prompt
+from .torch_model import MTPHeadModule, TorchTeacher, initial_head_tensors, output_rows
+
+TEMPERATURES = (0.0, 0.6, 0.9, 0.3, 1.0)   # cycled over the training continuations
+MAX_SEQ = 512                               # prompt + continuation (one hybridrt prefill chunk)
+LOSSES = ("kl", "argmax")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    tokens: int = 16384          # generated training tokens
+    steps: int = 300             # optimizer steps (early stopping may end sooner)
+    draft_vocab: int = 4096      # output rows of the head (0: the full vocabulary)
+    seed: int = 0
+    loss: str = "kl"
+    lr: float = 5e-4
+    batch: int = 8               # sequences per step
+    gen_len: int = 192           # tokens per training continuation
+    heldout_len: int = 96        # tokens per held-out continuation
+    eval_every: int = 25
+    patience: int = 4            # evaluations without a better acceptance before stopping
+    head_type: str = "q8_0"
+
+    def __post_init__(self):
+        if self.tokens < 1 or self.steps < 1 or self.batch < 1 or self.gen_len < 1 or self.eval_every < 1:
+            raise UserError("train-mtp: --tokens, --steps, --batch, --gen-len and --eval-every must be positive")
+        if self.draft_vocab < 0:
+            raise UserError("train-mtp: --draft-vocab must be >= 0 (0: the full vocabulary)")
+        if self.loss not in LOSSES:
+            raise UserError(f"train-mtp: --loss must be one of {', '.join(LOSSES)}")
+        if self.head_type not in HEAD_TYPES:
+            raise UserError(f"train-mtp: --head-type must be one of {', '.join(HEAD_TYPES)}")
+
+
+@dataclass
+class Sequence:
+    tokens: torch.Tensor       # [L] int64: prompt + continuation
+    hidden: torch.Tensor       # [L, n_embd] the target's final-normed hidden at each position
+    n_prompt: int
+    argmax: torch.Tensor | None = None     # held-out: the target's argmax at each position
+
+
+@dataclass
+class TrainResult:
+    path: Path
+    acceptance: float          # best held-out greedy acceptance (n_max 1)
+    steps: int
+    draft_vocab: int
+    n_train_tokens: int
+    wall_s: float
+    cpu_s: float
+    history: list
+
+
+# --- 1. text ------------------------------------------------------------------------------------
+def prompt_ids(model, p: Prompt) -> list[int]:
+    if p.kind == "chat" and model.tokenizer.chat_template is not None:
+        text = model.tokenizer.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True)
+        return model.tokenize(text, add_special=True, parse_special=True)
+    return model.tokenize(p.text, add_special=True)
+
+
+def write_text(model, teacher: TorchTeacher | None, prompts: list[list[int]], temps: list[float], n_new: int,
+               seed: int, progress, label: str, group: int = 32) -> list[list[int]]:
+    """Continuations of `prompts`, batched through the torch teacher where the architecture has one."""
+    stop = set(model.tokenizer.eog_ids)
+    gen = torch.Generator().manual_seed(seed)
+    task = progress.add_task(label, total=len(prompts), info="")
+    out: list[list[int]] = []
+    if teacher is not None:
+        for lo in range(0, len(prompts), group):
+            out += teacher.generate(prompts[lo:lo + group], n_new, temps[lo:lo + group], gen, stop)
+            progress.update(task, completed=len(out), info=f"{sum(map(len, out))} tokens")
+        return out
+    from ..generate import generate
+
+    session = model.session(n_ctx=MAX_SEQ, k_max=1)
+    for i, (ids, temp) in enumerate(zip(prompts, temps)):
+        sampler = SamplerConfig(temp=temp, top_k=40, top_p=1.0, min_p=0.0, seed=seed * 7919 + i)
+        tokens, stats = generate(model, session, ids, n_new, sampler, stop_ids=set())
+        cut = next((j + 1 for j, t in enumerate(tokens) if t in stop), len(tokens))
+        out.append(tokens[:cut])
+        progress.update(task, completed=len(out), info=f"{sum(map(len, out))} tokens")
+    return out
+
+
+# --- 2. teacher forcing ---------------------------------------------------------------------------
+def teacher_force(model, seqs: list[list[int]], n_prompt: list[int], progress, label: str,
+                  with_argmax: bool = False) -> list[Sequence]:
+    session = model.session(n_ctx=MAX_SEQ, k_max=1)
+    task = progress.add_task(label, total=len(seqs), info="")
+    out = []
+    for ids, p in zip(seqs, n_prompt):
+        logits = session.eval(ids, start_pos=0, logits="all" if with_argmax else "none")
+        out.append(Sequence(torch.tensor(ids), session.hidden.clone(), p,
+                            torch.argmax(logits, dim=-1) if with_argmax else None))
+        progress.advance(task)
+    return out
+
+
+def pick_draft_vocab(train: list[Sequence], n_vocab: int, size: int) -> torch.Tensor | None:
+    """The `size` most frequent tokens of the target's own text (ties: lower id first), or None for
+    the full vocabulary."""
+    if size == 0 or size >= n_vocab:
+        return None
+    counts = torch.zeros(n_vocab, dtype=torch.int64)
+    for s in train:
+        counts.index_add_(0, s.tokens, torch.ones_like(s.tokens))
+    order = sorted(range(n_vocab), key=lambda t: (-int(counts[t]), t))[:size]
+    return torch.tensor(sorted(order), dtype=torch.int64)
+
+
+# --- 3. training ----------------------------------------------------------------------------------
+def batch_inputs(model, seqs: list[Sequence]):
+    """Entries j = 1..L-1 of each sequence (token j with the hidden of j - 1), right-padded.
+    Returns emb, hidden_in, hidden_target, pos, valid [b, t] (valid: a real entry)."""
+    t = max(len(s.tokens) for s in seqs) - 1
+    b, d = len(seqs), seqs[0].hidden.shape[1]
+    tokens = torch.zeros(b, t, dtype=torch.int64)
+    h_in, h_tgt = torch.zeros(b, t, d), torch.zeros(b, t, d)
+    valid = torch.zeros(b, t, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        n = len(s.tokens) - 1
+        tokens[i, :n] = s.tokens[1:]
+        h_in[i, :n], h_tgt[i, :n] = s.hidden[:-1], s.hidden[1:]
+        valid[i, :n] = True
+    emb = model.embed(tokens.reshape(-1)).reshape(b, t, d)
+    pos = torch.arange(1, t + 1)[None, :].expand(b, -1)
+    return emb, h_in, h_tgt, pos, valid
+
+
+def loss_of(head: MTPHeadModule, w_draft: torch.Tensor, batch, loss: str) -> torch.Tensor:
+    emb, h_in, h_tgt, pos, valid = batch
+    logq = torch.log_softmax(head(emb, h_in, pos, torch.ones_like(valid)), dim=-1)
+    with torch.no_grad():
+        target = h_tgt @ w_draft.T      # the target's logits over the draft vocabulary
+    if loss == "kl":
+        logp = torch.log_softmax(target, dim=-1)
+        per = (logp.exp() * (logp - logq)).sum(-1)
+    else:
+        per = -logq.gather(-1, target.argmax(-1, keepdim=True))[..., 0]
+    return per[valid].mean()
+
+
+@torch.no_grad()
+def heldout_acceptance(model, head: MTPHeadModule, heldout: list[Sequence], draft_ids: torch.Tensor | None) -> float:
+    """Greedy n_max 1 acceptance on the held-out continuations: at each generated position j the
+    head (fed t_j and h_(j-1)) drafts t_(j+1); it is kept iff it is the target's argmax at j."""
+    hits = total = 0
+    for s in heldout:
+        emb, h_in, _, pos, valid = batch_inputs(model, [s])
+        draft = head(emb, h_in, pos, valid).argmax(-1)[0]          # entry j - 1 is position j
+        if draft_ids is not None:
+            draft = draft_ids[draft]
+        j = torch.arange(max(s.n_prompt, 1), len(s.tokens))
+        hits += int((draft[j - 1] == s.argmax[j]).sum())
+        total += len(j)
+    return hits / max(total, 1)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    warm = min(20, cfg.steps // 10 + 1)
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    frac = (step - warm) / max(1, cfg.steps - warm)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+
+def _signature(model, cfg: TrainConfig, what: str, init: float = 0.0) -> str:
+    """What the cached text ("data") or the checkpoint ("ckpt", with the block's starting scale)
+    depends on: when any of it changes, that stage starts afresh instead of resuming."""
+    keys = {k: v for k, v in asdict(cfg).items() if what == "ckpt" or k in ("tokens", "seed", "gen_len", "heldout_len")}
+    prompts = [(p.kind, p.text) for p in TRAIN_PROMPTS + HELDOUT_PROMPTS]
+    blob = json.dumps([target_fingerprint(model.gguf), keys, prompts if what == "data" else init], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _progress():
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TimeRemainingColumn(), TextColumn("{task.fields[info]}"), transient=False)
+
+
+def residual_scale(model, tokens: list[int]) -> float:
+    """The residual RMS the head's block starts at: the target's, for a pre-norm block (llama,
+    qwen3; SmolLM2 ~30: held-out acceptance 14 % vs 11.5 % from unit scale, same data). 1.0 for
+    gemma3, whose residual (RMS ~1280) is a few huge channels: starting there gave KL ~250 and 6 %
+    after 100 steps. 1.0 where there is no torch teacher (qwen35)."""
+    kind = block_kind(model.arch)
+    if model.arch not in TorchTeacher.SUPPORTED or kind.sandwich:
+        return 1.0
+    return TorchTeacher(model, kind, MAX_SEQ).residual_rms(tokens, head_attention_spec(model)[0])
+
+
+def prepare_data(model, cfg: TrainConfig, cache: Path, progress) -> tuple[list[Sequence], list[Sequence]]:
+    sig = _signature(model, cfg, "data")
+    if cache.exists():
+        saved = torch.load(cache, weights_only=False)
+        if saved.get("signature") == sig:
+            return saved["train"], saved["heldout"]
+    threads = torch.get_num_threads()
+    n_cont = max(1, math.ceil(cfg.tokens / cfg.gen_len))
+    train_prompts = [TRAIN_PROMPTS[i % len(TRAIN_PROMPTS)] for i in range(n_cont)]
+    train_ids = [prompt_ids(model, p) for p in train_prompts]
+    temps = [TEMPERATURES[(i // len(TRAIN_PROMPTS) + i) % len(TEMPERATURES)] for i in range(n_cont)]
+    held_ids = [prompt_ids(model, p) for p in HELDOUT_PROMPTS]
+    for ids in train_ids + held_ids:
+        if len(ids) + max(cfg.gen_len, cfg.heldout_len) > MAX_SEQ:
+            raise UserError(f"train-mtp: a built-in prompt plus its continuation exceeds {MAX_SEQ} tokens")
+    teacher = TorchTeacher(model, block_kind(model.arch), MAX_SEQ) if model.arch in TorchTeacher.SUPPORTED else None
+    new = write_text(model, teacher, train_ids, temps, cfg.gen_len, cfg.seed, progress, "training text")
+    held_new = write_text(model, teacher, held_ids, [0.0] * len(held_ids), cfg.heldout_len, cfg.seed + 1,
+                          progress, "held-out text")
+    del teacher
+    torch.set_num_threads(1)        # hybridrt's trunk runs torch single-threaded next to Numba's pool
+    train = teacher_force(model, [p + c for p, c in zip(train_ids, new)], [len(p) for p in train_ids],
+                          progress, "teacher forcing")
+    heldout = teacher_force(model, [p + c for p, c in zip(held_ids, held_new)], [len(p) for p in held_ids],
+                            progress, "held-out targets", with_argmax=True)
+    torch.set_num_threads(threads)
+    torch.save({"signature": sig, "train": train, "heldout": heldout}, cache)
+    return train, heldout
+
+
+def train_mtp(model, out: str | Path, cfg: TrainConfig, quiet: bool = False) -> TrainResult:
+    """Train and write a head for `model` (a loaded hybridrt Model) to `out`."""
+    out = Path(out)
+    kind = block_kind(model.arch)
+    t_wall, t_cpu = time.perf_counter(), time.process_time()
+    torch.manual_seed(cfg.seed)
+    progress = _progress()
+    progress.disable = quiet
+    with progress:
+        train, heldout = prepare_data(model, cfg, Path(f"{out}.data.pt"), progress)
+        scale = residual_scale(model, train[0].tokens.tolist())
+        draft_ids = pick_draft_vocab(train, model.n_vocab, cfg.draft_vocab)
+        _, spec = head_attention_spec(model)
+        head = MTPHeadModule(initial_head_tensors(model, draft_ids, kind, scale), spec, kind, model.eps, MAX_SEQ + 1)
+        w_draft = output_rows(model, draft_ids)
+        opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
+        start, best_acc, best_state, stale, history = 0, heldout_acceptance(model, head, heldout, draft_ids), None, 0, []
+        history.append({"step": 0, "acceptance": best_acc})
+        ckpt, sig = Path(f"{out}.ckpt"), _signature(model, cfg, "ckpt", scale)
+        if ckpt.exists():
+            saved = torch.load(ckpt, weights_only=False)
+            if saved.get("signature") == sig:
+                head.load_state_dict(saved["head"])
+                opt.load_state_dict(saved["opt"])
+                start, best_acc, best_state = saved["step"], saved["best_acc"], saved["best"]
+                stale, history = saved["stale"], saved["history"]
+        best_state = best_state or {k: v.clone() for k, v in head.state_dict().items()}
+        task = progress.add_task("training", total=cfg.steps, completed=start,
+                                 info=f"held-out acceptance {best_acc:.1%}")
+        loss_avg = None
+        for step in range(start, cfg.steps):
+            if stale >= cfg.patience:
+                break
+            g = torch.Generator().manual_seed(cfg.seed * 100_003 + step)
+            pick = torch.randperm(len(train), generator=g)[:cfg.batch].tolist()
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, cfg)
+            loss = loss_of(head, w_draft, batch_inputs(model, [train[i] for i in pick]), cfg.loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            value = float(loss.detach())
+            loss_avg = value if loss_avg is None else 0.9 * loss_avg + 0.1 * value
+            done = step + 1
+            if done % cfg.eval_every == 0 or done == cfg.steps:
+                acc = heldout_acceptance(model, head, heldout, draft_ids)
+                history.append({"step": done, "loss": loss_avg, "acceptance": acc})
+                if acc > best_acc:
+                    best_acc, stale = acc, 0
+                    best_state = {k: v.clone() for k, v in head.state_dict().items()}
+                else:
+                    stale += 1
+                torch.save({"signature": sig, "step": done, "head": head.state_dict(), "opt": opt.state_dict(),
+                            "best": best_state, "best_acc": best_acc, "stale": stale, "history": history}, ckpt)
+            progress.update(task, completed=done,
+                            info=f"loss {loss_avg:.3f}  held-out acceptance {history[-1]['acceptance']:.1%} "
+                                 f"(best {best_acc:.1%})")
+    head.load_state_dict(best_state)
+    n_tokens = sum(len(s.tokens) - s.n_prompt for s in train)
+    wall, cpu = time.perf_counter() - t_wall, time.process_time() - t_cpu
+    write_head(out, head.export(), model.gguf, model.n_vocab, draft_ids.numpy() if draft_ids is not None else None,
+               cfg.head_type, extra={"heldout_acceptance": float(best_acc), "steps": int(history[-1]["step"]),
+                                     "tokens": n_tokens, "seed": cfg.seed, "loss": cfg.loss})
+    return TrainResult(out, best_acc, int(history[-1]["step"]), len(draft_ids) if draft_ids is not None else model.n_vocab,
+                       n_tokens, wall, cpu, history)

@@ -1,0 +1,261 @@
+"""`hybridrt train-mtp` and trained MTP heads on tiny files: the torch teacher and head against
+hybridrt's own forward, the head GGUF round trip, target mismatch errors, determinism and resume,
+greedy parity with a trained head (llama, and qwen35 replacing its built-in head), and exact
+sampled acceptance with a reduced draft vocabulary (q zero off it), with a negative control."""
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import make_model
+from hybridrt.errors import UserError
+from hybridrt.generate import generate
+from hybridrt.loader import load_model
+from hybridrt.mtp_head import TrainedMTPHead, block_kind, head_attention_spec
+from hybridrt.models.qwen35 import MTPHead
+from hybridrt.sampling import SamplerConfig, dense_probs
+from hybridrt.speculative.acceptance import SampledAcceptor
+from hybridrt.speculative.loop import SpecConfig, speculative_generate
+from hybridrt.speculative.sources import build_source
+from hybridrt.train_mtp import TrainConfig, train_mtp
+from hybridrt.train_mtp import train as train_module
+from hybridrt.train_mtp.torch_model import MTPHeadModule, TorchTeacher
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+TINY = TrainConfig(tokens=96, steps=4, draft_vocab=48, seed=3, batch=4, gen_len=16, heldout_len=12,
+                   eval_every=2, patience=10)
+GREEDY = SamplerConfig(temp=0.0)
+
+
+def _train(model_path, out, cfg=TINY, **load):
+    m = load_model(model_path, exact_activations=True, **load)
+    return train_mtp(m, out, cfg, quiet=True)
+
+
+@pytest.fixture(scope="module")
+def llama_head(tiny_llama, tmp_path_factory):
+    return _train(tiny_llama, tmp_path_factory.mktemp("heads") / "llama.mtp.gguf").path
+
+
+@pytest.fixture(scope="module")
+def qwen35_head(tiny_qwen35_mtp, tmp_path_factory):
+    return _train(tiny_qwen35_mtp, tmp_path_factory.mktemp("heads") / "qwen35.mtp.gguf").path
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3"])
+def test_torch_teacher_matches_hybridrt(arch, tmp_path):
+    """The batched torch teacher (left-padded prompts, incremental KV) gives hybridrt's logits."""
+    path = make_model.write_model(tmp_path / f"{arch}.gguf", arch, seed=1)
+    m = load_model(path, exact_activations=True)
+    teacher = TorchTeacher(m, block_kind(arch), 64)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randint(3, 200, (9,), generator=g).tolist(), torch.randint(3, 200, (5,), generator=g).tolist()
+    ref = {}
+    for ids in (a, b):
+        ref[len(ids)] = m.session(64, k_max=1).eval(ids, logits="last")[0]
+    # prefill both, left-padded, then one token each: compare against hybridrt at both steps
+    pad = torch.tensor([0, 4])
+    tokens = torch.tensor([a, [0] * 4 + b])
+    slots = torch.arange(9)[None].expand(2, -1)
+    pos, valid = (slots - pad[:, None]).clamp(min=0), slots >= pad[:, None]
+    caches = [{} for _ in teacher.blocks]
+    out = teacher.step(tokens, pos, pos, valid, caches)
+    assert torch.allclose(out[0], ref[9], atol=1e-4) and torch.allclose(out[1], ref[5], atol=1e-4)
+    nxt = torch.tensor([[7], [11]])
+    k_pos = torch.cat((pos, pos[:, -1:] + 1), 1)
+    out = teacher.step(nxt, k_pos[:, -1:], k_pos, torch.cat((valid, torch.ones(2, 1, dtype=torch.bool)), 1), caches)
+    for row, ids in zip(out, (a + [7], b + [11])):
+        assert torch.allclose(row, m.session(64, k_max=1).eval(ids, logits="last")[0], atol=1e-4)
+
+
+def test_head_round_trip_and_runtime_matches_torch(tiny_llama, tmp_path):
+    """The runtime head (bound from the GGUF) computes what the torch module computed (f32 file)."""
+    cfg = dataclasses.replace(TINY, head_type="f32")
+    m = load_model(tiny_llama, exact_activations=True)
+    train_mtp(m, tmp_path / "h.gguf", cfg, quiet=True)
+    m = load_model(tiny_llama, exact_activations=True, mtp_head=tmp_path / "h.gguf")
+    head = m.mtp
+    assert isinstance(head, TrainedMTPHead) and len(head.draft_ids) == TINY.draft_vocab
+    # the torch module rebuilt from the file's tensors
+    from hybridrt.gguf_file import GGUFFile
+
+    f = GGUFFile(tmp_path / "h.gguf")
+    tensors = {n[len("mtp."):-len(".weight")]: torch.from_numpy(np.array(f.tensor_f32(n))) for n in f.tensors}
+    _, spec = head_attention_spec(m)
+    module = MTPHeadModule(tensors, spec, block_kind("llama"), m.eps, 64)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(3, 200, (6,), generator=g)
+    hidden = torch.randn(6, m.n_embd, generator=g)
+    session = m.session(64)
+    logits, _ = head.step(session.state, tokens, hidden, 1)
+    ref = module(m.embed(tokens)[None], hidden[None], torch.arange(1, 7)[None], torch.ones(1, 6, dtype=torch.bool))[0]
+    assert logits.shape == (6, TINY.draft_vocab)
+    assert torch.allclose(logits, ref.detach(), atol=1e-4, rtol=1e-4)
+
+
+def test_mismatched_target_is_refused(llama_head, tiny_llama, tmp_path):
+    other = make_model.write_model(tmp_path / "other.gguf", "llama", seed=5)      # same shapes, other weights
+    with pytest.raises(UserError, match="trained for another target: its fingerprint"):
+        load_model(other, mtp_head=llama_head)
+    gemma = make_model.write_model(tmp_path / "g.gguf", "gemma3", seed=0)
+    r = subprocess.run([sys.executable, "-c", "from hybridrt.cli import main; main()", "run", "-m", str(gemma),
+                        "--mtp-head", str(llama_head), "-p", "hi", "-n", "2"], capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --mtp-head") and "architecture is llama" in lines[0]
+    with pytest.raises(UserError, match="not an MTP head file"):
+        load_model(tiny_llama, mtp_head=tiny_llama)
+
+
+def test_training_is_deterministic_and_resumes(tiny_llama, tmp_path, monkeypatch):
+    a = _train(tiny_llama, tmp_path / "a.gguf").path.read_bytes()
+    assert _train(tiny_llama, tmp_path / "b.gguf").path.read_bytes() == a
+    assert _train(tiny_llama, tmp_path / "s.gguf", dataclasses.replace(TINY, seed=4)).path.read_bytes() != a
+    # interrupted after the step-2 checkpoint, then run again: the same file as straight through
+    real_loss, calls = train_module.loss_of, []
+
+    def interrupted(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_loss(*args)
+
+    monkeypatch.setattr(train_module, "loss_of", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _train(tiny_llama, tmp_path / "r.gguf")
+    assert (tmp_path / "r.gguf.ckpt").exists() and not (tmp_path / "r.gguf").exists()
+    monkeypatch.setattr(train_module, "loss_of", real_loss)
+    calls.clear()
+    assert _train(tiny_llama, tmp_path / "r.gguf").path.read_bytes() == a
+
+
+@pytest.mark.parametrize("n_max", [1, 2, 3])
+@pytest.mark.parametrize("which", ["llama", "qwen35"])
+def test_greedy_parity_with_a_trained_head(which, n_max, request, tiny_llama, tiny_qwen35_mtp):
+    path, head = (tiny_llama, request.getfixturevalue("llama_head")) if which == "llama" else \
+        (tiny_qwen35_mtp, request.getfixturevalue("qwen35_head"))
+    m = load_model(path, mtp_head=head)
+    assert isinstance(m.mtp, TrainedMTPHead)
+    ids = m.tokenize("The history of the small village begins")
+    ref, _ = generate(m, m.session(128), ids, 40, GREEDY, stop_ids=set())
+    spec = SpecConfig(n_max=n_max)
+    session = m.session(128, k_max=spec.k_max)
+    source = build_source("draft-mtp", session, GREEDY, spec)
+    out, stats = speculative_generate(m, session, ids, 40, GREEDY, source, spec, stop_ids=set())
+    assert out == ref
+    assert sum(stats.spec.drafted) > 0 and len(source.draft_ids) == TINY.draft_vocab
+
+
+def test_qwen35_keeps_its_own_head_unless_given_one(tiny_qwen35_mtp, qwen35_head):
+    assert isinstance(load_model(tiny_qwen35_mtp).mtp, MTPHead)
+    assert isinstance(load_model(tiny_qwen35_mtp, mtp_head=qwen35_head).mtp, TrainedMTPHead)
+
+
+def test_reduced_vocab_sampling_is_exact(tiny_llama, llama_head):
+    _check_reduced_vocab_exact(tiny_llama, llama_head, flatten=True)
+
+
+@pytest.mark.slow
+def test_reduced_vocab_sampling_is_exact_smollm2():
+    """The same check on SmolLM2 with its trained head (scripts/bench_mtp.py trains and caches it)."""
+    from tests.real_models import SMOLLM2, require
+
+    head = Path.home() / ".cache/hybridrt/heads/smollm2-135m.mtp.gguf"
+    if not head.exists():
+        pytest.skip(f"no trained head at {head}: python3 scripts/bench_mtp.py -m smollm2-135m")
+    _check_reduced_vocab_exact(require(SMOLLM2), head, flatten=False)
+
+
+def _check_reduced_vocab_exact(model_path, head_path, flatten: bool):
+    """temp 0.7: drafts drawn from the trained head's reduced-vocabulary q (zero off its 48 tokens),
+    verified by exact speculative sampling, emit the target's distribution p (TV bound); resampling
+    rejections from p instead of the residual fails the same bound (negative control)."""
+    cfg = SamplerConfig(temp=0.7, top_k=40, top_p=0.95, min_p=0.0, seed=0)
+    m = load_model(model_path, mtp_head=head_path)
+    ids = m.tokenize("Once upon a time, in a small village")
+    if not flatten:     # a real model is confident after plain text: random tokens spread p
+        ids = torch.randint(1000, m.n_vocab - 1000, (32,), generator=torch.Generator().manual_seed(0)).tolist()
+    session = m.session(64, k_max=2)
+    source = build_source("draft-mtp", session, cfg, SpecConfig(n_max=1))
+    logits = session.eval(ids, logits="all")
+    source.observe(0, ids, session.hidden)
+    certain = int(torch.argmax(logits[-1]))
+    # a random tiny model is nearly one-hot at temp 0.7: its logits are flattened (target and head
+    # alike) so that p and q have many candidates and p has mass off the draft vocabulary
+    target = session.eval([certain, 0], start_pos=len(ids), logits="all").clone() * (0.05 if flatten else 1.0)
+    # the head's entries for the prompt (pending in the source) and the certain token, as propose writes them
+    hiddens = torch.cat(source.prev_hidden + [source.last_hidden])
+    _, h = m.mtp.step(session.state, torch.tensor(source.tokens + [certain]), hiddens, source.synced)
+    h = h[-1:]
+    q_row = m.mtp.head(h)[0] * (0.2 if flatten else 1.0)
+    p = dense_probs(target[:1], cfg)[0].double().numpy()
+    in_vocab = np.zeros_like(p, dtype=bool)
+    in_vocab[source.draft_ids.numpy()] = True
+    off_mass = float(p[~in_vocab].sum())
+    assert off_mass > 0.05, "the check needs target mass outside the draft vocabulary"
+    trials, gen = 8000, torch.Generator().manual_seed(2)
+
+    def emitted_counts(acceptor):
+        counts = np.zeros_like(p)
+        for _ in range(trials):
+            draft = source.picker.start()
+            source.add(draft, q_row)
+            assert in_vocab[draft.tokens[0]] and in_vocab[draft.q_ids[0].numpy()].all()
+            v = acceptor(target, draft)
+            counts[draft.tokens[0] if v.n_accepted else v.next_token] += 1
+        return counts
+
+    bound = 5 * 0.5 * float(np.sqrt(p * (1 - p) / trials).sum()) + 1e-3
+    exact = emitted_counts(SampledAcceptor(m.n_vocab, cfg, gen))
+    assert 0.5 * np.abs(exact / trials - p).sum() <= bound
+    assert exact[~in_vocab].sum() > 0          # off-vocabulary tokens still come, from the residual
+
+    class ResidualInDraftVocab(SampledAcceptor):
+        """The bug a reduced vocabulary invites: a residual taken over q's rows only."""
+        def _sample_residual(self, p_ids, p_probs, draft, i, x):
+            keep = torch.from_numpy(in_vocab)[p_ids] & (p_ids != x)
+            return self._sample(p_ids, p_probs * keep if bool(keep.any()) else p_probs)
+
+    biased = emitted_counts(ResidualInDraftVocab(m.n_vocab, cfg, gen))
+    print(f"off-vocabulary mass {off_mass:.3f}; TV exact {0.5 * np.abs(exact / trials - p).sum():.4f}, "
+          f"biased {0.5 * np.abs(biased / trials - p).sum():.4f}, bound {bound:.4f}")
+    assert 0.5 * np.abs(biased / trials - p).sum() > bound
+
+
+def test_train_mtp_cli(tiny_llama, tmp_path):
+    r = subprocess.run([sys.executable, "-c", "from hybridrt.cli import main; main()", "train-mtp", "-m", str(tiny_llama),
+                        "-o", str(tmp_path / "c.gguf"), "--tokens", "48", "--steps", "2", "--gen-len", "8",
+                        "--draft-vocab", "32", "--eval-every", "1", "-t", "1", "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "c.gguf").exists()
+    r = subprocess.run([sys.executable, "-c", "from hybridrt.cli import main; main()", "train-mtp", "-m", str(tiny_llama),
+                        "-o", str(tmp_path / "c.gguf"), "--loss", "mse"], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: train-mtp: --loss must be one of kl, argmax"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_real_model_greedy_parity_with_trained_head(name):
+    """Greedy draft-mtp with the cached trained head (scripts/bench_mtp.py trains it) equals plain
+    decoding, at fixed N and adaptive."""
+    head = Path.home() / f".cache/hybridrt/heads/{name}.mtp.gguf"
+    if not head.exists():
+        pytest.skip(f"no trained head at {head}: python3 scripts/bench_mtp.py -m {name}")
+    m = load_model(name, mtp_head=head)
+    ids = m.tokenize("Question: Why do leaves change color in autumn?\nAnswer:")
+    ref, _ = generate(m, m.session(256), ids, 32, GREEDY, stop_ids=set())
+    for n_max, adaptive in ((1, False), (3, False), (3, True)):
+        spec = SpecConfig(n_max=n_max, adaptive=adaptive)
+        session = m.session(256, k_max=spec.k_max)
+        out, stats = speculative_generate(m, session, ids, 32, GREEDY, build_source("draft-mtp", session, GREEDY, spec),
+                                          spec, stop_ids=set())
+        assert out == ref
+        if not adaptive:
+            assert sum(stats.spec.accepted) > 0
