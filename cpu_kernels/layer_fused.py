@@ -52,7 +52,7 @@ PARALLEL_MIN_WEIGHTS = 1 << 17   # below this a projection runs on the calling t
 ATTEND_PARALLEL_MIN = 1 << 15    # (token, head) x keys x head size products before attention forks
 
 # _project_serial and _attend_serial are compiled with parallel=True on purpose and have no prange
-warnings.filterwarnings("ignore", message="The keyword argument 'parallel=True' was specified",
+warnings.filterwarnings("ignore", message=".*The keyword argument 'parallel=True' was specified",   # after Numba's colour codes
                         category=NumbaPerformanceWarning)
 
 

@@ -34,8 +34,11 @@ def _dispatchers() -> list:
     # ones with HYBRIDRT_EXACT_ACTIVATIONS (kernels the run never calls would read as cold forever)
     if matvec.EXACT_DEFAULT:
         return [matvec._matvec_kernel, ffn._gate_up_kernel, blocks.decode_rows] + fused
-    return [matvec_int._matvec_int_kernel, matvec_int._matvec_tiled_kernel, ffn._gate_up_int_kernel,
-            ffn._gate_up_tiled_kernel, blocks.decode_rows] + fused
+    # (with fused layer halves, batches of 1-3 tokens never reach ffn's row kernel: the FFN half
+    # takes every batch up to ROWWISE_MAX tokens)
+    gate_up = [] if fused else [ffn._gate_up_int_kernel]
+    return [matvec_int._matvec_int_kernel, matvec_int._matvec_tiled_kernel, ffn._gate_up_tiled_kernel,
+            blocks.decode_rows] + gate_up + fused
 
 
 def kernels_cold() -> bool:
@@ -50,12 +53,14 @@ def kernels_cold() -> bool:
 
 
 def compile_kernels(model: "Model") -> None:
-    """Batches of 1, 4 and 16 tokens: compiles (or loads) every kernel the model uses, for decode
-    (row kernels) and prompts (cpu_kernels.matvec_int's tiled kernels on token groups and lanes),
-    each for the model's quant types only."""
-    session = model.session(n_ctx=24)
+    """Batches of 1, 4, 16 and 40 tokens: compiles (or loads) every kernel the model uses, for decode
+    and verify (row kernels, or the fused layer halves of a CPU trunk, which take batches up to
+    ROWWISE_MAX tokens) and prompts (cpu_kernels.matvec_int's tiled kernels on token groups and
+    lanes; a batch past ROWWISE_MAX reaches them through the torch trunk), each for the model's
+    quant types only."""
+    session = model.session(n_ctx=64)
     token = model.tokenizer.bos_id if model.tokenizer.bos_id is not None else 0
-    for k in (1, 4, 16):
+    for k in (1, 4, 16, 40):
         session.eval([token] * k, logits="last")
 
 
