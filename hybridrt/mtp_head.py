@@ -59,13 +59,22 @@ def block_kind(arch: str) -> BlockKind:
                     f"(one of: {', '.join(SUPPORTED_TARGETS)})")
 
 
+def layer_attention(layer) -> Attention | None:
+    """A layer's Attention: llama/qwen3/gemma3 layers are (attention half, FFN half), the half being
+    an AttentionBlock or the binder's fused stand-in, each holding `.attn`; qwen35 layers are
+    (norm, mixer, ...) with an Attention or a Gated DeltaNet mixer."""
+    half = getattr(layer[0], "attn", None)
+    if isinstance(half, Attention):
+        return half
+    return layer[1] if isinstance(layer[1], Attention) else None
+
+
 def head_attention_spec(model) -> tuple[int, AttentionSpec]:
     """The index and attention spec of the target's last full-context attention layer: the layer the
-    head's block copies its shape (and its initial weights) from. Every model here keeps
-    (norm, mixer, ...) tuples in `model.layers`."""
+    head's block copies its shape (and its initial weights) from."""
     for i in reversed(range(len(model.layers))):
-        mixer = model.layers[i][1]
-        if isinstance(mixer, Attention) and mixer.spec.window == 0:
+        mixer = layer_attention(model.layers[i])
+        if mixer is not None and mixer.spec.window == 0:
             return i, dataclasses.replace(mixer.spec, first_pos=1)
     raise UserError(f"{model.arch}: no full-attention layer to build an MTP head from")
 

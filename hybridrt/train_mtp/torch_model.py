@@ -20,7 +20,7 @@ from gpu_kernels.norms import rms_norm
 from gpu_kernels.rotary import RotaryRows, apply_rotary, rotary_table
 
 from ..models.common import AttentionSpec
-from ..mtp_head import BlockKind, head_attention_spec
+from ..mtp_head import BlockKind, head_attention_spec, layer_attention
 
 ATTN = ("attn_q", "attn_k", "attn_v", "attn_output")
 FFN = ("ffn_gate", "ffn_up", "ffn_down")
@@ -186,7 +186,7 @@ class TorchTeacher:
         self.output_norm = read_f32(g, "output_norm.weight")
         self.blocks, self.rotary = [], {}
         for i, layer in enumerate(model.layers):
-            spec = layer[1].spec
+            spec = layer_attention(layer).spec
             names = block_tensor_names(kind, spec)
             self.blocks.append(TorchBlock({m: read_f32(g, f"blk.{i}.{t}.weight") for m, t in names.items()},
                                           spec, kind, model.eps).requires_grad_(False))
