@@ -144,18 +144,12 @@ def _project_group(g, n_groups, w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, 
         if is_int:
             # one token (decode): rows_dots takes 4 rows a pass (same bits as row_dots, less float
             # work per row); more tokens: row_dots takes 4 tokens of one row a pass
-            if be == QK_K:
-                if k == 1:
-                    rows_dots(qt, w, r_lo, r_hi - r_lo, q256, d256, s256, 0, out, off + r_lo)
-                else:
-                    for r in range(r_lo, r_hi):
-                        row_dots(qt, w, r, q256, d256, s256, out, off + r)
+            q, d, s = (q256, d256, s256) if be == QK_K else (q32, d32, s32)
+            if k == 1:
+                rows_dots(qt, w, r_lo, r_hi - r_lo, q, d, s, 0, out, off + r_lo)
             else:
-                if k == 1:
-                    rows_dots(qt, w, r_lo, r_hi - r_lo, q32, d32, s32, 0, out, off + r_lo)
-                else:
-                    for r in range(r_lo, r_hi):
-                        row_dots(qt, w, r, q32, d32, s32, out, off + r)
+                for r in range(r_lo, r_hi):
+                    row_dots(qt, w, r, q, d, s, out, off + r)
         else:
             for r0 in range(r_lo, r_hi, TILE_ROWS):
                 nr = min(TILE_ROWS, r_hi - r0)
