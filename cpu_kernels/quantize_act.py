@@ -4,16 +4,22 @@ llama.cpp does not multiply quantized weights with float activations: it quantiz
 row into the weight type's "vec_dot type" (Q8_K for the K-quants, Q8_0/Q8_1 for the 32-weight
 types) and dots integers. This module makes those rows:
 
-    q[t, i]  int8 in [-127, 127]       round(x[t, i] / d[t, b]) for i in block b
-    d[t, b]  float32 block scale       max |x| over the block / 127 (0 for an all-zero block)
+    q[t, i]  int8 in [-127, 127]       rint(x[t, i] * 127 / max|x|) for i in block b
+    d[t, b]  float32 block scale       ggml's, see below (0 for an all-zero block)
     s[t, g]  int16 group sums          sum of q over group g (16 values for K, 32 for legacy)
 
 block = 256 with 16-value sums for the K-quants (Q8_K: the sums serve the sub-block mins and the
 constant offsets of Q3_K/Q6_K), block = 32 with 32-value sums for the legacy types (Q8_1's s).
-The scale is kept in float32 (ggml's Q8_0 stores it as float16): the kernel reads it once per
-block, so the extra precision is free. Rows are quantized independently, so a token's q, d, s are
-the same whatever else is in the batch. Rows of the legacy layout are padded to a multiple of 64
-values (zeros, d = 0, s = 0) so the kernel can always take two blocks at a time.
+The scales are ggml's, value for value, so the integer path multiplies what llama.cpp multiplies
+(issue 11 item 4: closer to llama.cpp's numerics, not merely as close as the float path):
+- Q8_K (block 256): d = 1 / (127 / max|x|), a float32 reciprocal of the quantizing factor
+  (ggml's `1/iscale`; its sign flip for a negative maximum cancels in q * d);
+- Q8_0 / Q8_1 (block 32): d = max|x| / 127 rounded to float16 (ggml stores it as ggml_half), kept
+  here in a float32 array (exactly representable), while q uses the unrounded 127 / max|x| as ggml's
+  quantize_row_q8_0/q8_1 do.
+Rows are quantized independently, so a token's q, d, s are the same whatever else is in the batch.
+Rows of the legacy layout are padded to a multiple of 64 values (zeros, d = 0, s = 0) so the kernel
+can always take two blocks at a time.
 """
 from __future__ import annotations
 
@@ -23,6 +29,19 @@ from numba import njit, prange
 QK_K = 256          # K-quant super-block
 QK_LEGACY = 32      # Q4_0 .. Q8_0 block
 PAD_LEGACY = 64     # legacy rows padded to pairs of blocks
+
+
+@njit(cache=True, nogil=True, inline="always")
+def round_to_float16(v):
+    """float32 v >= 0 rounded to the nearest float16 value (ties to even), returned as float32: what
+    ggml's FP32_TO_FP16 stores (Numba has no float16 type on the CPU). Values past float16's range
+    (> 65504, activations of ~8e6) become inf as they would in ggml."""
+    if v < np.float32(6.103515625e-05):                     # float16 subnormals: multiples of 2^-24
+        return np.float32(np.rint(v * np.float32(16777216.0)) / np.float32(16777216.0))
+    bits = np.int32(np.float32(v).view(np.int32))
+    bits = (bits + np.int32(0xFFF) + ((bits >> 13) & 1)) & np.int32(~0x1FFF)   # keep 10 mantissa bits
+    r = np.int32(bits).view(np.float32)
+    return r if r <= np.float32(65504.0) else np.float32(np.inf)
 
 
 @njit(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz"}, inline="always")
@@ -36,10 +55,13 @@ def _quantize_row(x, block, group, q, d, s):
         amax = np.float32(0.0)
         for i in range(c0, c0 + block):
             amax = max(amax, abs(x[i]))
-        # max|x| / 127 as the scale; multiply by 127 / max|x| (one division per block) so the
-        # largest value maps to exactly +-127.
-        d[b] = amax / np.float32(127.0)
+        # multiply by 127 / max|x| (one division per block) so the largest value maps to exactly
+        # +-127; the scale as ggml stores it (module docstring)
         inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+        if block == QK_K:
+            d[b] = np.float32(1.0) / inv if amax > 0 else np.float32(0.0)
+        else:
+            d[b] = round_to_float16(amax / np.float32(127.0))
         for i in range(c0, c0 + block):
             q[i] = np.int8(min(max(np.rint(x[i] * inv), np.float32(-127.0)), np.float32(127.0)))
     for g in range(n // group):

@@ -49,14 +49,22 @@ ACT_BLOCK = {**{int(t): 256 for t in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)},
 
 def int8_round_trip(x: torch.Tensor, block: int) -> torch.Tensor:
     """x [k, n] float32 quantized per `block` values to int8 and back, exactly as the CPU's
-    activation quantizer does it (scale max|x| / 127, q = rint(x * 127 / max|x|), float32 steps):
-    the float values the integer kernel effectively multiplies. Rows are independent."""
+    activation quantizer does it (q = rint(x * 127 / max|x|); the scale as ggml stores it: 1 / (127 /
+    max|x|) for 256-value blocks, max|x| / 127 rounded to float16 for 32-value ones): the float values
+    the integer kernel effectively multiplies. Rows are independent."""
     k, n = x.shape
     xb = x.reshape(k, n // block, block)
     amax = xb.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    zero, one = torch.zeros_like(amax), torch.ones_like(amax)
+    # tensor / tensor: torch evaluates `scalar / tensor` as scalar * reciprocal(tensor), an ulp off
+    # the CPU quantizer's one division
+    inv = torch.where(amax > 0, (one * 127.0) / torch.where(amax > 0, amax, one), zero)
     q = torch.round(xb * inv).clamp_(-127.0, 127.0)
-    return (q * (amax / 127.0)).reshape(k, n)
+    if block == 256:
+        d = torch.where(amax > 0, one / torch.where(amax > 0, inv, one), zero)
+    else:
+        d = (amax / 127.0).half().float()
+    return (q * d).reshape(k, n)
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

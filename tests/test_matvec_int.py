@@ -92,11 +92,21 @@ def test_quantize_rows_blocks():
         assert q.dtype == np.int8 and d.dtype == np.float32 and s.dtype == np.int16
         assert q.min() >= -127 and q.max() <= 127
         blocks = x.reshape(3, -1, block)
-        assert np.array_equal(d, (np.abs(blocks).max(-1) / np.float32(127)).astype(np.float32))
+        amax = np.abs(blocks).max(-1)
+        if block == 256:        # ggml's Q8_K: d = 1 / iscale, iscale = 127 / max|x|
+            assert np.array_equal(d, np.float32(1) / (np.float32(127) / amax))
+        else:                   # ggml's Q8_0 / Q8_1: d = max|x| / 127 stored as float16
+            assert np.array_equal(d, (amax / np.float32(127)).astype(np.float16).astype(np.float32))
         assert np.array_equal(np.abs(q.reshape(3, -1, block)).max(-1)[d > 0], np.full(np.sum(d > 0), 127))
         assert np.array_equal(s, q.reshape(3, -1, group).astype(np.int32).sum(-1))
         err = np.abs(dequantize_rows(q, d, 512) - x).reshape(3, -1, block)
-        assert np.all(err <= d[..., None] * (0.5 + 1e-6))
+        assert np.all(err <= d[..., None] * (0.5 + 1e-6) + amax[..., None] * 2.0 ** -11)
+    # float16 scales: subnormal (tiny blocks), rounding to even, and the all-zero block
+    x = np.zeros((1, 128), np.float32)
+    x[0, 0], x[0, 32], x[0, 64] = 3e-6, 1.0, -1234.5
+    _, d, _ = quantize_rows(x, 32)
+    assert np.array_equal(d[0], (np.float32([3e-6, 1.0, 1234.5, 0.0]) / np.float32(127))
+                          .astype(np.float16).astype(np.float32))
     q, d, s = quantize_rows(np.ones((1, 96), np.float32), 32)          # 3 blocks: padded to 4
     assert q.shape == (1, 128) and d.shape == (1, 4) and s.shape == (1, 4)
     assert not q[0, 96:].any() and d[0, 3] == 0 and s[0, 3] == 0
