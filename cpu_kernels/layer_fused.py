@@ -231,8 +231,8 @@ def _project(n_threads, int_types, float_path, w0, t0, e0, i0, n0, w1, t1, e1, i
     # Always through the parallel kernel: LLVM makes the row loop ~2x faster inside a parfor than
     # in a plain loop here (measured); too small a product runs it on this thread alone.
     if n_threads > 1 and (n0 + n1 + n2) * n_in >= PARALLEL_MIN_WEIGHTS:
-        _project_parallel(min(units, GROUPS_PER_THREAD * n_threads), int_types, float_path, w0, t0, e0, i0, n0, w1, t1, e1, i1, n1,
-                          w2, t2, e2, i2, n2, x, q32, d32, s32, q256, d256, s256, out)
+        _project_parallel(min(units, GROUPS_PER_THREAD * n_threads), int_types, float_path, w0, t0, e0, i0, n0,
+                          w1, t1, e1, i1, n1, w2, t2, e2, i2, n2, x, q32, d32, s32, q256, d256, s256, out)
     else:
         _project_serial(int_types, float_path, w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, e2, i2, n2,
                         x, q32, d32, s32, q256, d256, s256, out)
@@ -327,7 +327,8 @@ def attention_block(h, n_threads, int_types, float_path, attn_norm, post_norm, h
     nq, nk = n_head * d, n_kv * d
     x = _rms_norm_rows(h, attn_norm, eps)
     qkv = np.empty((k, nq + nk + n_kv * dv), np.float32)
-    _project(n_threads, int_types, float_path, wq, tq, eq, iq, nq, wk, tk, ek, ik, nk, wv, tv, ev, iv, n_kv * dv, x, qkv)
+    _project(n_threads, int_types, float_path, wq, tq, eq, iq, nq, wk, tk, ek, ik, nk, wv, tv, ev, iv, n_kv * dv,
+             x, qkv)
     q = np.empty((k, nq), np.float32)
     for t in range(k):
         pos = start + t
@@ -376,5 +377,6 @@ def ffn_block(h, n_threads, int_types, float_path, ffn_norm, post_norm, has_post
         for r in range(n_ff):
             hidden[t, r] = _act_times(gu[t, r], gu[t, n_ff + r], act)
     y = np.empty((k, n_embd), np.float32)
-    _project(n_threads, int_types, float_path, wd, td, ed, i_d, n_embd, wd, td, ed, i_d, NONE, wd, td, ed, i_d, NONE, hidden, y)
+    _project(n_threads, int_types, float_path, wd, td, ed, i_d, n_embd, wd, td, ed, i_d, NONE, wd, td, ed, i_d, NONE,
+             hidden, y)
     return _residual(h, y, post_norm, has_post, eps)

@@ -154,8 +154,8 @@ def _covering(kernel_types: tuple, operands: list) -> tuple:
     int_types, float_path = kernel_types
     have = {qt for qt, flag in zip(sorted(matvec_int.SPECS), int_types) if flag is True}
     if any(op[3] and op[1] not in have for op in operands) or (not float_path and not all(op[3] for op in operands)):
-        raise ValueError(f"fused kernels compiled for integer types {sorted(have)}, float path {bool(float_path)}: "
-                         f"not for {[(op[1], op[3]) for op in operands]}")
+        raise ValueError(f"fused kernels compiled for integer types {sorted(have)}, float path {bool(float_path)}"
+                         f" do not cover {[(op[1], op[3]) for op in operands]} (type, integer)")
     return kernel_types
 
 
@@ -196,8 +196,9 @@ class FusedAttentionBlock:
             return self.block(h, state, pos_list)
         k_cache, v_cache, cos, sin = views
         out = layer_fused.attention_block(
-            _rows_f32(h), numba.get_num_threads(), *self.kernel_types, self.norm, self.post_norm, self.block.post_norm is not None,
-            s.eps, *self.weights, self.q_norm, self.k_norm, s.qk_norm, cos, sin, s.rope.n_rot, s.rope.neox,
+            _rows_f32(h), numba.get_num_threads(), *self.kernel_types, self.norm, self.post_norm,
+            self.block.post_norm is not None, s.eps, *self.weights, self.q_norm, self.k_norm, s.qk_norm, cos, sin,
+            s.rope.n_rot, s.rope.neox,
             k_cache, v_cache, pos_list[0], s.n_head, s.n_kv, s.head_dim, s.head_dim_v, s.scale, s.window,
             s.first_pos)
         return torch.from_numpy(out)
@@ -215,8 +216,8 @@ class FusedFfnBlock:
         self.norm = block.norm.numpy()
         self.post_norm = block.post_norm.numpy() if block.post_norm is not None else self.norm
         self.nbytes = ffn.nbytes
-        self.args = (*_covering(kernel_types, [self.gate, self.up, self.down]), self.norm, self.post_norm, block.post_norm is not None, block.eps,
-                     *self.gate, *self.up, *self.down, self.act)
+        self.args = (*_covering(kernel_types, [self.gate, self.up, self.down]), self.norm, self.post_norm,
+                     block.post_norm is not None, block.eps, *self.gate, *self.up, *self.down, self.act)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         if h.shape[0] > ROWWISE_MAX:
