@@ -108,7 +108,9 @@ def test_after_warmup_no_run_compiles(tmp_path):
     (verify batches) then load cached code only."""
     require(SMOLLM2)
     assert _cli(["warmup", "-m", "smollm2-135m"], tmp_path).returncode == 0
-    spec = SHORT + ["--spec-type", "ngram-simple", "--spec-draft-n-max", "8"]
+    # a prompt that repeats itself: n-gram drafts, verify batches of up to 9 tokens
+    spec = ["run", "-m", "smollm2-135m", "-p", "one two three four five six seven eight nine ten " * 2 + "one two",
+            "-n", "8", "--temp", "0", "-t", "1", "--spec-type", "ngram-simple", "--spec-draft-n-max", "8"]
     for args in (SHORT, LONG, spec):
         r = _cli(args, tmp_path)
         assert r.returncode == 0 and MESSAGE not in r.stderr, (args, r.stderr)
