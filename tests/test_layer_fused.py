@@ -214,3 +214,19 @@ def test_ffn_block_token_does_not_depend_on_the_batch_or_threads():
     singles = np.concatenate([run(h[t:t + 1]) for t in range(8)])
     for k, threads in ((2, 1), (3, 2), (8, 2)):
         assert np.array_equal(np.concatenate([run(h[i:i + k], threads) for i in range(0, 8, k)]), singles)
+
+
+def test_kernel_types_must_cover_every_matrix():
+    """The compile-time type set and float flag leave other types' code out, so a matrix outside
+    them would write nothing: the binder refuses such a layer at load time."""
+    from hybridrt.backends import _covering
+
+    ops = [(None, int(T.Q4_1), 32, True), (None, int(T.F32), 1, False)]
+    assert layer_fused.int_types(ops) == types_tag([T.Q4_1]) and layer_fused.float_path(ops) == (0,)
+    assert layer_fused.float_path(ops[:1]) == ()
+    kernel_types = (types_tag([T.Q4_1, T.Q6_K]), (0,))
+    assert _covering(kernel_types, ops) is kernel_types
+    with pytest.raises(ValueError):
+        _covering((types_tag([T.Q8_0]), (0,)), ops)         # Q4_1 missing
+    with pytest.raises(ValueError):
+        _covering((types_tag([T.Q4_1]), ()), ops)           # the float path missing
