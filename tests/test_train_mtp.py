@@ -65,12 +65,12 @@ def test_torch_teacher_matches_hybridrt(arch, tmp_path):
     tokens = torch.tensor([a, [0] * 4 + b])
     slots = torch.arange(9)[None].expand(2, -1)
     pos, valid = (slots - pad[:, None]).clamp(min=0), slots >= pad[:, None]
-    caches = [{} for _ in teacher.blocks]
-    out = teacher.step(tokens, pos, pos, valid, caches)
+    caches = teacher.new_caches(2)
+    out, _ = teacher.step(tokens, pos, pos, valid, caches)
     assert torch.allclose(out[0], ref[9], atol=1e-4) and torch.allclose(out[1], ref[5], atol=1e-4)
     nxt = torch.tensor([[7], [11]])
     k_pos = torch.cat((pos, pos[:, -1:] + 1), 1)
-    out = teacher.step(nxt, k_pos[:, -1:], k_pos, torch.cat((valid, torch.ones(2, 1, dtype=torch.bool)), 1), caches)
+    out, _ = teacher.step(nxt, k_pos[:, -1:], k_pos, torch.cat((valid, torch.ones(2, 1, dtype=torch.bool)), 1), caches)
     for row, ids in zip(out, (a + [7], b + [11])):
         assert torch.allclose(row, m.session(64, k_max=1).eval(ids, logits="last")[0], atol=1e-4)
 

@@ -31,7 +31,6 @@ from ..sampling import SamplerConfig
 from .prompts import HELDOUT_PROMPTS, TRAIN_PROMPTS, Prompt
 from .torch_model import MTPHeadModule, TorchTeacher, initial_head_tensors, output_rows
 
-TEMPERATURES = (0.0, 0.6, 0.9, 0.3, 1.0)   # cycled over the training continuations
 MAX_SEQ = 512                               # prompt + continuation (one hybridrt prefill chunk)
 LOSSES = ("kl", "argmax")
 
@@ -90,17 +89,40 @@ def prompt_ids(model, p: Prompt) -> list[int]:
     return model.tokenize(p.text, add_special=True)
 
 
-def write_text(model, teacher: TorchTeacher | None, prompts: list[list[int]], temps: list[float], n_new: int,
-               seed: int, progress, label: str, group: int = 32) -> list[list[int]]:
-    """Continuations of `prompts`, batched through the torch teacher where the architecture has one."""
+def text_plan(n_cont: int, n_prompts: int, n_new: int, seed: int) -> tuple[list[float], list[int]]:
+    """Temperature and greedy switch of each training continuation (continuation i continues
+    training prompt i % n_prompts). The first round is greedy, the text drafts are measured on.
+    Later rounds sample (temperature 0.6 / 0.8 / 1.0, top-k 40) for their first r tokens, r uniform
+    in 1..48, then continue greedily: greedy text from states the prompts alone never lead to, so
+    one prompt yields many different greedy passages; one in four samples throughout, for variety."""
+    g = torch.Generator().manual_seed(seed * 31 + 7)
+    temps, switch = [], []
+    for i in range(n_cont):
+        if i < n_prompts:
+            temps.append(0.0)
+            switch.append(0)
+            continue
+        temps.append((0.6, 0.8, 1.0)[int(torch.randint(3, (1,), generator=g))])
+        r = int(torch.randint(1, 49, (1,), generator=g))
+        switch.append(n_new if int(torch.randint(4, (1,), generator=g)) == 0 else r)
+    return temps, switch
+
+
+def write_text(model, teacher: TorchTeacher | None, prompts: list[list[int]], temps: list[float],
+               greedy_after: list[int], n_new: int, seed: int, progress, label: str,
+               group: int = 128) -> list[tuple[list[int], torch.Tensor | None]]:
+    """Continuations of `prompts`, batched through the torch teacher where the architecture has one
+    (with the teacher's final-normed hidden at every position); else hybridrt's own decoding, one
+    sequence at a time, sampling throughout (greedy_after unused; hiddens come from teacher forcing)."""
     stop = set(model.tokenizer.eog_ids)
     gen = torch.Generator().manual_seed(seed)
     task = progress.add_task(label, total=len(prompts), info="")
-    out: list[list[int]] = []
+    out: list[tuple[list[int], torch.Tensor | None]] = []
     if teacher is not None:
         for lo in range(0, len(prompts), group):
-            out += teacher.generate(prompts[lo:lo + group], n_new, temps[lo:lo + group], gen, stop)
-            progress.update(task, completed=len(out), info=f"{sum(map(len, out))} tokens")
+            out += teacher.generate(prompts[lo:lo + group], n_new, temps[lo:lo + group], gen, stop,
+                                    greedy_after[lo:lo + group])
+            progress.update(task, completed=len(out), info=f"{sum(len(c) for c, _ in out)} tokens")
         return out
     from ..generate import generate
 
@@ -109,8 +131,8 @@ def write_text(model, teacher: TorchTeacher | None, prompts: list[list[int]], te
         sampler = SamplerConfig(temp=temp, top_k=40, top_p=1.0, min_p=0.0, seed=seed * 7919 + i)
         tokens, stats = generate(model, session, ids, n_new, sampler, stop_ids=set())
         cut = next((j + 1 for j, t in enumerate(tokens) if t in stop), len(tokens))
-        out.append(tokens[:cut])
-        progress.update(task, completed=len(out), info=f"{sum(map(len, out))} tokens")
+        out.append((tokens[:cut], None))
+        progress.update(task, completed=len(out), info=f"{sum(len(c) for c, _ in out)} tokens")
     return out
 
 
@@ -231,22 +253,28 @@ def prepare_data(model, cfg: TrainConfig, cache: Path, progress) -> tuple[list[S
             return saved["train"], saved["heldout"]
     threads = torch.get_num_threads()
     n_cont = max(1, math.ceil(cfg.tokens / cfg.gen_len))
-    train_prompts = [TRAIN_PROMPTS[i % len(TRAIN_PROMPTS)] for i in range(n_cont)]
-    train_ids = [prompt_ids(model, p) for p in train_prompts]
-    temps = [TEMPERATURES[(i // len(TRAIN_PROMPTS) + i) % len(TEMPERATURES)] for i in range(n_cont)]
+    train_ids = [prompt_ids(model, TRAIN_PROMPTS[i % len(TRAIN_PROMPTS)]) for i in range(n_cont)]
+    temps, greedy_after = text_plan(n_cont, len(TRAIN_PROMPTS), cfg.gen_len, cfg.seed)
     held_ids = [prompt_ids(model, p) for p in HELDOUT_PROMPTS]
     for ids in train_ids + held_ids:
-        if len(ids) + max(cfg.gen_len, cfg.heldout_len) > MAX_SEQ:
+        if len(ids) + max(cfg.gen_len, cfg.heldout_len) + 1 > MAX_SEQ:
             raise UserError(f"train-mtp: a built-in prompt plus its continuation exceeds {MAX_SEQ} tokens")
-    teacher = TorchTeacher(model, block_kind(model.arch), MAX_SEQ) if model.arch in TorchTeacher.SUPPORTED else None
-    new = write_text(model, teacher, train_ids, temps, cfg.gen_len, cfg.seed, progress, "training text")
-    held_new = write_text(model, teacher, held_ids, [0.0] * len(held_ids), cfg.heldout_len, cfg.seed + 1,
-                          progress, "held-out text")
+    teacher = None
+    if model.arch in TorchTeacher.SUPPORTED:
+        teacher = TorchTeacher(model, block_kind(model.arch), MAX_SEQ, dtype=torch.bfloat16)
+    new = write_text(model, teacher, train_ids, temps, greedy_after, cfg.gen_len, cfg.seed, progress,
+                     "training text")
+    held_new = write_text(model, teacher, held_ids, [0.0] * len(held_ids), [0] * len(held_ids), cfg.heldout_len,
+                          cfg.seed + 1, progress, "held-out text")
     del teacher
     torch.set_num_threads(1)        # hybridrt's trunk runs torch single-threaded next to Numba's pool
-    train = teacher_force(model, [p + c for p, c in zip(train_ids, new)], [len(p) for p in train_ids],
-                          progress, "teacher forcing")
-    heldout = teacher_force(model, [p + c for p, c in zip(held_ids, held_new)], [len(p) for p in held_ids],
+    # the teacher's hiddens are the training inputs where it wrote the text (bfloat16 matmuls: cosine
+    # ~0.999 to hybridrt's, argmax agreeing at ~96 % of positions); hybridrt teacher-forces the rest
+    train = [Sequence(torch.tensor(p + c), h, len(p)) for p, (c, h) in zip(train_ids, new) if h is not None]
+    rest = [(p, c) for p, (c, h) in zip(train_ids, new) if h is None]
+    train += teacher_force(model, [p + c for p, c in rest], [len(p) for p, _ in rest], progress, "teacher forcing")
+    # held-out: hybridrt's own hiddens and argmax, what drafting at run time is judged against
+    heldout = teacher_force(model, [p + c for p, (c, _) in zip(held_ids, held_new)], [len(p) for p in held_ids],
                             progress, "held-out targets", with_argmax=True)
     torch.set_num_threads(threads)
     torch.save({"signature": sig, "train": train, "heldout": heldout}, cache)
