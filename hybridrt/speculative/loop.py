@@ -88,6 +88,9 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
     logits_buf = torch.empty(spec.k_max, model.n_vocab)     # every verify writes into this
     no_draft = Draft()
     policy = DraftLengthPolicy(spec.n_max) if spec.adaptive and source is not None else None
+    picker = getattr(source, "picker", None)
+    if policy is not None and picker is not None:      # model drafts: each one weighed by its confidence
+        picker.gate, policy.gating = policy.keep_draft, True
 
     t0 = time.perf_counter()
     certain = sample_token(prefill(session, prompt_ids, source, logits_buf), sampler, gen)
@@ -122,6 +125,7 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
         t0 = time.perf_counter()
         with maybe_span(trace, "draft", "spec"):
             draft = source.propose(certain, pos, room) if source is not None and room > 0 else no_draft
+        gated = draft.gated         # a row computed, its token turned down by the confidence gate
         if len(draft) < max(spec.n_min, 1):
             draft = no_draft
         t1 = time.perf_counter()
@@ -151,7 +155,7 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
             source.observe(pos, [certain] + kept[:n_emit], session.hidden[:1 + n_emit])
         spec_stats.record(len(draft), verdict.n_accepted, chosen)
         if policy is not None:
-            policy.observe(len(draft), verdict.n_accepted, t2 - t1, t1 - t0)
+            policy.observe(len(draft), verdict.n_accepted, t2 - t1, t1 - t0, draft.conf, gated)
         spec_stats.draft_s += t1 - t0
         spec_stats.verify_s += t2 - t1
         if stats.stopped_by:

@@ -31,6 +31,9 @@ from ..sampling import SamplerConfig
 from .prompts import HELDOUT_PROMPTS, TRAIN_PROMPTS, Prompt
 from .torch_model import MTPHeadModule, TorchTeacher, initial_head_tensors, output_rows
 
+# bfloat16 matmuls (teacher text, training steps) where the CPU has them natively (AVX-512 BF16 /
+# AMX); emulated they would be slower than float32
+BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 MAX_SEQ = 512                               # prompt + continuation (one hybridrt prefill chunk)
 LOSSES = ("kl", "argmax")
 
@@ -181,11 +184,15 @@ def batch_inputs(model, seqs: list[Sequence]):
     return emb, h_in, h_tgt, pos, valid
 
 
-def loss_of(head: MTPHeadModule, w_draft: torch.Tensor, batch, loss: str) -> torch.Tensor:
+def loss_of(head: MTPHeadModule, w_draft: torch.Tensor, batch, loss: str, bf16: bool = False) -> torch.Tensor:
     emb, h_in, h_tgt, pos, valid = batch
-    logq = torch.log_softmax(head(emb, h_in, pos, torch.ones_like(valid)), dim=-1)
-    with torch.no_grad():
-        target = h_tgt @ w_draft.T      # the target's logits over the draft vocabulary
+    # bf16: the head's matmuls under bfloat16 autocast (AMX / AVX-512 BF16: ~1.7x the float32 steps
+    # per minute here); the parameters, the loss and the optimizer stay float32
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logits = head(emb, h_in, pos, torch.ones_like(valid))
+        with torch.no_grad():
+            target = (h_tgt @ w_draft.T).float()     # the target's logits over the draft vocabulary
+    logq = torch.log_softmax(logits.float(), dim=-1)
     if loss == "kl":
         logp = torch.log_softmax(target, dim=-1)
         per = (logp.exp() * (logp - logq)).sum(-1)
@@ -261,7 +268,7 @@ def prepare_data(model, cfg: TrainConfig, cache: Path, progress) -> tuple[list[S
             raise UserError(f"train-mtp: a built-in prompt plus its continuation exceeds {MAX_SEQ} tokens")
     teacher = None
     if model.arch in TorchTeacher.SUPPORTED:
-        teacher = TorchTeacher(model, block_kind(model.arch), MAX_SEQ, dtype=torch.bfloat16)
+        teacher = TorchTeacher(model, block_kind(model.arch), MAX_SEQ, dtype=torch.bfloat16 if BF16 else torch.float32)
     new = write_text(model, teacher, train_ids, temps, greedy_after, cfg.gen_len, cfg.seed, progress,
                      "training text")
     held_new = write_text(model, teacher, held_ids, [0.0] * len(held_ids), [0] * len(held_ids), cfg.heldout_len,
@@ -318,7 +325,7 @@ def train_mtp(model, out: str | Path, cfg: TrainConfig, quiet: bool = False) -> 
             pick = torch.randperm(len(train), generator=g)[:cfg.batch].tolist()
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, cfg)
-            loss = loss_of(head, w_draft, batch_inputs(model, [train[i] for i in pick]), cfg.loss)
+            loss = loss_of(head, w_draft, batch_inputs(model, [train[i] for i in pick]), cfg.loss, BF16)
             opt.zero_grad()
             loss.backward()
             opt.step()
