@@ -76,25 +76,27 @@ def run_mode(m, ids: list[int], n_gen: int, n_max: int | None, adaptive: bool):
     return out, stats.decode_s, sum(stats.spec.drafted), sum(stats.spec.accepted)
 
 
-def step_costs(m, reps: int = 30) -> dict:
-    """Median ms of a plain step, a 2-token verify and one head draft (step + head), alternating in
-    one process so all three see the same load."""
-    s = m.session(512, k_max=4)
+def step_costs(m, reps: int = 30, k_max: int = 4) -> dict:
+    """Median ms of a plain step (the decode path, logits of the last row), a k-token verify (every
+    row's logits, k = 1..k_max) and one head draft (step + head), alternating in one process so all
+    see the same load."""
+    s = m.session(512, k_max=k_max)
     ids = m.tokenize("The history of the printing press begins in the fifteenth century, when")
     s.eval(ids)
     h, pos = s.hidden[-1:], len(ids)
-    times = {"plain": [], "verify2": [], "draft": []}
+    times = {"plain": [], "draft": [], **{f"verify{k}": [] for k in range(1, k_max + 1)}}
     for _ in range(reps):
         t0 = time.perf_counter()
         s.eval([100], start_pos=pos, logits="last")
-        t1 = time.perf_counter()
-        s.eval([100, 101], start_pos=pos, logits="all")
-        t2 = time.perf_counter()
+        times["plain"].append(time.perf_counter() - t0)
+        for k in range(1, k_max + 1):
+            t0 = time.perf_counter()
+            s.eval(list(range(100, 100 + k)), start_pos=pos, logits="all")
+            times[f"verify{k}"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
         _, out = m.mtp.step(s.state, torch.tensor([100]), h, pos)
         m.mtp.head(out)
-        t3 = time.perf_counter()
-        for key, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
-            times[key].append(dt)
+        times["draft"].append(time.perf_counter() - t0)
     ms = {k: 1e3 * sorted(v)[len(v) // 2] for k, v in times.items()}
     return {**ms, "verify2_over_plain": ms["verify2"] / ms["plain"], "draft_over_plain": ms["draft"] / ms["plain"]}
 
@@ -106,9 +108,11 @@ def bench_model(model: str, args) -> dict:
         [(f"adaptive<={max(args.n_max)}", max(args.n_max), True)]
     run_mode(m, m.tokenize("Hello"), 8, max(args.n_max), False)        # compile / warm up
     costs = step_costs(m)
-    print(f"{Path(model).stem} step costs (median ms): plain {costs['plain']:.1f}, verify of 2 {costs['verify2']:.1f} "
-          f"({costs['verify2_over_plain']:.2f}x), one draft {costs['draft']:.1f} ({costs['draft_over_plain']:.1%})",
-          file=sys.stderr)
+    verify = ", ".join(f"{k[len('verify'):]}: {v:.1f}" for k, v in costs.items()
+                       if k.startswith("verify") and not k.endswith("plain"))
+    print(f"{Path(model).stem} step costs (median ms): plain {costs['plain']:.1f}, verify of k tokens ({verify}), "
+          f"verify 2 / plain {costs['verify2_over_plain']:.2f}x, one draft {costs['draft']:.1f} "
+          f"({costs['draft_over_plain']:.1%})", file=sys.stderr)
     if args.costs_only:
         return {"model": str(resolve_model(model)), "head": str(head), "costs": costs}
     rows = []

@@ -75,6 +75,22 @@ def test_torch_teacher_matches_hybridrt(arch, tmp_path):
         assert torch.allclose(row, m.session(64, k_max=1).eval(ids, logits="last")[0], atol=1e-4)
 
 
+def test_teacher_generate_returns_hybridrt_hiddens_and_turns_greedy(tiny_llama):
+    """generate's hiddens are hybridrt's final-normed hiddens of prompt + continuation, and after
+    greedy_after sampled tokens every token is the target's argmax."""
+    m = load_model(tiny_llama, exact_activations=True)
+    teacher = TorchTeacher(m, block_kind("llama"), 64)
+    prompts = [[5, 9, 17, 33, 2], [40, 41]]
+    out = teacher.generate(prompts, 10, [1.0, 0.0], torch.Generator().manual_seed(2), set(), greedy_after=[4, 0])
+    for (ids, switch), (cont, hidden) in zip(zip(prompts, [4, 0]), out):
+        assert len(cont) == 10 and hidden.shape == (len(ids) + 10, m.n_embd)
+        session = m.session(64, k_max=1)
+        logits = session.eval(ids + cont, logits="all")
+        assert torch.allclose(hidden, session.hidden, atol=1e-4)
+        greedy = logits.argmax(-1)[len(ids) - 1:-1]           # the argmax before each continuation token
+        assert greedy[switch:].tolist() == cont[switch:]
+
+
 def test_head_round_trip_and_runtime_matches_torch(tiny_llama, tmp_path):
     """The runtime head (bound from the GGUF) computes what the torch module computed (f32 file)."""
     cfg = dataclasses.replace(TINY, head_type="f32")
