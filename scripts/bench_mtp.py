@@ -39,7 +39,7 @@ GREEDY = SamplerConfig(temp=0.0)
 
 
 def head_for(model: str, args) -> Path:
-    path = Path(args.head) if args.head else HEADS / f"{Path(str(model)).stem}.mtp.gguf"
+    path = Path(args.head) if args.head else HEADS / f"{Path(str(model)).stem}.v2.mtp.gguf"
     if path.exists() and not args.retrain:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -171,8 +171,8 @@ def main() -> None:
     ap.add_argument("-n", "--n-gen", type=int, default=64)
     ap.add_argument("--n-max", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--tokens", type=int, default=131072)
+    ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--draft-vocab", type=int, default=4096)
     ap.add_argument("--limit", type=int, help="only the first LIMIT prompts (a quick check)")
     ap.add_argument("--costs-only", action="store_true", help="only the plain / verify-2 / draft step costs")
