@@ -183,7 +183,7 @@ def test_reduced_vocab_sampling_is_exact_smollm2():
     """The same check on SmolLM2 with its trained head (scripts/bench_mtp.py trains and caches it)."""
     from tests.real_models import SMOLLM2, require
 
-    head = Path.home() / ".cache/hybridrt/heads/smollm2-135m.mtp.gguf"
+    head = Path.home() / ".cache/hybridrt/heads/smollm2-135m.v2.mtp.gguf"
     if not head.exists():
         pytest.skip(f"no trained head at {head}: python3 scripts/bench_mtp.py -m smollm2-135m")
     _check_reduced_vocab_exact(require(SMOLLM2), head, flatten=False)
@@ -261,7 +261,7 @@ def test_train_mtp_cli(tiny_llama, tmp_path):
 def test_real_model_greedy_parity_with_trained_head(name):
     """Greedy draft-mtp with the cached trained head (scripts/bench_mtp.py trains it) equals plain
     decoding, at fixed N and adaptive."""
-    head = Path.home() / f".cache/hybridrt/heads/{name}.mtp.gguf"
+    head = Path.home() / f".cache/hybridrt/heads/{name}.v2.mtp.gguf"
     if not head.exists():
         pytest.skip(f"no trained head at {head}: python3 scripts/bench_mtp.py -m {name}")
     m = load_model(name, mtp_head=head)
