@@ -64,12 +64,12 @@ def prompts(m) -> list[tuple[str, list[int]]]:
     return out
 
 
-def run_mode(m, ids: list[int], n_gen: int, n_max: int | None, adaptive: bool):
+def run_mode(m, ids: list[int], n_gen: int, n_max: int | None, adaptive: bool, gate: bool = True):
     """(tokens, decode seconds, drafted, accepted); n_max None: plain decoding."""
     if n_max is None:
         out, stats = generate(m, m.session(len(ids) + n_gen + 16), ids, n_gen, GREEDY, stop_ids=set())
         return out, stats.decode_s, 0, 0
-    spec = SpecConfig(n_max=n_max, adaptive=adaptive)
+    spec = SpecConfig(n_max=n_max, adaptive=adaptive, gate=gate)
     session = m.session(len(ids) + n_gen + 16, k_max=spec.k_max)
     source = build_source("draft-mtp", session, GREEDY, spec)
     out, stats = speculative_generate(m, session, ids, n_gen, GREEDY, source, spec, stop_ids=set())
@@ -104,8 +104,10 @@ def step_costs(m, reps: int = 30, k_max: int = 4) -> dict:
 def bench_model(model: str, args) -> dict:
     head = head_for(model, args)
     m = load_model(model, threads=args.threads, mtp_head=head)
-    modes = [("plain", None, False)] + [(f"N={n}", n, False) for n in args.n_max] + \
-        [(f"adaptive<={max(args.n_max)}", max(args.n_max), True)]
+    modes = [("plain", None, False, True)] + [(f"N={n}", n, False, True) for n in args.n_max] + \
+        [(f"adaptive<={max(args.n_max)}", max(args.n_max), True, True)]
+    if args.ungated:
+        modes.append((f"adaptive<={max(args.n_max)} ungated", max(args.n_max), True, False))
     run_mode(m, m.tokenize("Hello"), 8, max(args.n_max), False)        # compile / warm up
     costs = step_costs(m)
     verify = ", ".join(f"{k[len('verify'):]}: {v:.1f}" for k, v in costs.items()
@@ -117,11 +119,11 @@ def bench_model(model: str, args) -> dict:
         return {"model": str(resolve_model(model)), "head": str(head), "costs": costs}
     rows = []
     for name, ids in prompts(m)[:args.limit]:
-        best = {label: None for label, _, _ in modes}
+        best = {label: None for label, *_ in modes}
         ref = None
         for _ in range(args.reps):
-            for label, n, adaptive in modes:        # alternating: every mode sees the same load
-                out, secs, drafted, accepted = run_mode(m, ids, args.n_gen, n, adaptive)
+            for label, n, adaptive, gate in modes:        # alternating: every mode sees the same load
+                out, secs, drafted, accepted = run_mode(m, ids, args.n_gen, n, adaptive, gate)
                 if n is None:
                     ref = out
                 same = out == ref
@@ -134,7 +136,7 @@ def bench_model(model: str, args) -> dict:
             f"{k} {args.n_gen / v['s']:.1f} t/s" + (f" acc {v['accepted'] / max(1, v['drafted']):.0%}" if v["drafted"] else "")
             for k, v in best.items()), file=sys.stderr)
     return {"model": str(resolve_model(model)), "head": str(head), "costs": costs,
-            "modes": [lbl for lbl, _, _ in modes], "rows": rows}
+            "modes": [lbl for lbl, *_ in modes], "rows": rows}
 
 
 def summarize(res: dict, n_gen: int) -> list[str]:
@@ -176,6 +178,7 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=4096)
     ap.add_argument("--limit", type=int, help="only the first LIMIT prompts (a quick check)")
     ap.add_argument("--costs-only", action="store_true", help="only the plain / verify-2 / draft step costs")
+    ap.add_argument("--ungated", action="store_true", help="also adaptive without the confidence gate (SpecConfig.gate)")
     ap.add_argument("--json", type=Path, help="write the raw results here")
     args = ap.parse_args()
     results = [bench_model(model, args) for model in args.model]

@@ -73,12 +73,14 @@ def test_adaptive_length_keeps_greedy_parity(qwen3, corrupt):
         assert stats.spec.chosen[-1] < 5
 
 
-def test_adaptive_mtp_parity(qwen35):
+@pytest.mark.parametrize("gate", [True, False])
+def test_adaptive_mtp_parity(qwen35, gate):
     ids = prompt(5)
     ref = plain(qwen35, ids)
-    out, stats, _, _ = spec_run(qwen35, ids, lambda s, spec: build_source("draft-mtp", s, GREEDY, spec, None),
-                                n_max=3, adaptive=True)
+    out, stats, _, source = spec_run(qwen35, ids, lambda s, spec: build_source("draft-mtp", s, GREEDY, spec, None),
+                                     n_max=3, adaptive=True, gate=gate)
     assert out == ref and len(out) == N_GEN
+    assert (source.picker.gate is not None) == gate
 
 
 def test_confidence_table_learns_acceptance_per_tenth():

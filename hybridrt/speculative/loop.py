@@ -37,6 +37,7 @@ class SpecConfig:
     n_min: int = 0          # --spec-draft-n-min: a shorter proposal is dropped (plain step)
     p_min: float = 0.0      # --spec-draft-p-min: model drafts stop below this top-1 probability
     adaptive: bool = False  # choose each step's length within n_max (speculative/adaptive.py)
+    gate: bool = True       # adaptive only: weigh each model draft by its confidence (adaptive.py)
 
     def __post_init__(self):
         if self.n_max < 0 or self.n_min < 0:
@@ -89,7 +90,7 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
     no_draft = Draft()
     policy = DraftLengthPolicy(spec.n_max) if spec.adaptive and source is not None else None
     picker = getattr(source, "picker", None)
-    if policy is not None and picker is not None:      # model drafts: each one weighed by its confidence
+    if policy is not None and picker is not None and spec.gate:   # model drafts: each weighed by its confidence
         picker.gate, policy.gating = policy.keep_draft, True
 
     t0 = time.perf_counter()
