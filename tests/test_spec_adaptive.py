@@ -117,3 +117,14 @@ def test_gated_drafting_that_does_not_pay_turns_into_plain_steps():
         else:
             p.observe(0, 0, 0.010, 0.0)
     assert chosen[0] >= 1 and chosen[20:].count(0) >= 0.8 * len(chosen[20:]) and 1 in chosen[20:]
+
+
+def test_plain_step_cost_is_measured_not_extrapolated():
+    """After the first drafting step the policy takes one plain step to measure t(1): with t(4) =
+    2x t(1) and 20 % acceptance, drafting does not pay, and without that measurement the
+    extrapolated t(1) (0.93 t(4)) made it look as if it did."""
+    p = DraftLengthPolicy(n_max=3)
+    chosen = feed(p, 40, accept=lambda n: 1 if n and p.drafting_steps % 5 == 0 else 0,
+                  verify_s=lambda k: 0.020 if k == 1 else 0.034 + 0.004 * (k - 2))
+    assert chosen[0] == 3 and chosen[1] == 0
+    assert chosen[10:].count(0) >= 0.8 * len(chosen[10:])
