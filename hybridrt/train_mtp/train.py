@@ -34,6 +34,7 @@ from .torch_model import MTPHeadModule, TorchTeacher, initial_head_tensors, outp
 # bfloat16 matmuls (teacher text, training steps) where the CPU has them natively (AVX-512 BF16 /
 # AMX); emulated they would be slower than float32
 BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+TEXT_VERSION = 2        # 1: temperatures cycled per continuation; 2: text_plan (sampled prefix, then greedy)
 MAX_SEQ = 512                               # prompt + continuation (one hybridrt prefill chunk)
 LOSSES = ("kl", "argmax")
 
@@ -230,7 +231,9 @@ def _signature(model, cfg: TrainConfig, what: str, init: float = 0.0) -> str:
     depends on: when any of it changes, that stage starts afresh instead of resuming."""
     keys = {k: v for k, v in asdict(cfg).items() if what == "ckpt" or k in ("tokens", "seed", "gen_len", "heldout_len")}
     prompts = [(p.kind, p.text) for p in TRAIN_PROMPTS + HELDOUT_PROMPTS]
-    blob = json.dumps([target_fingerprint(model.gguf), keys, prompts if what == "data" else init], sort_keys=True)
+    # TEXT_VERSION and BF16: how the text is written (the plan of temperatures, the teacher's dtype)
+    text = [prompts, TEXT_VERSION, BF16]
+    blob = json.dumps([target_fingerprint(model.gguf), keys, text if what == "data" else init], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
