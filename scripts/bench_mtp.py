@@ -39,7 +39,7 @@ GREEDY = SamplerConfig(temp=0.0)
 
 
 def head_for(model: str, args) -> Path:
-    path = Path(args.head) if args.head else HEADS / f"{Path(str(model)).stem}.mtp.gguf"
+    path = Path(args.head) if args.head else HEADS / f"{Path(str(model)).stem}.v2.mtp.gguf"
     if path.exists() and not args.retrain:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -64,37 +64,39 @@ def prompts(m) -> list[tuple[str, list[int]]]:
     return out
 
 
-def run_mode(m, ids: list[int], n_gen: int, n_max: int | None, adaptive: bool):
+def run_mode(m, ids: list[int], n_gen: int, n_max: int | None, adaptive: bool, gate: bool = True):
     """(tokens, decode seconds, drafted, accepted); n_max None: plain decoding."""
     if n_max is None:
         out, stats = generate(m, m.session(len(ids) + n_gen + 16), ids, n_gen, GREEDY, stop_ids=set())
         return out, stats.decode_s, 0, 0
-    spec = SpecConfig(n_max=n_max, adaptive=adaptive)
+    spec = SpecConfig(n_max=n_max, adaptive=adaptive, gate=gate)
     session = m.session(len(ids) + n_gen + 16, k_max=spec.k_max)
     source = build_source("draft-mtp", session, GREEDY, spec)
     out, stats = speculative_generate(m, session, ids, n_gen, GREEDY, source, spec, stop_ids=set())
     return out, stats.decode_s, sum(stats.spec.drafted), sum(stats.spec.accepted)
 
 
-def step_costs(m, reps: int = 30) -> dict:
-    """Median ms of a plain step, a 2-token verify and one head draft (step + head), alternating in
-    one process so all three see the same load."""
-    s = m.session(512, k_max=4)
+def step_costs(m, reps: int = 30, k_max: int = 4) -> dict:
+    """Median ms of a plain step (the decode path, logits of the last row), a k-token verify (every
+    row's logits, k = 1..k_max) and one head draft (step + head), alternating in one process so all
+    see the same load."""
+    s = m.session(512, k_max=k_max)
     ids = m.tokenize("The history of the printing press begins in the fifteenth century, when")
     s.eval(ids)
     h, pos = s.hidden[-1:], len(ids)
-    times = {"plain": [], "verify2": [], "draft": []}
+    times = {"plain": [], "draft": [], **{f"verify{k}": [] for k in range(1, k_max + 1)}}
     for _ in range(reps):
         t0 = time.perf_counter()
         s.eval([100], start_pos=pos, logits="last")
-        t1 = time.perf_counter()
-        s.eval([100, 101], start_pos=pos, logits="all")
-        t2 = time.perf_counter()
+        times["plain"].append(time.perf_counter() - t0)
+        for k in range(1, k_max + 1):
+            t0 = time.perf_counter()
+            s.eval(list(range(100, 100 + k)), start_pos=pos, logits="all")
+            times[f"verify{k}"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
         _, out = m.mtp.step(s.state, torch.tensor([100]), h, pos)
         m.mtp.head(out)
-        t3 = time.perf_counter()
-        for key, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
-            times[key].append(dt)
+        times["draft"].append(time.perf_counter() - t0)
     ms = {k: 1e3 * sorted(v)[len(v) // 2] for k, v in times.items()}
     return {**ms, "verify2_over_plain": ms["verify2"] / ms["plain"], "draft_over_plain": ms["draft"] / ms["plain"]}
 
@@ -102,22 +104,26 @@ def step_costs(m, reps: int = 30) -> dict:
 def bench_model(model: str, args) -> dict:
     head = head_for(model, args)
     m = load_model(model, threads=args.threads, mtp_head=head)
-    modes = [("plain", None, False)] + [(f"N={n}", n, False) for n in args.n_max] + \
-        [(f"adaptive<={max(args.n_max)}", max(args.n_max), True)]
+    modes = [("plain", None, False, True)] + [(f"N={n}", n, False, True) for n in args.n_max] + \
+        [(f"adaptive<={max(args.n_max)}", max(args.n_max), True, True)]
+    if args.ungated:
+        modes.append((f"adaptive<={max(args.n_max)} ungated", max(args.n_max), True, False))
     run_mode(m, m.tokenize("Hello"), 8, max(args.n_max), False)        # compile / warm up
     costs = step_costs(m)
-    print(f"{Path(model).stem} step costs (median ms): plain {costs['plain']:.1f}, verify of 2 {costs['verify2']:.1f} "
-          f"({costs['verify2_over_plain']:.2f}x), one draft {costs['draft']:.1f} ({costs['draft_over_plain']:.1%})",
-          file=sys.stderr)
+    verify = ", ".join(f"{k[len('verify'):]}: {v:.1f}" for k, v in costs.items()
+                       if k.startswith("verify") and not k.endswith("plain"))
+    print(f"{Path(model).stem} step costs (median ms): plain {costs['plain']:.1f}, verify of k tokens ({verify}), "
+          f"verify 2 / plain {costs['verify2_over_plain']:.2f}x, one draft {costs['draft']:.1f} "
+          f"({costs['draft_over_plain']:.1%})", file=sys.stderr)
     if args.costs_only:
         return {"model": str(resolve_model(model)), "head": str(head), "costs": costs}
     rows = []
     for name, ids in prompts(m)[:args.limit]:
-        best = {label: None for label, _, _ in modes}
+        best = {label: None for label, *_ in modes}
         ref = None
         for _ in range(args.reps):
-            for label, n, adaptive in modes:        # alternating: every mode sees the same load
-                out, secs, drafted, accepted = run_mode(m, ids, args.n_gen, n, adaptive)
+            for label, n, adaptive, gate in modes:        # alternating: every mode sees the same load
+                out, secs, drafted, accepted = run_mode(m, ids, args.n_gen, n, adaptive, gate)
                 if n is None:
                     ref = out
                 same = out == ref
@@ -130,7 +136,7 @@ def bench_model(model: str, args) -> dict:
             f"{k} {args.n_gen / v['s']:.1f} t/s" + (f" acc {v['accepted'] / max(1, v['drafted']):.0%}" if v["drafted"] else "")
             for k, v in best.items()), file=sys.stderr)
     return {"model": str(resolve_model(model)), "head": str(head), "costs": costs,
-            "modes": [lbl for lbl, _, _ in modes], "rows": rows}
+            "modes": [lbl for lbl, *_ in modes], "rows": rows}
 
 
 def summarize(res: dict, n_gen: int) -> list[str]:
@@ -167,11 +173,12 @@ def main() -> None:
     ap.add_argument("-n", "--n-gen", type=int, default=64)
     ap.add_argument("--n-max", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--tokens", type=int, default=131072)
+    ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--draft-vocab", type=int, default=4096)
     ap.add_argument("--limit", type=int, help="only the first LIMIT prompts (a quick check)")
     ap.add_argument("--costs-only", action="store_true", help="only the plain / verify-2 / draft step costs")
+    ap.add_argument("--ungated", action="store_true", help="also adaptive without the confidence gate (SpecConfig.gate)")
     ap.add_argument("--json", type=Path, help="write the raw results here")
     args = ap.parse_args()
     results = [bench_model(model, args) for model in args.model]

@@ -73,9 +73,58 @@ def test_adaptive_length_keeps_greedy_parity(qwen3, corrupt):
         assert stats.spec.chosen[-1] < 5
 
 
-def test_adaptive_mtp_parity(qwen35):
+@pytest.mark.parametrize("gate", [True, False])
+def test_adaptive_mtp_parity(qwen35, gate):
     ids = prompt(5)
     ref = plain(qwen35, ids)
-    out, stats, _, _ = spec_run(qwen35, ids, lambda s, spec: build_source("draft-mtp", s, GREEDY, spec, None),
-                                n_max=3, adaptive=True)
+    out, stats, _, source = spec_run(qwen35, ids, lambda s, spec: build_source("draft-mtp", s, GREEDY, spec, None),
+                                     n_max=3, adaptive=True, gate=gate)
     assert out == ref and len(out) == N_GEN
+    assert (source.picker.gate is not None) == gate
+
+
+def test_confidence_table_learns_acceptance_per_tenth():
+    p = DraftLengthPolicy(n_max=3, gating=True)
+    assert p.accept_given(0.95) == pytest.approx(0.95) and p.accept_given(0.15) == pytest.approx(0.15)   # prior
+    for _ in range(60):     # confident drafts right 20 % of the time, unsure ones 90 %: the table follows
+        p.observe(1, 0, 0.012, 0.001, conf=[0.95])
+        p.observe(1, 1, 0.012, 0.001, conf=[0.15])
+        p.observe(2, 1, 0.013, 0.002, conf=[0.15, 0.95])     # the second was judged: rejected
+    assert p.accept_given(0.93) < 0.3 and p.accept_given(0.12) > 0.75
+    assert p.accept_given(0.55) == pytest.approx(0.55)       # untouched tenth: still the prior
+
+
+def test_gate_keeps_only_drafts_that_pay_for_their_verify():
+    """Verify of 2 tokens costs 1.36x one (SmolLM2 on this CPU): a draft needs ~40 % to pay."""
+    p = DraftLengthPolicy(n_max=3, gating=True)
+    p.observe(0, 0, 0.010, 0.0)
+    p.observe(1, 1, 0.0136, 0.0005, conf=[0.85])
+    p.observe(2, 1, 0.0190, 0.0010, conf=[0.85, 0.25])
+    assert p.keep_draft(0, 0.92) and not p.keep_draft(0, 0.2)
+    assert p.keep_draft(0, 0.95) and p.keep_draft(1, 0.95)     # a confident chain goes on
+    assert p.keep_draft(0, 0.65) and not p.keep_draft(1, 0.45)  # cumulative 0.65 * 0.45 does not pay
+
+
+def test_gated_drafting_that_does_not_pay_turns_into_plain_steps():
+    """Every gated step pays a head row and keeps nothing: plain steps win, with probes."""
+    p = DraftLengthPolicy(n_max=3, gating=True, probe_every=8)
+    chosen = []
+    for _ in range(80):
+        n = p.choose()
+        chosen.append(n)
+        if n:
+            p.observe(0, 0, 0.010, 0.002, gated=True)     # the gate refused the first row
+        else:
+            p.observe(0, 0, 0.010, 0.0)
+    assert chosen[0] >= 1 and chosen[20:].count(0) >= 0.8 * len(chosen[20:]) and 1 in chosen[20:]
+
+
+def test_plain_step_cost_is_measured_not_extrapolated():
+    """After the first drafting step the policy takes one plain step to measure t(1): with t(4) =
+    2x t(1) and 20 % acceptance, drafting does not pay, and without that measurement the
+    extrapolated t(1) (0.93 t(4)) made it look as if it did."""
+    p = DraftLengthPolicy(n_max=3)
+    chosen = feed(p, 40, accept=lambda n: 1 if n and p.drafting_steps % 5 == 0 else 0,
+                  verify_s=lambda k: 0.020 if k == 1 else 0.034 + 0.004 * (k - 2))
+    assert chosen[0] == 3 and chosen[1] == 0
+    assert chosen[10:].count(0) >= 0.8 * len(chosen[10:])

@@ -65,14 +65,30 @@ def test_torch_teacher_matches_hybridrt(arch, tmp_path):
     tokens = torch.tensor([a, [0] * 4 + b])
     slots = torch.arange(9)[None].expand(2, -1)
     pos, valid = (slots - pad[:, None]).clamp(min=0), slots >= pad[:, None]
-    caches = [{} for _ in teacher.blocks]
-    out = teacher.step(tokens, pos, pos, valid, caches)
+    caches = teacher.new_caches(2)
+    out, _ = teacher.step(tokens, pos, pos, valid, caches)
     assert torch.allclose(out[0], ref[9], atol=1e-4) and torch.allclose(out[1], ref[5], atol=1e-4)
     nxt = torch.tensor([[7], [11]])
     k_pos = torch.cat((pos, pos[:, -1:] + 1), 1)
-    out = teacher.step(nxt, k_pos[:, -1:], k_pos, torch.cat((valid, torch.ones(2, 1, dtype=torch.bool)), 1), caches)
+    out, _ = teacher.step(nxt, k_pos[:, -1:], k_pos, torch.cat((valid, torch.ones(2, 1, dtype=torch.bool)), 1), caches)
     for row, ids in zip(out, (a + [7], b + [11])):
         assert torch.allclose(row, m.session(64, k_max=1).eval(ids, logits="last")[0], atol=1e-4)
+
+
+def test_teacher_generate_returns_hybridrt_hiddens_and_turns_greedy(tiny_llama):
+    """generate's hiddens are hybridrt's final-normed hiddens of prompt + continuation, and after
+    greedy_after sampled tokens every token is the target's argmax."""
+    m = load_model(tiny_llama, exact_activations=True)
+    teacher = TorchTeacher(m, block_kind("llama"), 64)
+    prompts = [[5, 9, 17, 33, 2], [40, 41]]
+    out = teacher.generate(prompts, 10, [1.0, 0.0], torch.Generator().manual_seed(2), set(), greedy_after=[4, 0])
+    for (ids, switch), (cont, hidden) in zip(zip(prompts, [4, 0]), out):
+        assert len(cont) == 10 and hidden.shape == (len(ids) + 10, m.n_embd)
+        session = m.session(64, k_max=1)
+        logits = session.eval(ids + cont, logits="all")
+        assert torch.allclose(hidden, session.hidden, atol=1e-4)
+        greedy = logits.argmax(-1)[len(ids) - 1:-1]           # the argmax before each continuation token
+        assert greedy[switch:].tolist() == cont[switch:]
 
 
 def test_head_round_trip_and_runtime_matches_torch(tiny_llama, tmp_path):
@@ -167,7 +183,7 @@ def test_reduced_vocab_sampling_is_exact_smollm2():
     """The same check on SmolLM2 with its trained head (scripts/bench_mtp.py trains and caches it)."""
     from tests.real_models import SMOLLM2, require
 
-    head = Path.home() / ".cache/hybridrt/heads/smollm2-135m.mtp.gguf"
+    head = Path.home() / ".cache/hybridrt/heads/smollm2-135m.v2.mtp.gguf"
     if not head.exists():
         pytest.skip(f"no trained head at {head}: python3 scripts/bench_mtp.py -m smollm2-135m")
     _check_reduced_vocab_exact(require(SMOLLM2), head, flatten=False)
@@ -245,7 +261,7 @@ def test_train_mtp_cli(tiny_llama, tmp_path):
 def test_real_model_greedy_parity_with_trained_head(name):
     """Greedy draft-mtp with the cached trained head (scripts/bench_mtp.py trains it) equals plain
     decoding, at fixed N and adaptive."""
-    head = Path.home() / f".cache/hybridrt/heads/{name}.mtp.gguf"
+    head = Path.home() / f".cache/hybridrt/heads/{name}.v2.mtp.gguf"
     if not head.exists():
         pytest.skip(f"no trained head at {head}: python3 scripts/bench_mtp.py -m {name}")
     m = load_model(name, mtp_head=head)

@@ -9,7 +9,7 @@ source's own state (MTP KV, draft-model KV, n-gram index) only has to stay consi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -19,10 +19,14 @@ from ..sampling import SamplerConfig, filtered_probs
 @dataclass
 class Draft:
     """Proposed tokens and, for sampled drafts, the distribution each was drawn from (one row of
-    `filtered_probs` per token: candidate ids [m] and probabilities [m]). q None means one-hot."""
+    `filtered_probs` per token: candidate ids [m] and probabilities [m]). q None means one-hot.
+    `conf`: the top-1 probability of each draft's row, where a picker gate asked for it; `gated`:
+    one more row was computed but the gate turned its token down."""
     tokens: list[int] = field(default_factory=list)
     q_ids: list[torch.Tensor] | None = None
     q_probs: list[torch.Tensor] | None = None
+    conf: list[float] = field(default_factory=list)
+    gated: bool = False
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -52,10 +56,24 @@ class DraftPicker:
 
     temp 0: the argmax (q one-hot). temp > 0: a sample from filtered_probs under the same
     SamplerConfig as the target, and q is that distribution, so acceptance is min(1, p/q).
-    `p_min` ends the draft at the first position whose top-1 probability is below it."""
+    `p_min` ends the draft at the first position whose top-1 probability is below it. `gate`
+    (set by the adaptive length policy): gate(i, top-1 probability) decides whether draft i is
+    worth its place in the verify batch; a refusal ends the draft too. Neither changes which
+    token a kept draft is, so outputs stay exact."""
 
-    def __init__(self, cfg: SamplerConfig, gen: torch.Generator, p_min: float = 0.0):
-        self.cfg, self.gen, self.p_min = cfg, gen, p_min
+    def __init__(self, cfg: SamplerConfig, gen: torch.Generator, p_min: float = 0.0,
+                 gate: Callable[[int, float], bool] | None = None):
+        self.cfg, self.gen, self.p_min, self.gate = cfg, gen, p_min, gate
+
+    def _admit(self, draft: Draft, top1: float) -> bool:
+        if top1 < self.p_min:
+            return False
+        if self.gate is not None:
+            if not self.gate(len(draft.tokens), top1):
+                draft.gated = True
+                return False
+            draft.conf.append(top1)
+        return True
 
     def start(self) -> Draft:
         return Draft([], None, None) if self.cfg.greedy else Draft([], [], [])
@@ -63,13 +81,17 @@ class DraftPicker:
     def add(self, draft: Draft, logits_row: torch.Tensor) -> bool:
         """Append a token chosen from logits_row [V]; False (nothing appended) when p_min stops it."""
         if self.cfg.greedy:
-            if self.p_min > 0.0 and float(torch.softmax(logits_row.float(), dim=-1).max()) < self.p_min:
-                return False
+            if self.p_min > 0.0 or self.gate is not None:
+                top, best = torch.softmax(logits_row.float(), dim=-1).max(dim=-1)
+                if not self._admit(draft, float(top)):
+                    return False
+                draft.tokens.append(int(best))
+                return True
             draft.tokens.append(int(torch.argmax(logits_row)))
             return True
         ids, probs = filtered_probs(logits_row.unsqueeze(0), self.cfg)
         ids, probs = ids[0], probs[0]
-        if float(probs[0]) < self.p_min:      # rows are sorted: probs[0] is the top-1
+        if not self._admit(draft, float(probs[0])):      # rows are sorted: probs[0] is the top-1
             return False
         choice = torch.multinomial(probs, 1, generator=self.gen)
         draft.tokens.append(int(ids[choice]))

@@ -37,6 +37,7 @@ class SpecConfig:
     n_min: int = 0          # --spec-draft-n-min: a shorter proposal is dropped (plain step)
     p_min: float = 0.0      # --spec-draft-p-min: model drafts stop below this top-1 probability
     adaptive: bool = False  # choose each step's length within n_max (speculative/adaptive.py)
+    gate: bool = True       # adaptive only: weigh each model draft by its confidence (adaptive.py)
 
     def __post_init__(self):
         if self.n_max < 0 or self.n_min < 0:
@@ -88,6 +89,9 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
     logits_buf = torch.empty(spec.k_max, model.n_vocab)     # every verify writes into this
     no_draft = Draft()
     policy = DraftLengthPolicy(spec.n_max) if spec.adaptive and source is not None else None
+    picker = getattr(source, "picker", None)
+    if policy is not None and picker is not None and spec.gate:   # model drafts: each weighed by its confidence
+        picker.gate, policy.gating = policy.keep_draft, True
 
     t0 = time.perf_counter()
     certain = sample_token(prefill(session, prompt_ids, source, logits_buf), sampler, gen)
@@ -122,6 +126,7 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
         t0 = time.perf_counter()
         with maybe_span(trace, "draft", "spec"):
             draft = source.propose(certain, pos, room) if source is not None and room > 0 else no_draft
+        gated = draft.gated         # a row computed, its token turned down by the confidence gate
         if len(draft) < max(spec.n_min, 1):
             draft = no_draft
         t1 = time.perf_counter()
@@ -151,7 +156,7 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
             source.observe(pos, [certain] + kept[:n_emit], session.hidden[:1 + n_emit])
         spec_stats.record(len(draft), verdict.n_accepted, chosen)
         if policy is not None:
-            policy.observe(len(draft), verdict.n_accepted, t2 - t1, t1 - t0)
+            policy.observe(len(draft), verdict.n_accepted, t2 - t1, t1 - t0, draft.conf, gated)
         spec_stats.draft_s += t1 - t0
         spec_stats.verify_s += t2 - t1
         if stats.stopped_by:
