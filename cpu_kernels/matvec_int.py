@@ -42,7 +42,7 @@ from gguf.constants import GGMLQuantizationType as _T
 from .matvec_kquants import k_scales_mins, q3_k_scales
 from .matvec_simd import _array, _fma, _load_vec, _splat
 from .quantize_act import QK_K, QK_LEGACY, quantize_rows
-from .simd_int import CACHE, F32, I8, I16, I32, I64, IntBlockIR, _concat, dpbusd, dpwssd, maddubs, pmaddwd
+from .simd_int import CACHE, F32, I8, I16, I32, I64, IntBlockIR, _concat, dpbusd, dpwssd, maddubs, pmaddwd, prefetch
 
 GROUPS_PER_THREAD = 4
 
@@ -75,31 +75,46 @@ def _sc16_per_16(v, sc16):
     return [v.shuf(sc16, [4 * c + i // 8 for i in range(32)]) for c in range(4)]
 
 
+def _k_scales_mins16(v):
+    """Q4_K / Q5_K's 8 six-bit (scale, min) pairs (12 bytes at 4) as i16 x 16: scales in lanes
+    0-7, mins in 8-15 (layout in matvec_kquants.k_scales_mins), unpacked in 16-bit lanes with two
+    byte shuffles: about 6 vector instructions, the 4 chunk scale vectors and the mins one
+    permute each."""
+    x = v.bytes(4, 16)
+    zero = v.zeros(I8, 16)
+
+    def words(low_bytes):           # i16 lanes holding these bytes of x (None: 0)
+        idx = []
+        for j in low_bytes:
+            idx += [16 if j is None else j, 16]
+        return v.b.bitcast(v.shuf(x, idx, zero), ir.VectorType(I16, 16))
+    # j < 4: sc = q[j] & 63, m = q[j+4] & 63; j >= 4: sc = q[j+4] & 15 | (q[j-4] >> 6) << 4,
+    # m = q[j+4] >> 4 | (q[j] >> 6) << 4
+    low = words([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11])
+    low = v.band(v.bshr(low, [0] * 12 + [4] * 4), [63] * 4 + [15] * 4 + [63] * 4 + [15] * 4)
+    high = words([None] * 4 + [0, 1, 2, 3] + [None] * 4 + [4, 5, 6, 7])
+    return v.b.or_(low, v.band(v.bshr(high, 2), 0x30))
+
+
+def _k_block_32(v, chunks, scm):
+    """A Q4_K / Q5_K super-block: 32-weight sub-blocks, 8 scales and 8 mins in scm."""
+    return KBlock(chunks, [v.shuf(scm, [2 * c] * 16 + [2 * c + 1] * 16) for c in range(4)], v.f16(0),
+                  min16=v.shuf(scm, [8 + g // 2 for g in range(16)]), negdmin=v.fneg(v.f16(2)))
+
+
 def _q4_k(v):
-    # d @0, dmin @2, scales @4, qs[128] @16: byte 32c + l holds element 64c + l (low) and 64c+32+l
-    sc, m = k_scales_mins(v, 4)
-    chunks = []
-    for c in range(4):
-        q = v.bytes(16 + 32 * c, 32)
-        chunks.append(v.concat(v.band(q, 15), v.bshr(q, 4)))
-    m8 = v.i16(m)
-    return KBlock(chunks, _sc16_per_32(v, v.i16(sc)), v.f16(0), min16=v.shuf(m8, [g // 2 for g in range(16)]),
-                  negdmin=v.fneg(v.f16(2)))
+    # d @0, dmin @2, scales @4, qs[128] @16: byte 32c + l holds element 64c + l (low nibble) and
+    # 64c + 32 + l (high): chunk c is those 32 bytes in both halves, shifted by 0 and by 4
+    return _k_block_32(v, [v.halves(16 + 32 * c, (0, 4), 15) for c in range(4)], _k_scales_mins16(v))
 
 
 def _q5_k(v):
     # as Q4_K with qh[32] @16 (bit j of qh[l]: 5th bit of element l of sub-block j), qs @48
-    sc, m = k_scales_mins(v, 4)
-    qh = v.bytes(16, 32)
     chunks = []
     for c in range(4):
-        q = v.bytes(48 + 32 * c, 32)
-        lo = v.b.or_(v.band(q, 15), v.bshl(v.band(v.bshr(qh, 2 * c), 1), 4))
-        hi = v.b.or_(v.bshr(q, 4), v.bshl(v.band(v.bshr(qh, 2 * c + 1), 1), 4))
-        chunks.append(v.concat(lo, hi))
-    m8 = v.i16(m)
-    return KBlock(chunks, _sc16_per_32(v, v.i16(sc)), v.f16(0), min16=v.shuf(m8, [g // 2 for g in range(16)]),
-                  negdmin=v.fneg(v.f16(2)))
+        fifth = v.bshl(v.halves(16, (2 * c, 2 * c + 1), 1), 4)
+        chunks.append(v.b.or_(v.halves(48 + 32 * c, (0, 4), 15), fifth))
+    return _k_block_32(v, chunks, _k_scales_mins16(v))
 
 
 def _q6_k(v):
@@ -510,11 +525,31 @@ def _loop(b, start, end, init, body):
     return state
 
 
-def _steps(b, kind, decode, nbytes, wrows, rb, i0, i1, init, apply):
+PREFETCH_BYTES = 1024    # how far ahead of a step each weight stream is prefetched
+
+
+def _prefetch_ahead(b, wrows, off, end, nxt, step_bytes):
+    """Prefetch, for each weight stream, the step PREFETCH_BYTES past byte `off` of its row; a
+    stream ends at byte `end` and the kernel then reads on at byte `nxt` of the same row pointer
+    (the next pass's row, or the next row's chunk), so the lookahead runs on there."""
+    t = b.add(off, _c64(PREFETCH_BYTES))
+    t = b.select(b.icmp_signed("<", t, end), t, b.add(b.sub(t, end), nxt))
+    for wrow in wrows:
+        for line in range(0, step_bytes, 64):
+            prefetch(b, b.gep(wrow, [b.add(t, _c64(line))]))
+
+
+def _steps(b, kind, decode, nbytes, wrows, rb, i0, i1, init, apply, nxt=None):
     """Steps i0 .. i1-1 of the weight rows wrows: state = apply(vbs, i, state), vbs[r] row r's
     step i as a function emitting its decoder (returns (v, blk); emitted once, where first used).
-    A legacy row of an odd number of blocks ends in a step of one block (the other half zeros)."""
+    A legacy row of an odd number of blocks ends in a step of one block (the other half zeros).
+    nxt: where (bytes from each row pointer) the kernel reads next after step i1 - 1: the
+    streams are prefetched ahead, across that jump."""
+    step_bytes = nbytes if kind == "k" else 2 * nbytes
+
     def step(i, state, n_blk):
+        if nxt is not None:
+            _prefetch_ahead(b, wrows, b.mul(i, _c64(step_bytes)), b.mul(i1, _c64(step_bytes)), nxt, step_bytes)
         def decoder(wrow):
             done = []
 
@@ -631,7 +666,9 @@ def _make_lane_dot(across_rows: bool):
                         entries = [(vb, trows[0]) for vb in vbs] if across_rows else [(vbs[0], t) for t in trows]
                         return [group(b, entries, i, state[0])]
                     zero = ir.Constant(ir.VectorType(F32, n), [0.0] * n)
-                    (facc,) = _steps(b, kind, decode, nbytes, list(wrows), rbs[0], _c64(0), n_steps, [zero], step)
+                    # after this pass the caller takes the next n rows (rows_dot) or the next row
+                    nxt = b.mul(rbs[0], _c64(n if across_rows else 1))
+                    (facc,) = _steps(b, kind, decode, nbytes, list(wrows), rbs[0], _c64(0), n_steps, [zero], step, nxt)
                     O = _array(context, b, signature.args[8], out_)
                     width = cgutils.unpack_tuple(b, O.shape, 2)[1]
                     for u, lane in enumerate(lanes):
@@ -713,7 +750,9 @@ def row_acc(typingctx, qtype, w, r, xa, xb, xc, u0, n, s0, s1, acc, ar):
                     with b.if_then(odd):
                         units(b.add(u0_, b.sub(n_, _c64(1))), 1)
                 return []
-            _steps(b, kind, decode, nbytes, [wrow], rb, s0_, s1_, [], apply)
+            # the tile's next row reads this chunk next
+            nxt = b.add(rb, b.mul(s0_, _c64(nbytes if kind == "k" else 2 * nbytes)))
+            _steps(b, kind, decode, nbytes, [wrow], rb, s0_, s1_, [], apply, nxt)
 
         _by_type(b, qt_, done, emit, only)
         b.position_at_end(done)
