@@ -42,7 +42,8 @@ from gguf.constants import GGMLQuantizationType as _T
 from .matvec_kquants import k_scales_mins, q3_k_scales
 from .matvec_simd import _array, _fma, _load_vec, _splat
 from .quantize_act import QK_K, QK_LEGACY, quantize_rows
-from .simd_int import CACHE, F32, I8, I16, I32, I64, IntBlockIR, _concat, dpbusd, dpwssd, maddubs, pmaddwd, prefetch
+from .simd_int import (CACHE, F32, I8, I16, I32, I64, IntBlockIR, _concat, dpbusd, dpwssd, maddubs, packs, pmaddwd,
+                       prefetch)
 
 GROUPS_PER_THREAD = 4
 
@@ -184,8 +185,11 @@ def _pair(v, n_blk, block_bytes, one_block, off=0, with_min=False, wide=False):
 
 
 def _nibbles32(v, off):
+    """A 32-weight block's 16 nibble bytes in element order: low nibbles, then high nibbles (the
+    16 bytes in both halves, shifted per half: a block pair's two become one vector op each)."""
     q = v.bytes(off, 16)
-    return v.concat(v.band(q, 15), v.bshr(q, 4))
+    w = v.b.bitcast(v.concat(q, q), ir.VectorType(I16, 16))
+    return v.band(v.b.bitcast(v.bshr(w, [0] * 8 + [4] * 8), ir.VectorType(I8, 32)), 15)
 
 
 def _fifth_bits(v, off):
@@ -404,6 +408,133 @@ def _bcast32(b, buf, j):
 
 def _store_bytes(b, buf, off, vec):
     b.store(vec, b.bitcast(b.gep(buf, [_c64(off)]), vec.type.as_pointer()), align=1)
+
+
+# --------------------------------------------------------------------------- token quads (4..15 tokens)
+# K-quants, 4 tokens a unit: the activations interleaved by 16 bytes (quantize_tiled): one 64-byte
+# vector holds the same 16 columns of 4 tokens. A decoded weight step goes to a stack buffer once;
+# each 16 weight bytes are broadcast to the 4 tokens and one vpdpbusd adds 64 products, each token's
+# integers in its own 4 lanes. The sub-block scales are applied after the raw sums: two sub-blocks'
+# sums packed to int16 (exact: at most 8 products of |q| <= 31 or 4 of |q| <= 63, times 127) and one
+# vpdpwssd with their scales. Per 4 tokens and 256 weights: 16 vpdpbusd, 4-8 packs and vpdpwssd,
+# one fold of 4 lanes per token; the float steps are the numerics block's, one lane per token.
+
+class _QuadStep:
+    """A decoded step as the quad kernels read it: its bytes in a stack buffer and, for a K step,
+    the scale words of each pair of raw sums."""
+
+    def __init__(self, v, blk, wbuf, sub):
+        b = v.b
+        chunks = [blk.w] if isinstance(blk, PairBlock) else blk.chunks
+        for c, chunk in enumerate(chunks):
+            _store_bytes(b, wbuf, 64 * c, chunk)
+        # read back through a pointer LLVM cannot see is wbuf: else it forwards the stores and
+        # broadcasts each 16 bytes with a shuffle (16 more vector instructions a step) instead
+        # of a broadcast load (a load port, free)
+        opaque = ir.InlineAsm(ir.FunctionType(wbuf.type, [wbuf.type]), "", "=r,0")
+        self.wbuf, self.blk = b.call(opaque, [wbuf]), blk
+        if isinstance(blk, PairBlock):
+            return
+        self.per_raw = sub // 16            # 16-byte groups per raw sum
+        n_raw = 16 // self.per_raw
+
+        def scale_lane(m):        # the lane of sc16[chunk] holding raw sum m's scale (8 lanes a group)
+            g = m * self.per_raw
+            return g // 4, (g % 4) * 8
+        self.scw = []
+        for p in range(n_raw // 2):
+            (c, lo), (_, hi) = scale_lane(2 * p), scale_lane(2 * p + 1)
+            self.scw.append(v.shuf(blk.sc16[c], ([lo] * 4 + [hi] * 4) * 4))
+
+
+def _bcast16(b, buf, off):
+    """16 bytes of the buffer at off, in all four 128-bit lanes (a load-port broadcast)."""
+    x = _load_vec(b, b.gep(buf, [_c64(off)]), I8, 16, 1)
+    return b.shuffle_vector(x, ir.Constant(x.type, ir.Undefined), ir.Constant(ir.VectorType(I32, 64), list(range(16)) * 4))
+
+
+def _per_token4(v, bs01, bs23, coef16):
+    """sum_g coef16[g] bs[t, g] as i32 x 16, token t's share in lanes 4t .. 4t+3 (bs01, bs23: the
+    16-value sums of tokens 0, 1 and 2, 3)."""
+    b = v.b
+    c2 = v.concat(coef16, coef16)
+    x, y = pmaddwd(b, bs01, c2), pmaddwd(b, bs23, c2)        # [t 8 lanes, t' 8 lanes]
+    lo = [8 * t + j for t in range(4) for j in range(4)]
+    return b.add(v.shuf(x, lo, y), v.shuf(x, [i + 4 for i in lo], y))
+
+
+def _k_quad(v, st, i, rows, facc):
+    """facc (4 tokens) after super-block i; rows: the unit's (q, d, s) rows (quantize_tiled)."""
+    b = v.b
+    q, d, s = rows
+    blk = st.blk
+    step_q = b.gep(q, [b.mul(i, _c64(4 * QK_K))])
+    raws = []
+    for m in range(16 // st.per_raw):
+        acc = v.zeros(I32, 16)
+        for g in range(m * st.per_raw, (m + 1) * st.per_raw):
+            a = _load_vec(b, b.gep(step_q, [_c64(64 * g)]), I8, 64, 1)
+            acc = dpbusd(b, acc, _bcast16(b, st.wbuf, 16 * g), a)
+        raws.append(acc)
+    isum = v.zeros(I32, 16)
+    for p, scw in enumerate(st.scw):
+        isum = dpwssd(b, isum, packs(b, raws[2 * p], raws[2 * p + 1]), scw)
+    if blk.off16 is not None or blk.min16 is not None:
+        step_s = b.gep(s, [b.mul(i, _c64(64))])                  # 16 sums of 4 tokens
+        bs01 = _load_vec(b, step_s, I16, 32, 2)
+        bs23 = _load_vec(b, b.gep(step_s, [_c64(32)]), I16, 32, 2)
+    if blk.off16 is not None:
+        isum = b.add(isum, _per_token4(v, bs01, bs23, blk.off16))
+    halves = [4 * t + h for t in range(4) for h in (0, 1)]
+    if blk.min16 is not None:         # fold isum and msum together: [isum t0..t3, msum t0..t3]
+        msum = _per_token4(v, bs01, bs23, blk.min16)
+        pair = b.add(v.shuf(isum, halves + [16 + x for x in halves], msum),
+                     v.shuf(isum, [x + 2 for x in halves] + [18 + x for x in halves], msum))
+        sums = b.add(v.shuf(pair, list(range(0, 16, 2))), v.shuf(pair, list(range(1, 16, 2))))
+        isum4, msum4 = v.shuf(sums, [0, 1, 2, 3]), v.shuf(sums, [4, 5, 6, 7])
+    else:
+        pair = b.add(v.shuf(isum, halves), v.shuf(isum, [x + 2 for x in halves]))
+        isum4 = b.add(v.shuf(pair, [0, 2, 4, 6]), v.shuf(pair, [1, 3, 5, 7]))
+    fv = ir.VectorType(F32, 4)
+    dx = _load_vec(b, b.gep(d, [b.mul(i, _c64(4))]), F32, 4, 4)
+    facc = _fma(b, b.sitofp(isum4, fv), b.fmul(v.fsplat(blk.d, 4), dx), facc)
+    if blk.min16 is not None:
+        facc = _fma(b, b.sitofp(msum4, fv), b.fmul(v.fsplat(blk.negdmin, 4), dx), facc)
+    return facc
+
+
+def _pair_quad(v, st, i, rows, facc):
+    """facc (4 tokens) after block pair i (legacy types, 4 tokens interleaved as for _k_quad): the
+    blocks' raw sums folded to [A t0..t3, B t0..t3], then block A's float terms, then B's."""
+    b = v.b
+    q, d, s = rows
+    blk = st.blk
+    step_q = b.gep(q, [b.mul(i, _c64(4 * 2 * QK_LEGACY))])
+    raws = []
+    for h in range(2):
+        acc = v.zeros(I32, 16)
+        for g in (2 * h, 2 * h + 1):
+            a = _load_vec(b, b.gep(step_q, [_c64(64 * g)]), I8, 64, 1)
+            acc = dpbusd(b, acc, _bcast16(b, st.wbuf, 16 * g), a, blk.wide)
+        raws.append(acc)
+    halves = [4 * t + h for t in range(4) for h in (0, 1)]
+    pair = b.add(v.shuf(raws[0], halves + [16 + x for x in halves], raws[1]),
+                 v.shuf(raws[0], [x + 2 for x in halves] + [18 + x for x in halves], raws[1]))
+    ab = b.add(v.shuf(pair, list(range(0, 16, 2))), v.shuf(pair, list(range(1, 16, 2))))
+    bs = b.sext(_load_vec(b, b.gep(s, [b.mul(i, _c64(8))]), I16, 8, 2), ir.VectorType(I32, 8))
+    if blk.off:
+        ab = b.add(ab, b.mul(bs, ir.Constant(bs.type, [blk.off] * 8)))
+    dx = _load_vec(b, b.gep(d, [b.mul(i, _c64(8))]), F32, 8, 4)
+    fv = ir.VectorType(F32, 4)
+    for h in range(2):
+        sel = list(range(4 * h, 4 * h + 4))
+        dxh = v.shuf(dx, sel)
+        dw = v.fsplat(b.extract_element(blk.d2, ir.Constant(I32, h)), 4)
+        facc = _fma(b, b.sitofp(v.shuf(ab, sel), fv), b.fmul(dw, dxh), facc)
+        if blk.m2 is not None:
+            mw = v.fsplat(b.extract_element(blk.m2, ir.Constant(I32, h)), 4)
+            facc = _fma(b, b.sitofp(v.shuf(bs, sel), fv), b.fmul(mw, dxh), facc)
+    return facc
 
 
 def _k_lanes(v, blk, i, vecs, faccs, bufs, sub):
@@ -727,6 +858,7 @@ def row_acc(typingctx, qtype, w, r, xa, xb, xc, u0, n, s0, s1, acc, ar):
 
             def apply(vbs, i, state):
                 vb = _decoded(vbs[0])       # before the loop over units: decoded once per step
+                quad = _QuadStep(*vb, bufs[0], K_SUB.get(qt)) if unit == 4 else None
 
                 def units(first, count):
                     """count (1 or 2) consecutive units from unit `first`."""
@@ -737,8 +869,7 @@ def row_acc(typingctx, qtype, w, r, xa, xb, xc, u0, n, s0, s1, acc, ar):
                         lanes = _k_lanes if kind == "k" else _pair_lanes
                         faccs = lanes(*vb, i, [tok.rows(u) for u in us], faccs, bufs, K_SUB.get(qt))
                     else:
-                        toks = [tok.rows(b.add(b.mul(us[0], _c64(4)), _c64(t))) for t in range(4)]
-                        faccs = [(_k_group if kind == "k" else _pair_group)(b, [(vb, t) for t in toks], i, faccs[0])]
+                        faccs = [(_k_quad if kind == "k" else _pair_quad)(vb[0], quad, i, tok.rows(us[0]), faccs[0])]
                     for p, f in zip(ps, faccs):
                         b.store(f, p, align=4)
 
@@ -793,7 +924,7 @@ def tile_sums(qtype, w, r0, n_rows, xa, xb, xc, n_steps, chunk, acc):
     column chunks of `chunk` steps, each swept by the tile's rows for TILE_UNITS units of tokens.
     xa, xb, xc: quantize_tiled's rows (groups of 4 tokens) or quantize_lanes' token vectors (16)."""
     k_pad = acc.shape[1]
-    n_units = k_pad // 4 if xa.shape[0] == k_pad else xa.shape[0]      # groups of 4 or vectors of 16
+    n_units = xa.shape[0]           # token quads (4 tokens) or token vectors (16)
     acc[:n_rows] = 0.0
     for u0 in range(0, n_units, TILE_UNITS):
         n = min(TILE_UNITS, n_units - u0)
@@ -870,7 +1001,10 @@ def quantize_for(qtype: int, x: np.ndarray):
 def quantize_tiled(qtype: int, x: np.ndarray):
     """The activations of the tiled kernel for x's k >= TILED_MIN_K rows: (xa, xb, xc, k_pad).
 
-    Token groups: quantize_for's rows with zero rows up to a multiple of 4 tokens. Token lanes:
+    Token quads: quantize_for's rows with zero rows up to a multiple of 4 tokens, interleaved per
+    4 tokens Q by 16 columns: xa[Q, 64 g + 16 t + i] = q[4 Q + t, 16 g + i] (one 64-byte vector
+    holds 16 columns of the 4 tokens), xb[Q, 4 b + t] = d[4 Q + t, b], and xc the sums as xa by 16
+    (K-quants: a super-block's 16 sums of each token side by side) or as xb (legacy). Token lanes:
     padded to 16 tokens and transposed per 16-token vector V: xa[V, 64 e4 + 4 l + i] = q[16 V + l,
     4 e4 + i] (4-byte groups of 16 tokens side by side), xb[V, 16 b + l] = d[16 V + l, b], and xc the
     16-value sums as i16 pairs (K-quants) or the 32-value sums as int32 (legacy), laid out as xb."""
@@ -879,7 +1013,11 @@ def quantize_tiled(qtype: int, x: np.ndarray):
     k_pad = -(-k // unit) * unit
     q, d, s = quantize_rows(x, act_block(qtype), pad_rows=k_pad - k)
     if unit == 4:
-        return q, d, s, k_pad
+        nu = k_pad // 4
+
+        def quads(a, group):
+            return np.ascontiguousarray(a.reshape(nu, 4, -1, group).transpose(0, 2, 1, 3)).reshape(nu, -1)
+        return quads(q, 16), quads(d, 1), quads(s, 16 if act_block(qtype) == QK_K else 1), k_pad
     nv = k_pad // 16
 
     def lanes(a):

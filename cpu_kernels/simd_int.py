@@ -1,6 +1,7 @@
 """Integer multiply-add building blocks for the quantized-activation matvec, as LLVM IR.
 
-The kernels (matvec_int) are written once, over logical 64-byte vectors, with four operations:
+The kernels (matvec_int) are written once, over logical 64-byte vectors, with four operations
+(and packs, vpackssdw on values that fit int16):
 
     maddubs(u8 x64, s8 x64) -> i16 x32    lane i = u[2i] s[2i] + u[2i+1] s[2i+1]
     dpwssd(acc i32 x16, a i16 x32, c i16 x32) -> acc[j] + a[2j] c[2j] + a[2j+1] c[2j+1]
@@ -177,6 +178,17 @@ def dpbusd(b, acc, u, s, wide=False):
     undef = ir.Constant(p.type, ir.Undefined)
     parts = [b.shuffle_vector(p, undef, ir.Constant(idx, list(range(i, n, 4)))) for i in range(4)]
     return b.add(acc, b.add(b.add(parts[0], parts[1]), b.add(parts[2], parts[3])))
+
+
+def packs(b, x, y):
+    """i32 x 16 twice -> i16 x 32, per 128-bit lane L: x's 4 lanes of L, then y's (vpackssdw's
+    order). Callers keep every value inside int16, so the conversion is exact on every ISA."""
+    if ISA == "avx512vnni":
+        return _intrinsic(b, "llvm.x86.avx512.packssdw.512", _vec(I16, 32), [x, y])
+    if ISA in ("avxvnni", "avx2"):
+        return _split_call(b, lambda u, w: _intrinsic(b, "llvm.x86.avx2.packssdw", _vec(I16, 16), [u, w]), x, y)
+    idx = [16 * h + 4 * lane + j for lane in range(4) for h in (0, 1) for j in range(4)]
+    return b.trunc(b.shuffle_vector(x, y, ir.Constant(_vec(I32, 32), idx)), _vec(I16, 32))
 
 
 def prefetch(b, ptr):
