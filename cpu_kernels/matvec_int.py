@@ -4,8 +4,9 @@ Why: with float activations every weight must become a float32 before its fma (m
 half an instruction per weight, so the float kernel is decode-bound at 15-25 % of read bandwidth.
 Here the activations are quantized once per call (quantize_act: int8 blocks with a float scale)
 and a weight block only has to become bytes: nibbles masked and shifted into 64-byte vectors in
-element order, then multiplied with the activation bytes 64 at a time (simd_int: vpmaddubsw +
-vpdpwssd, or vpdpbusd), the sub-block scales applied inside the integer sum.
+element order, then multiplied with the activation bytes 64 at a time (simd_int: vpdpbusd), the
+K-quant sub-block scales applied to the raw sums (two chunks' packed to int16, one vpdpwssd).
+Every weight stream is prefetched a kilobyte ahead (the rows are short, side by side streams).
 
 Per (token, row) every path computes the same exact integers and applies the same float steps in
 the same order (the numerics block below): one float lane per (token, row), so a token's result is
@@ -16,9 +17,12 @@ of the kernels below computed it (tested for every type):
                 the token in 64-byte vectors (integers over 16 lanes), the 4 rows' lanes folded
                 (exactly) and packed into one vector: one sitofp + fma per term for 4 rows.
     k = 2, 3    row_dots: the same with 2 or 1 tokens of one row per lane group.
-    k >= 4      tiled, token groups: rows in tiles, columns in chunks whose activations stay in
-                L1, each step decoded once per 16 tokens, float state in an L1 buffer.
-    k >= 16     tiled, token lanes (legacy types: k >= 10), the prompt GEMM: the activations
+    k >= 4      tiled, token quads: rows in tiles, columns in chunks whose activations stay in
+                L1, each step decoded once per 16 tokens into a stack buffer; the activations
+                interleaved by 16 bytes per 4 tokens, each 16 weight bytes broadcast to the 4
+                tokens: one vpdpbusd per 64 products, each token's integers in its own 4 lanes,
+                float state in an L1 buffer.
+    k >= 48     tiled, token lanes (legacy types: k >= 14), the prompt GEMM: the activations
                 transposed, 16 tokens' 4-byte groups in one vector (k padded to 16); each 4
                 weight bytes broadcast and one vpdpbusd adds 4 products for 16 tokens, so every
                 integer lands in its token's lane.
@@ -42,7 +46,7 @@ from gguf.constants import GGMLQuantizationType as _T
 from .matvec_kquants import k_scales_mins, q3_k_scales
 from .matvec_simd import _array, _fma, _load_vec, _splat
 from .quantize_act import QK_K, QK_LEGACY, quantize_rows
-from .simd_int import (CACHE, F32, I8, I16, I32, I64, IntBlockIR, _concat, dpbusd, dpwssd, maddubs, packs, pmaddwd,
+from .simd_int import (CACHE, F32, I8, I16, I32, I64, IntBlockIR, _concat, dpbusd, dpwssd, packs, pmaddwd,
                        prefetch)
 
 GROUPS_PER_THREAD = 4
@@ -332,13 +336,15 @@ def _k_group(b, entries, i, facc):
     for vb, (q, d, s) in entries:
         v, blk = _decoded(vb)
         a_ptr = b.gep(q, [b.mul(i, _c64(QK_K))])
-        # alone, a pair runs two integer chains (chunks 0, 1 and 2, 3): half the dpwssd latency
-        chains = [v.zeros(I32, 16)] * (2 if g == 1 else 1)
-        for c in range(4):
-            a = _load_vec(b, b.gep(a_ptr, [_c64(64 * c)]), I8, 64, 1)
-            n = c * len(chains) // 4
-            chains[n] = dpwssd(b, chains[n], maddubs(b, blk.chunks[c], a), blk.sc16[c])
-        acc = chains[0] if len(chains) == 1 else b.add(chains[0], chains[1])
+        # raw sums of 4 products per lane (vpdpbusd), two chunks' packed to int16 (exact: at most
+        # 4 x 63 x 127) and scaled with one vpdpwssd: lane 4L + j of chunk c holds elements of
+        # 128-bit lane L, whose scale is sc16[c]'s pair lane 8 L (16 elements: 8 pair lanes)
+        raws = [dpbusd(b, v.zeros(I32, 16), blk.chunks[c], _load_vec(b, b.gep(a_ptr, [_c64(64 * c)]), I8, 64, 1))
+                for c in range(4)]
+        acc = v.zeros(I32, 16)
+        for c in (0, 2):
+            scw = v.shuf(blk.sc16[c], [x for L in range(4) for x in [8 * L] * 4 + [32 + 8 * L] * 4], blk.sc16[c + 1])
+            acc = dpwssd(b, acc, packs(b, raws[c], raws[c + 1]), scw)
         bs = _load_vec(b, b.gep(s, [b.mul(i, _c64(16))]), I16, 16, 2)
         if blk.off16 is not None:
             acc = b.add(acc, v.concat(pmaddwd(b, blk.off16, bs), v.zeros(I32, 8)))
@@ -830,7 +836,7 @@ rows_dot = _make_lane_dot(True)
 def row_acc(typingctx, qtype, w, r, xa, xb, xc, u0, n, s0, s1, acc, ar):
     """acc[ar, unit (u0 + j) + l] for l < unit, j < n, after steps s0 .. s1-1 of row r.
 
-    xa, xb, xc from quantize_tiled: row-major rows (xc int16) -> unit 4, token groups; transposed
+    xa, xb, xc from quantize_tiled: token quads (xc int16) -> unit 4; transposed
     token vectors (xc int32) -> unit 16, token lanes. Each step is decoded once into registers
     (token lanes: and a stack buffer) and applied to all n units before the next step is read.
     """
@@ -902,16 +908,17 @@ def row_dots(qtype, w, r, xq, xd, xs, out, oc):
         t0 += n
 
 
-ROW_TILE = 8          # rows sharing an L1-resident chunk of the activations (token groups)
+ROW_TILE = 8          # rows sharing an L1-resident chunk of the activations (token quads)
 ROW_TILE_LANES = 32   # the same for token lanes: the activations of 16+ tokens cost more to stream
-TILE_UNITS = 4        # token groups (16 tokens) or token vectors (64) per pass over a chunk
+TILE_UNITS = 4        # token quads (16 tokens) or token vectors (64) per pass over a chunk
 ACT_L1_BYTES = 24576  # activation bytes of a chunk (all the pass's tokens) kept in L1
 TILED_MIN_K = 4       # k from which matvec runs the tiled kernels (below: row_dots, state in registers)
-# k from which the tiled kernel runs on token lanes (transposed activations, padded to 16 tokens):
-# measured crossover, one core: legacy types 8-12 tokens (27B-wide rows: groups 8 % faster at 8,
-# lanes 20-30 % faster at 12), K-quants 12-16 (their token groups share more of the work between
-# tokens: one maddubs + dpwssd pair per 64 weights and token)
-LANES_MIN_K = {"k": 16, "pair": 10}
+# k from which the tiled kernel runs on token lanes (transposed activations, padded to 16 tokens)
+# instead of token quads: measured crossover, one core, 2048x5120 (scripts in BENCHMARKS.md's
+# "second pass" section): legacy types between 12 (quads 20 % faster) and 14-16 (lanes 5-12 %
+# faster); K-quants between 32 (quads 15-20 % faster) and 64 (lanes 4-8 % faster): a K quad
+# shares a step's decode among 16 tokens and its scales among 4 with one vpdpwssd per two sub-blocks
+LANES_MIN_K = {"k": 48, "pair": 14}
 
 
 def uses_lanes(qtype: int, k: int) -> bool:
@@ -922,7 +929,7 @@ def uses_lanes(qtype: int, k: int) -> bool:
 def tile_sums(qtype, w, r0, n_rows, xa, xb, xc, n_steps, chunk, acc):
     """acc[r, t] = row r0 + r (r < n_rows) . token t, for all tokens of the (padded) activations:
     column chunks of `chunk` steps, each swept by the tile's rows for TILE_UNITS units of tokens.
-    xa, xb, xc: quantize_tiled's rows (groups of 4 tokens) or quantize_lanes' token vectors (16)."""
+    xa, xb, xc: quantize_tiled's token quads (4 tokens) or token vectors (16)."""
     k_pad = acc.shape[1]
     n_units = xa.shape[0]           # token quads (4 tokens) or token vectors (16)
     acc[:n_rows] = 0.0
