@@ -17,6 +17,8 @@
    "both" (default) runs each row with both, side by side; the JSON rows carry a "kernel" field.
 3. torch baseline: the matrix dequantized once to float32, then `torch.matmul(x, W.T)`.
 4. First matvec call in a fresh process with a warm Numba cache (import + call).
+5. Issue 11's targets per matrix: k=1's % of the bandwidth and each k's time over k=1's (the
+   first --ks value), from the medians and the minimums.
 
 --quick: Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 on the Qwen3.6-27B FFN shapes only (< 3 minutes on 2 threads).
 --ks: the token counts (default 1,2,3,4,8; e.g. 1,4,8,16,64 for prompt batches); --types: a subset.
@@ -172,6 +174,26 @@ def _row(qtype, label, rows, cols, k, kernel, cold, cold_min, hot, hot_min, torc
     }
 
 
+def print_targets(rows: list[dict], ks: list[int], bw: float) -> None:
+    """Issue 11's targets per matrix and kernel: k=1's share of the read bandwidth, and each k's
+    call time over k=1's (k=4 <= 1.25x, k=8 <= 1.6x), from the medians and from the minimums."""
+    by_key: dict[tuple, dict[int, dict]] = {}
+    for r in rows:
+        by_key.setdefault((r["type"], r["shape"], r["kernel"]), {})[r["k"]] = r
+    base = ks[0]
+    print(f"\ntargets: % of bandwidth at k={base}, and time(k) / time(k={base}), median (min)")
+    for (qtype, shape, kernel), per_k in by_key.items():
+        if base not in per_k:
+            continue
+        b = per_k[base]
+        pct_min = 100 * b["weight_bytes"] / b["ms_min"] / 1e6 / bw
+        line = f"{qtype:7} {shape:18} {kernel:20} {b['pct_of_bw']:5.1f} ({pct_min:5.1f}) %bw"
+        for k in ks[1:]:
+            if k in per_k:
+                line += f"  k={k}: {per_k[k]['ms'] / b['ms']:5.2f} ({per_k[k]['ms_min'] / b['ms_min']:5.2f})x"
+        print(line)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="5 main types, 27B shapes, fewer repeats")
@@ -246,6 +268,7 @@ def main() -> None:
                           f"{row['pct_of_bw']:5.1f} {row['gmacs']:7.1f} {row['per_token_vs_k1']:6.2f} {hot:7.2f} "
                           f"{torch_ms:8.2f}", flush=True)
             del w_f32
+    print_targets(rows_out, ks, bw)
     first = first_call_seconds()
     print(f"first matvec call in a fresh process, warm cache (import + call): {first:.2f} s")
     if args.json:
