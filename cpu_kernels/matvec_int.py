@@ -665,11 +665,15 @@ def _loop(b, start, end, init, body):
 PREFETCH_BYTES = 1024    # how far ahead of a step each weight stream is prefetched
 
 
-def _prefetch_ahead(b, wrows, off, end, nxt, step_bytes):
+def _prefetch_ahead(b, wrows, off, start, end, nxt, step_bytes):
     """Prefetch, for each weight stream, the step PREFETCH_BYTES past byte `off` of its row; a
-    stream ends at byte `end` and the kernel then reads on at byte `nxt` of the same row pointer
-    (the next pass's row, or the next row's chunk), so the lookahead runs on there."""
-    t = b.add(off, _c64(PREFETCH_BYTES))
+    stream reads bytes start .. end and the kernel then reads on at byte `nxt` of the same row
+    pointer (the next pass's row, or the next row's chunk), so the lookahead runs on there. It
+    is at most one stream long: a chunk shorter than that (the tiled kernels' many-token passes)
+    looks ahead into the next row's chunk only, not into a chunk needed a whole pass later."""
+    dist = b.sub(end, start)
+    dist = b.select(b.icmp_signed("<", dist, _c64(PREFETCH_BYTES)), dist, _c64(PREFETCH_BYTES))
+    t = b.add(off, dist)
     t = b.select(b.icmp_signed("<", t, end), t, b.add(b.sub(t, end), nxt))
     for wrow in wrows:
         for line in range(0, step_bytes, 64):
@@ -686,7 +690,8 @@ def _steps(b, kind, decode, nbytes, wrows, rb, i0, i1, init, apply, nxt=None):
 
     def step(i, state, n_blk):
         if nxt is not None:
-            _prefetch_ahead(b, wrows, b.mul(i, _c64(step_bytes)), b.mul(i1, _c64(step_bytes)), nxt, step_bytes)
+            _prefetch_ahead(b, wrows, b.mul(i, _c64(step_bytes)), b.mul(i0, _c64(step_bytes)),
+                            b.mul(i1, _c64(step_bytes)), nxt, step_bytes)
         def decoder(wrow):
             done = []
 
