@@ -16,8 +16,8 @@ of the kernels below computed it (tested for every type):
     k = 1       rows_dots: 4 rows per pass, each row's step decoded into registers and dotted with
                 the token in 64-byte vectors (integers over 16 lanes), the 4 rows' lanes folded
                 (exactly) and packed into one vector: one sitofp + fma per term for 4 rows.
-    k = 2, 3    row_dots: the same with 2 or 1 tokens of one row per lane group.
-    k >= 4      tiled, token quads: rows in tiles, columns in chunks whose activations stay in
+    k = 2       row_dots: the same with 2 tokens of one row per lane group.
+    k >= 3      tiled, token quads: rows in tiles, columns in chunks whose activations stay in
                 L1, each step decoded once per 16 tokens into a stack buffer; the activations
                 interleaved by 16 bytes per 4 tokens, each 16 weight bytes broadcast to the 4
                 tokens: one vpdpbusd per 64 products, each token's integers in its own 4 lanes,
@@ -431,16 +431,20 @@ class _QuadStep:
 
     def __init__(self, v, blk, wbuf, sub):
         b = v.b
-        chunks = [blk.w] if isinstance(blk, PairBlock) else blk.chunks
+        if isinstance(blk, PairBlock):
+            blk = [blk]
+        self.blks = blk if isinstance(blk, list) else None      # legacy: one or two block pairs
+        chunks = [x.w for x in blk] if self.blks else blk.chunks
         for c, chunk in enumerate(chunks):
             _store_bytes(b, wbuf, 64 * c, chunk)
         # read back through a pointer LLVM cannot see is wbuf: else it forwards the stores and
         # broadcasts each 16 bytes with a shuffle (16 more vector instructions a step) instead
         # of a broadcast load (a load port, free)
         opaque = ir.InlineAsm(ir.FunctionType(wbuf.type, [wbuf.type]), "", "=r,0")
-        self.wbuf, self.blk = b.call(opaque, [wbuf]), blk
-        if isinstance(blk, PairBlock):
+        self.wbuf = b.call(opaque, [wbuf])
+        if self.blks:
             return
+        self.blk = blk
         self.per_raw = sub // 16            # 16-byte groups per raw sum
         n_raw = 16 // self.per_raw
 
@@ -510,36 +514,43 @@ def _k_quad(v, st, i, rows, facc):
 
 
 def _pair_quad(v, st, i, rows, facc):
-    """facc (4 tokens) after block pair i (legacy types, 4 tokens interleaved as for _k_quad): the
-    blocks' raw sums folded to [A t0..t3, B t0..t3], then block A's float terms, then B's."""
+    """facc (4 tokens) after block pairs i (and i + 1 when st holds two), legacy types, 4 tokens
+    interleaved as for _k_quad: the blocks' raw sums folded to [A t0..t3, B t0..t3, ...], then the
+    numerics block's float terms block by block (A, B, C, D), each conversion and scale product
+    done once for all blocks' lanes."""
     b = v.b
     q, d, s = rows
-    blk = st.blk
+    blk = st.blks[0]
+    n_blk = 2 * len(st.blks)
     step_q = b.gep(q, [b.mul(i, _c64(4 * 2 * QK_LEGACY))])
     raws = []
-    for h in range(2):
+    for h in range(n_blk):
         acc = v.zeros(I32, 16)
         for g in (2 * h, 2 * h + 1):
             a = _load_vec(b, b.gep(step_q, [_c64(64 * g)]), I8, 64, 1)
             acc = dpbusd(b, acc, _bcast16(b, st.wbuf, 16 * g), a, blk.wide)
         raws.append(acc)
     halves = [4 * t + h for t in range(4) for h in (0, 1)]
-    pair = b.add(v.shuf(raws[0], halves + [16 + x for x in halves], raws[1]),
-                 v.shuf(raws[0], [x + 2 for x in halves] + [18 + x for x in halves], raws[1]))
-    ab = b.add(v.shuf(pair, list(range(0, 16, 2))), v.shuf(pair, list(range(1, 16, 2))))
-    bs = b.sext(_load_vec(b, b.gep(s, [b.mul(i, _c64(8))]), I16, 8, 2), ir.VectorType(I32, 8))
+    pairs = [b.add(v.shuf(x, halves + [16 + j for j in halves], y), v.shuf(x, [j + 2 for j in halves] + [18 + j for j in halves], y))
+             for x, y in zip(raws[0::2], raws[1::2])]          # [block A: t0 t0 t1 t1 .., block B: ..]
+    if len(pairs) == 1:
+        ab = b.add(v.shuf(pairs[0], list(range(0, 16, 2))), v.shuf(pairs[0], list(range(1, 16, 2))))
+    else:
+        ab = b.add(v.shuf(pairs[0], list(range(0, 32, 2)), pairs[1]), v.shuf(pairs[0], list(range(1, 32, 2)), pairs[1]))
+    n = 4 * n_blk
+    bs = b.sext(_load_vec(b, b.gep(s, [b.mul(i, _c64(8))]), I16, n, 2), ir.VectorType(I32, n))
     if blk.off:
-        ab = b.add(ab, b.mul(bs, ir.Constant(bs.type, [blk.off] * 8)))
-    dx = _load_vec(b, b.gep(d, [b.mul(i, _c64(8))]), F32, 8, 4)
-    fv = ir.VectorType(F32, 4)
-    for h in range(2):
+        ab = b.add(ab, b.mul(bs, ir.Constant(bs.type, [blk.off] * n)))
+    dx = _load_vec(b, b.gep(d, [b.mul(i, _c64(8))]), F32, n, 4)
+    per_block = [j // 4 for j in range(n)]
+    fv = ir.VectorType(F32, n)
+    terms = [(b.sitofp(ab, fv), b.fmul(v.shuf(_concat_all(b, [x.d2 for x in st.blks]), per_block), dx))]
+    if blk.m2 is not None:
+        terms.append((b.sitofp(bs, fv), b.fmul(v.shuf(_concat_all(b, [x.m2 for x in st.blks]), per_block), dx)))
+    for h in range(n_blk):
         sel = list(range(4 * h, 4 * h + 4))
-        dxh = v.shuf(dx, sel)
-        dw = v.fsplat(b.extract_element(blk.d2, ir.Constant(I32, h)), 4)
-        facc = _fma(b, b.sitofp(v.shuf(ab, sel), fv), b.fmul(dw, dxh), facc)
-        if blk.m2 is not None:
-            mw = v.fsplat(b.extract_element(blk.m2, ir.Constant(I32, h)), 4)
-            facc = _fma(b, b.sitofp(v.shuf(bs, sel), fv), b.fmul(mw, dxh), facc)
+        for x, scale in terms:
+            facc = _fma(b, v.shuf(x, sel), v.shuf(scale, sel), facc)
     return facc
 
 
@@ -893,8 +904,32 @@ def row_acc(typingctx, qtype, w, r, xa, xb, xc, u0, n, s0, s1, acc, ar):
                         units(b.add(u0_, b.sub(n_, _c64(1))), 1)
                 return []
             # the tile's next row reads this chunk next
-            nxt = b.add(rb, b.mul(s0_, _c64(nbytes if kind == "k" else 2 * nbytes)))
-            _steps(b, kind, decode, nbytes, [wrow], rb, s0_, s1_, [], apply, nxt)
+            step_bytes = nbytes if kind == "k" else 2 * nbytes
+            nxt = b.add(rb, b.mul(s0_, _c64(step_bytes)))
+            s_rest = s0_
+            if unit == 4 and kind == "pair":
+                # legacy quads take two full block pairs a step: their folds and float terms share
+                # vectors (16 lanes instead of 8); an odd pair and the odd last block after
+                n_full = b.sdiv(b.sdiv(rb, _c64(nbytes)), _c64(2))
+                e = b.select(b.icmp_signed("<", s1_, n_full), s1_, n_full)
+                n_dbl = b.select(b.icmp_signed(">", e, s0_), b.sdiv(b.sub(e, s0_), _c64(2)), _c64(0))
+
+                def double(j, _):
+                    i = b.add(s0_, b.mul(j, _c64(2)))
+                    _prefetch_ahead(b, [wrow], b.mul(i, _c64(step_bytes)), b.mul(s0_, _c64(step_bytes)),
+                                    b.mul(s1_, _c64(step_bytes)), nxt, 2 * step_bytes)
+                    vs = [IntBlockIR(b, b.gep(wrow, [b.mul(b.add(i, _c64(h)), _c64(step_bytes))]), None) for h in (0, 1)]
+                    st = _QuadStep(vs[0], [decode(x, 2) for x in vs], bufs[0], None)
+
+                    def one_unit(u, _):
+                        p = b.bitcast(b.gep(acc_row, [b.mul(u, _c64(unit))]), fv.as_pointer())
+                        b.store(_pair_quad(vs[0], st, i, tok.rows(u), b.load(p, align=4)), p, align=4)
+                        return []
+                    _loop(b, u0_, b.add(u0_, n_), [], one_unit)
+                    return []
+                _loop(b, _c64(0), n_dbl, [], double)
+                s_rest = b.add(s0_, b.mul(n_dbl, _c64(2)))
+            _steps(b, kind, decode, nbytes, [wrow], rb, s_rest, s1_, [], apply, nxt)
 
         _by_type(b, qt_, done, emit, only)
         b.position_at_end(done)
@@ -917,7 +952,10 @@ ROW_TILE = 8          # rows sharing an L1-resident chunk of the activations (to
 ROW_TILE_LANES = 32   # the same for token lanes: the activations of 16+ tokens cost more to stream
 TILE_UNITS = 4        # token quads (16 tokens) or token vectors (64) per pass over a chunk
 ACT_L1_BYTES = 24576  # activation bytes of a chunk (all the pass's tokens) kept in L1
-TILED_MIN_K = 4       # k from which matvec runs the tiled kernels (below: row_dots, state in registers)
+# k from which matvec runs the tiled kernels (below: row_dots, state in registers); measured, one
+# core, 256x17408: at 3 tokens (padded to a quad) the quads take 0.5-0.8x the row kernels' time
+# (Q6_K: 1.0x), at 2 tokens 0.85-0.95x for the legacy types but 1.3-1.8x for the K-quants
+TILED_MIN_K = 3
 # k from which the tiled kernel runs on token lanes (transposed activations, padded to 16 tokens)
 # instead of token quads: measured crossover, one core, 2048x5120 (scripts in BENCHMARKS.md's
 # "second pass" section): legacy types between 12 (quads 20 % faster) and 14-16 (lanes 5-12 %
