@@ -22,7 +22,7 @@ of the kernels below computed it (tested for every type):
                 interleaved by 16 bytes per 4 tokens, each 16 weight bytes broadcast to the 4
                 tokens: one vpdpbusd per 64 products, each token's integers in its own 4 lanes,
                 float state in an L1 buffer.
-    k >= 48     tiled, token lanes (legacy types: k >= 14), the prompt GEMM: the activations
+    k >= 40     tiled, token lanes (legacy types: k >= 14), the prompt GEMM: the activations
                 transposed, 16 tokens' 4-byte groups in one vector (k padded to 16); each 4
                 weight bytes broadcast and one vpdpbusd adds 4 products for 16 tokens, so every
                 integer lands in its token's lane.
@@ -952,16 +952,25 @@ ROW_TILE = 8          # rows sharing an L1-resident chunk of the activations (to
 ROW_TILE_LANES = 32   # the same for token lanes: the activations of 16+ tokens cost more to stream
 TILE_UNITS = 4        # token quads (16 tokens) or token vectors (64) per pass over a chunk
 ACT_L1_BYTES = 24576  # activation bytes of a chunk (all the pass's tokens) kept in L1
-# k from which matvec runs the tiled kernels (below: row_dots, state in registers); measured, one
-# core, 256x17408: at 3 tokens (padded to a quad) the quads take 0.5-0.8x the row kernels' time
-# (Q6_K: 1.0x), at 2 tokens 0.85-0.95x for the legacy types but 1.3-1.8x for the K-quants
+# k from which matvec runs the tiled kernels (below: row_dots, state in registers). Measured on the
+# 27B FFN shapes, one core (bench_matvec.py --tiled-from 1 against 999, BENCHMARKS.md's "second
+# pass"): at 3 tokens (padded to a quad) the quads take 0.54-0.70x the row kernels' time for
+# Q4_0 / Q8_0 and 0.85x for Q4_K, but 1.1-1.2x for Q6_K (16-weight sub-blocks: twice the packs
+# and scale steps a quad), which starts at 4; at 2 tokens 0.8-1.2x (legacy) and 1.2-1.6x (K).
 TILED_MIN_K = 3
+TILED_MIN_K_SUB16 = 4       # Q6_K, Q3_K, Q2_K
+
+
+def tiled_min_k(qtype: int) -> int:
+    return TILED_MIN_K_SUB16 if K_SUB.get(int(qtype)) == 16 else TILED_MIN_K
 # k from which the tiled kernel runs on token lanes (transposed activations, padded to 16 tokens)
-# instead of token quads: measured crossover, one core, 2048x5120 (scripts in BENCHMARKS.md's
-# "second pass" section): legacy types between 12 (quads 20 % faster) and 14-16 (lanes 5-12 %
-# faster); K-quants between 32 (quads 15-20 % faster) and 64 (lanes 4-8 % faster): a K quad
-# shares a step's decode among 16 tokens and its scales among 4 with one vpdpwssd per two sub-blocks
-LANES_MIN_K = {"k": 48, "pair": 14}
+# instead of token quads. Measured on the 27B FFN shapes, one core (bench_matvec.py --lanes-from 1
+# against 999, BENCHMARKS.md's "second pass"): legacy types, lanes / quads 1.25-1.38 at 12 tokens,
+# 0.92-0.95 at 14; K-quants 1.12-1.38 at 32, 1.01-1.57 at 48, 0.92-1.34 at 64 (a K quad shares a
+# step's decode among 16 tokens and its scales among 4, one vpdpwssd per two sub-blocks). K from
+# 40, not 64: hybridrt.warmup compiles batches of up to 40 tokens, and a longer first prompt would
+# otherwise compile the token-lane kernel (its own signature) in the middle of a run
+LANES_MIN_K = {"k": 40, "pair": 14}
 
 
 def uses_lanes(qtype: int, k: int) -> bool:
@@ -1049,7 +1058,7 @@ def quantize_for(qtype: int, x: np.ndarray):
 
 
 def quantize_tiled(qtype: int, x: np.ndarray):
-    """The activations of the tiled kernel for x's k >= TILED_MIN_K rows: (xa, xb, xc, k_pad).
+    """The activations of the tiled kernel for x's k >= tiled_min_k(qtype) rows: (xa, xb, xc, k_pad).
 
     Token quads: quantize_for's rows with zero rows up to a multiple of 4 tokens, interleaved per
     4 tokens Q by 16 columns: xa[Q, 64 g + 16 t + i] = q[4 Q + t, 16 g + i] (one 64-byte vector
@@ -1078,9 +1087,9 @@ def quantize_tiled(qtype: int, x: np.ndarray):
 
 def matvec_int_into(w: np.ndarray, qtype: int, x: np.ndarray, out: np.ndarray, xq=None) -> np.ndarray:
     """out = W x on int8 activations. Operands already checked (matvec.check_operands); xq: x
-    already quantized for this type by quantize_for (k < TILED_MIN_K) or quantize_tiled."""
+    already quantized for this type by quantize_for (k < tiled_min_k(qtype)) or quantize_tiled."""
     k = x.shape[0]
-    if k < TILED_MIN_K:
+    if k < tiled_min_k(qtype):
         q, d, s = quantize_for(qtype, x) if xq is None else xq
         _matvec_int_kernel(w, type_tag(qtype), q, d, s, out, n_row_groups(w.shape[0]))
         return out

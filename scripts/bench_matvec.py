@@ -25,6 +25,8 @@
 --baseline DIR: also time DIR/cpu_kernels (an older copy, e.g. `git archive REV cpu_kernels | tar -x
 -C DIR`) imported under another name, each row right after the current kernel's: before/after side
 by side in one run (kernel "int-base" / "float-base").
+--tiled-from N / --lanes-from N: run this tree's k >= N on the tiled kernels / on token lanes (path
+crossovers, e.g. --types Q4_0 --ks 12,16 --lanes-from 1 against --lanes-from 999).
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ from numba import njit, prange
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from cpu_kernels.formats import SUPPORTED_TYPES, format_of  # noqa: E402
 from cpu_kernels.matvec import matvec  # noqa: E402
+from cpu_kernels import matvec_int  # noqa: E402
 from cpu_kernels.matvec_int import INT_TYPES  # noqa: E402
 from cpu_kernels.matvec_testdata import F16_FIELDS  # noqa: E402
 from cpu_kernels.simd_int import ISA  # noqa: E402
@@ -206,8 +209,16 @@ def main() -> None:
     ap.add_argument("--ks", default=",".join(map(str, KS)), help="token counts, comma-separated (first: the base)")
     ap.add_argument("--types", help="quant types, comma-separated (default: --quick's or all)")
     ap.add_argument("--baseline", help="a directory holding an older cpu_kernels to time side by side")
+    ap.add_argument("--tiled-from", type=int, help="override matvec_int.tiled_min_k (this tree only): "
+                    "the k from which the tiled kernels run instead of the row kernels")
+    ap.add_argument("--lanes-from", type=int, help="override matvec_int.LANES_MIN_K for both kinds (this tree "
+                    "only): the k from which the tiled kernels run on token lanes instead of token quads")
     args = ap.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
+    if args.tiled_from is not None:         # path crossovers: time one path against the other
+        matvec_int.TILED_MIN_K = matvec_int.TILED_MIN_K_SUB16 = args.tiled_from
+    if args.lanes_from is not None:
+        matvec_int.LANES_MIN_K.update(k=args.lanes_from, pair=args.lanes_from)
     if args.cpu_time:
         if args.threads != 1:
             ap.error("--cpu-time measures one thread: use --threads 1")
