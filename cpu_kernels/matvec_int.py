@@ -43,7 +43,7 @@ from numba.extending import intrinsic
 
 from gguf.constants import GGMLQuantizationType as _T
 
-from .matvec_kquants import k_scales_mins, q3_k_scales
+from .matvec_kquants import q3_k_scales
 from .matvec_simd import _array, _fma, _load_vec, _splat
 from .quantize_act import QK_K, QK_LEGACY, quantize_rows
 from .simd_int import (CACHE, F32, I8, I16, I32, I64, IntBlockIR, _concat, dpbusd, dpwssd, packs, pmaddwd,
@@ -68,11 +68,6 @@ def _f32x2(b, x, y):
 class KBlock:
     def __init__(self, chunks, sc16, d, off16=None, min16=None, negdmin=None):
         self.chunks, self.sc16, self.d, self.off16, self.min16, self.negdmin = chunks, sc16, d, off16, min16, negdmin
-
-
-def _sc16_per_32(v, sc8):
-    """Chunk c's pair lanes take sub-block 2c (lanes 0-15) and 2c+1 (16-31): 32-weight sub-blocks."""
-    return [v.shuf(sc8, [2 * c + i // 16 for i in range(32)]) for c in range(4)]
 
 
 def _sc16_per_16(v, sc16):
