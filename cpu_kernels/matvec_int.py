@@ -411,7 +411,7 @@ def _store_bytes(b, buf, off, vec):
     b.store(vec, b.bitcast(b.gep(buf, [_c64(off)]), vec.type.as_pointer()), align=1)
 
 
-# --------------------------------------------------------------------------- token quads (4..15 tokens)
+# --------------------------------------------------------------------------- token quads (verify-sized batches)
 # K-quants, 4 tokens a unit: the activations interleaved by 16 bytes (quantize_tiled): one 64-byte
 # vector holds the same 16 columns of 4 tokens. A decoded weight step goes to a stack buffer once;
 # each 16 weight bytes are broadcast to the 4 tokens and one vpdpbusd adds 64 products, each token's
