@@ -4,8 +4,9 @@ Why: with float activations every weight must become a float32 before its fma (m
 half an instruction per weight, so the float kernel is decode-bound at 15-25 % of read bandwidth.
 Here the activations are quantized once per call (quantize_act: int8 blocks with a float scale)
 and a weight block only has to become bytes: nibbles masked and shifted into 64-byte vectors in
-element order, then multiplied with the activation bytes 64 at a time (simd_int: vpmaddubsw +
-vpdpwssd, or vpdpbusd), the sub-block scales applied inside the integer sum.
+element order, then multiplied with the activation bytes 64 at a time (simd_int: vpdpbusd), the
+K-quant sub-block scales applied to the raw sums (two chunks' packed to int16, one vpdpwssd).
+Every weight stream is prefetched a kilobyte ahead (the rows are short, side by side streams).
 
 Per (token, row) every path computes the same exact integers and applies the same float steps in
 the same order (the numerics block below): one float lane per (token, row), so a token's result is
@@ -15,10 +16,13 @@ of the kernels below computed it (tested for every type):
     k = 1       rows_dots: 4 rows per pass, each row's step decoded into registers and dotted with
                 the token in 64-byte vectors (integers over 16 lanes), the 4 rows' lanes folded
                 (exactly) and packed into one vector: one sitofp + fma per term for 4 rows.
-    k = 2, 3    row_dots: the same with 2 or 1 tokens of one row per lane group.
-    k >= 4      tiled, token groups: rows in tiles, columns in chunks whose activations stay in
-                L1, each step decoded once per 16 tokens, float state in an L1 buffer.
-    k >= 16     tiled, token lanes (legacy types: k >= 10), the prompt GEMM: the activations
+    k = 2       row_dots: the same with 2 tokens of one row per lane group.
+    k >= 3      tiled, token quads: rows in tiles, columns in chunks whose activations stay in
+                L1, each step decoded once per 16 tokens into a stack buffer; the activations
+                interleaved by 16 bytes per 4 tokens, each 16 weight bytes broadcast to the 4
+                tokens: one vpdpbusd per 64 products, each token's integers in its own 4 lanes,
+                float state in an L1 buffer.
+    k >= 40     tiled, token lanes (legacy types: k >= 14), the prompt GEMM: the activations
                 transposed, 16 tokens' 4-byte groups in one vector (k padded to 16); each 4
                 weight bytes broadcast and one vpdpbusd adds 4 products for 16 tokens, so every
                 integer lands in its token's lane.
@@ -40,10 +44,11 @@ from numba.extending import intrinsic
 from gguf.constants import GGMLQuantizationType as _T
 
 from .formats import type_tag
-from .matvec_kquants import k_scales_mins, q3_k_scales
+from .matvec_kquants import q3_k_scales
 from .matvec_simd import _array, _fma, _load_vec, _splat
 from .quantize_act import QK_K, QK_LEGACY, quantize_rows
-from .simd_int import CACHE, F32, I8, I16, I32, I64, IntBlockIR, _concat, dpbusd, dpwssd, maddubs, pmaddwd
+from .simd_int import (CACHE, F32, I8, I16, I32, I64, IntBlockIR, _concat, dpbusd, dpwssd, packs, pmaddwd,
+                       prefetch)
 
 GROUPS_PER_THREAD = 4
 
@@ -66,41 +71,51 @@ class KBlock:
         self.chunks, self.sc16, self.d, self.off16, self.min16, self.negdmin = chunks, sc16, d, off16, min16, negdmin
 
 
-def _sc16_per_32(v, sc8):
-    """Chunk c's pair lanes take sub-block 2c (lanes 0-15) and 2c+1 (16-31): 32-weight sub-blocks."""
-    return [v.shuf(sc8, [2 * c + i // 16 for i in range(32)]) for c in range(4)]
-
-
 def _sc16_per_16(v, sc16):
     """Chunk c's pair lanes take sub-blocks 4c .. 4c+3, 8 lanes each: 16-weight sub-blocks."""
     return [v.shuf(sc16, [4 * c + i // 8 for i in range(32)]) for c in range(4)]
 
 
+def _k_scales_mins16(v):
+    """Q4_K / Q5_K's 8 six-bit (scale, min) pairs (12 bytes at 4) as i16 x 16: scales in lanes
+    0-7, mins in 8-15 (layout in matvec_kquants.k_scales_mins), unpacked in 16-bit lanes with two
+    byte shuffles: about 6 vector instructions, the 4 chunk scale vectors and the mins one
+    permute each."""
+    x = v.bytes(4, 16)
+    zero = v.zeros(I8, 16)
+
+    def words(low_bytes):           # i16 lanes holding these bytes of x (None: 0)
+        idx = []
+        for j in low_bytes:
+            idx += [16 if j is None else j, 16]
+        return v.b.bitcast(v.shuf(x, idx, zero), ir.VectorType(I16, 16))
+    # j < 4: sc = q[j] & 63, m = q[j+4] & 63; j >= 4: sc = q[j+4] & 15 | (q[j-4] >> 6) << 4,
+    # m = q[j+4] >> 4 | (q[j] >> 6) << 4
+    low = words([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11])
+    low = v.band(v.bshr(low, [0] * 12 + [4] * 4), [63] * 4 + [15] * 4 + [63] * 4 + [15] * 4)
+    high = words([None] * 4 + [0, 1, 2, 3] + [None] * 4 + [4, 5, 6, 7])
+    return v.b.or_(low, v.band(v.bshr(high, 2), 0x30))
+
+
+def _k_block_32(v, chunks, scm):
+    """A Q4_K / Q5_K super-block: 32-weight sub-blocks, 8 scales and 8 mins in scm."""
+    return KBlock(chunks, [v.shuf(scm, [2 * c] * 16 + [2 * c + 1] * 16) for c in range(4)], v.f16(0),
+                  min16=v.shuf(scm, [8 + g // 2 for g in range(16)]), negdmin=v.fneg(v.f16(2)))
+
+
 def _q4_k(v):
-    # d @0, dmin @2, scales @4, qs[128] @16: byte 32c + l holds element 64c + l (low) and 64c+32+l
-    sc, m = k_scales_mins(v, 4)
-    chunks = []
-    for c in range(4):
-        q = v.bytes(16 + 32 * c, 32)
-        chunks.append(v.concat(v.band(q, 15), v.bshr(q, 4)))
-    m8 = v.i16(m)
-    return KBlock(chunks, _sc16_per_32(v, v.i16(sc)), v.f16(0), min16=v.shuf(m8, [g // 2 for g in range(16)]),
-                  negdmin=v.fneg(v.f16(2)))
+    # d @0, dmin @2, scales @4, qs[128] @16: byte 32c + l holds element 64c + l (low nibble) and
+    # 64c + 32 + l (high): chunk c is those 32 bytes in both halves, shifted by 0 and by 4
+    return _k_block_32(v, [v.halves(16 + 32 * c, (0, 4), 15) for c in range(4)], _k_scales_mins16(v))
 
 
 def _q5_k(v):
     # as Q4_K with qh[32] @16 (bit j of qh[l]: 5th bit of element l of sub-block j), qs @48
-    sc, m = k_scales_mins(v, 4)
-    qh = v.bytes(16, 32)
     chunks = []
     for c in range(4):
-        q = v.bytes(48 + 32 * c, 32)
-        lo = v.b.or_(v.band(q, 15), v.bshl(v.band(v.bshr(qh, 2 * c), 1), 4))
-        hi = v.b.or_(v.bshr(q, 4), v.bshl(v.band(v.bshr(qh, 2 * c + 1), 1), 4))
-        chunks.append(v.concat(lo, hi))
-    m8 = v.i16(m)
-    return KBlock(chunks, _sc16_per_32(v, v.i16(sc)), v.f16(0), min16=v.shuf(m8, [g // 2 for g in range(16)]),
-                  negdmin=v.fneg(v.f16(2)))
+        fifth = v.bshl(v.halves(16, (2 * c, 2 * c + 1), 1), 4)
+        chunks.append(v.b.or_(v.halves(48 + 32 * c, (0, 4), 15), fifth))
+    return _k_block_32(v, chunks, _k_scales_mins16(v))
 
 
 def _q6_k(v):
@@ -170,8 +185,11 @@ def _pair(v, n_blk, block_bytes, one_block, off=0, with_min=False, wide=False):
 
 
 def _nibbles32(v, off):
+    """A 32-weight block's 16 nibble bytes in element order: low nibbles, then high nibbles (the
+    16 bytes in both halves, shifted per half: a block pair's two become one vector op each)."""
     q = v.bytes(off, 16)
-    return v.concat(v.band(q, 15), v.bshr(q, 4))
+    w = v.b.bitcast(v.concat(q, q), ir.VectorType(I16, 16))
+    return v.band(v.b.bitcast(v.bshr(w, [0] * 8 + [4] * 8), ir.VectorType(I8, 32)), 15)
 
 
 def _fifth_bits(v, off):
@@ -314,13 +332,15 @@ def _k_group(b, entries, i, facc):
     for vb, (q, d, s) in entries:
         v, blk = _decoded(vb)
         a_ptr = b.gep(q, [b.mul(i, _c64(QK_K))])
-        # alone, a pair runs two integer chains (chunks 0, 1 and 2, 3): half the dpwssd latency
-        chains = [v.zeros(I32, 16)] * (2 if g == 1 else 1)
-        for c in range(4):
-            a = _load_vec(b, b.gep(a_ptr, [_c64(64 * c)]), I8, 64, 1)
-            n = c * len(chains) // 4
-            chains[n] = dpwssd(b, chains[n], maddubs(b, blk.chunks[c], a), blk.sc16[c])
-        acc = chains[0] if len(chains) == 1 else b.add(chains[0], chains[1])
+        # raw sums of 4 products per lane (vpdpbusd), two chunks' packed to int16 (exact: at most
+        # 4 x 63 x 127) and scaled with one vpdpwssd: lane 4L + j of chunk c holds elements of
+        # 128-bit lane L, whose scale is sc16[c]'s pair lane 8 L (16 elements: 8 pair lanes)
+        raws = [dpbusd(b, v.zeros(I32, 16), blk.chunks[c], _load_vec(b, b.gep(a_ptr, [_c64(64 * c)]), I8, 64, 1))
+                for c in range(4)]
+        acc = v.zeros(I32, 16)
+        for c in (0, 2):
+            scw = v.shuf(blk.sc16[c], [x for L in range(4) for x in [8 * L] * 4 + [32 + 8 * L] * 4], blk.sc16[c + 1])
+            acc = dpwssd(b, acc, packs(b, raws[c], raws[c + 1]), scw)
         bs = _load_vec(b, b.gep(s, [b.mul(i, _c64(16))]), I16, 16, 2)
         if blk.off16 is not None:
             acc = b.add(acc, v.concat(pmaddwd(b, blk.off16, bs), v.zeros(I32, 8)))
@@ -390,6 +410,144 @@ def _bcast32(b, buf, j):
 
 def _store_bytes(b, buf, off, vec):
     b.store(vec, b.bitcast(b.gep(buf, [_c64(off)]), vec.type.as_pointer()), align=1)
+
+
+# --------------------------------------------------------------------------- token quads (verify-sized batches)
+# K-quants, 4 tokens a unit: the activations interleaved by 16 bytes (quantize_tiled): one 64-byte
+# vector holds the same 16 columns of 4 tokens. A decoded weight step goes to a stack buffer once;
+# each 16 weight bytes are broadcast to the 4 tokens and one vpdpbusd adds 64 products, each token's
+# integers in its own 4 lanes. The sub-block scales are applied after the raw sums: two sub-blocks'
+# sums packed to int16 (exact: at most 8 products of |q| <= 31 or 4 of |q| <= 63, times 127) and one
+# vpdpwssd with their scales. Per 4 tokens and 256 weights: 16 vpdpbusd, 4-8 packs and vpdpwssd,
+# one fold of 4 lanes per token; the float steps are the numerics block's, one lane per token.
+
+class _QuadStep:
+    """A decoded step as the quad kernels read it: its bytes in a stack buffer and, for a K step,
+    the scale words of each pair of raw sums."""
+
+    def __init__(self, v, blk, wbuf, sub):
+        b = v.b
+        if isinstance(blk, PairBlock):
+            blk = [blk]
+        self.blks = blk if isinstance(blk, list) else None      # legacy: one or two block pairs
+        chunks = [x.w for x in blk] if self.blks else blk.chunks
+        for c, chunk in enumerate(chunks):
+            _store_bytes(b, wbuf, 64 * c, chunk)
+        # read back through a pointer LLVM cannot see is wbuf: else it forwards the stores and
+        # broadcasts each 16 bytes with a shuffle (16 more vector instructions a step) instead
+        # of a broadcast load (a load port, free)
+        opaque = ir.InlineAsm(ir.FunctionType(wbuf.type, [wbuf.type]), "", "=r,0")
+        self.wbuf = b.call(opaque, [wbuf])
+        if self.blks:
+            return
+        self.blk = blk
+        self.per_raw = sub // 16            # 16-byte groups per raw sum
+        n_raw = 16 // self.per_raw
+
+        def scale_lane(m):        # the lane of sc16[chunk] holding raw sum m's scale (8 lanes a group)
+            g = m * self.per_raw
+            return g // 4, (g % 4) * 8
+        self.scw = []
+        for p in range(n_raw // 2):
+            (c, lo), (_, hi) = scale_lane(2 * p), scale_lane(2 * p + 1)
+            self.scw.append(v.shuf(blk.sc16[c], ([lo] * 4 + [hi] * 4) * 4))
+
+
+def _bcast16(b, buf, off):
+    """16 bytes of the buffer at off, in all four 128-bit lanes (a load-port broadcast)."""
+    x = _load_vec(b, b.gep(buf, [_c64(off)]), I8, 16, 1)
+    return b.shuffle_vector(x, ir.Constant(x.type, ir.Undefined), ir.Constant(ir.VectorType(I32, 64), list(range(16)) * 4))
+
+
+def _per_token4(v, bs01, bs23, coef16):
+    """sum_g coef16[g] bs[t, g] as i32 x 16, token t's share in lanes 4t .. 4t+3 (bs01, bs23: the
+    16-value sums of tokens 0, 1 and 2, 3)."""
+    b = v.b
+    c2 = v.concat(coef16, coef16)
+    x, y = pmaddwd(b, bs01, c2), pmaddwd(b, bs23, c2)        # [t 8 lanes, t' 8 lanes]
+    lo = [8 * t + j for t in range(4) for j in range(4)]
+    return b.add(v.shuf(x, lo, y), v.shuf(x, [i + 4 for i in lo], y))
+
+
+def _k_quad(v, st, i, rows, facc):
+    """facc (4 tokens) after super-block i; rows: the unit's (q, d, s) rows (quantize_tiled)."""
+    b = v.b
+    q, d, s = rows
+    blk = st.blk
+    step_q = b.gep(q, [b.mul(i, _c64(4 * QK_K))])
+    raws = []
+    for m in range(16 // st.per_raw):
+        acc = v.zeros(I32, 16)
+        for g in range(m * st.per_raw, (m + 1) * st.per_raw):
+            a = _load_vec(b, b.gep(step_q, [_c64(64 * g)]), I8, 64, 1)
+            acc = dpbusd(b, acc, _bcast16(b, st.wbuf, 16 * g), a)
+        raws.append(acc)
+    isum = v.zeros(I32, 16)
+    for p, scw in enumerate(st.scw):
+        isum = dpwssd(b, isum, packs(b, raws[2 * p], raws[2 * p + 1]), scw)
+    if blk.off16 is not None or blk.min16 is not None:
+        step_s = b.gep(s, [b.mul(i, _c64(64))])                  # 16 sums of 4 tokens
+        bs01 = _load_vec(b, step_s, I16, 32, 2)
+        bs23 = _load_vec(b, b.gep(step_s, [_c64(32)]), I16, 32, 2)
+    if blk.off16 is not None:
+        isum = b.add(isum, _per_token4(v, bs01, bs23, blk.off16))
+    halves = [4 * t + h for t in range(4) for h in (0, 1)]
+    if blk.min16 is not None:         # fold isum and msum together: [isum t0..t3, msum t0..t3]
+        msum = _per_token4(v, bs01, bs23, blk.min16)
+        pair = b.add(v.shuf(isum, halves + [16 + x for x in halves], msum),
+                     v.shuf(isum, [x + 2 for x in halves] + [18 + x for x in halves], msum))
+        sums = b.add(v.shuf(pair, list(range(0, 16, 2))), v.shuf(pair, list(range(1, 16, 2))))
+        isum4, msum4 = v.shuf(sums, [0, 1, 2, 3]), v.shuf(sums, [4, 5, 6, 7])
+    else:
+        pair = b.add(v.shuf(isum, halves), v.shuf(isum, [x + 2 for x in halves]))
+        isum4 = b.add(v.shuf(pair, [0, 2, 4, 6]), v.shuf(pair, [1, 3, 5, 7]))
+    fv = ir.VectorType(F32, 4)
+    dx = _load_vec(b, b.gep(d, [b.mul(i, _c64(4))]), F32, 4, 4)
+    facc = _fma(b, b.sitofp(isum4, fv), b.fmul(v.fsplat(blk.d, 4), dx), facc)
+    if blk.min16 is not None:
+        facc = _fma(b, b.sitofp(msum4, fv), b.fmul(v.fsplat(blk.negdmin, 4), dx), facc)
+    return facc
+
+
+def _pair_quad(v, st, i, rows, facc):
+    """facc (4 tokens) after block pairs i (and i + 1 when st holds two), legacy types, 4 tokens
+    interleaved as for _k_quad: the blocks' raw sums folded to [A t0..t3, B t0..t3, ...], then the
+    numerics block's float terms block by block (A, B, C, D), each conversion and scale product
+    done once for all blocks' lanes."""
+    b = v.b
+    q, d, s = rows
+    blk = st.blks[0]
+    n_blk = 2 * len(st.blks)
+    step_q = b.gep(q, [b.mul(i, _c64(4 * 2 * QK_LEGACY))])
+    raws = []
+    for h in range(n_blk):
+        acc = v.zeros(I32, 16)
+        for g in (2 * h, 2 * h + 1):
+            a = _load_vec(b, b.gep(step_q, [_c64(64 * g)]), I8, 64, 1)
+            acc = dpbusd(b, acc, _bcast16(b, st.wbuf, 16 * g), a, blk.wide)
+        raws.append(acc)
+    halves = [4 * t + h for t in range(4) for h in (0, 1)]
+    pairs = [b.add(v.shuf(x, halves + [16 + j for j in halves], y), v.shuf(x, [j + 2 for j in halves] + [18 + j for j in halves], y))
+             for x, y in zip(raws[0::2], raws[1::2])]          # [block A: t0 t0 t1 t1 .., block B: ..]
+    if len(pairs) == 1:
+        ab = b.add(v.shuf(pairs[0], list(range(0, 16, 2))), v.shuf(pairs[0], list(range(1, 16, 2))))
+    else:
+        ab = b.add(v.shuf(pairs[0], list(range(0, 32, 2)), pairs[1]), v.shuf(pairs[0], list(range(1, 32, 2)), pairs[1]))
+    n = 4 * n_blk
+    bs = b.sext(_load_vec(b, b.gep(s, [b.mul(i, _c64(8))]), I16, n, 2), ir.VectorType(I32, n))
+    if blk.off:
+        ab = b.add(ab, b.mul(bs, ir.Constant(bs.type, [blk.off] * n)))
+    dx = _load_vec(b, b.gep(d, [b.mul(i, _c64(8))]), F32, n, 4)
+    per_block = [j // 4 for j in range(n)]
+    fv = ir.VectorType(F32, n)
+    terms = [(b.sitofp(ab, fv), b.fmul(v.shuf(_concat_all(b, [x.d2 for x in st.blks]), per_block), dx))]
+    if blk.m2 is not None:
+        terms.append((b.sitofp(bs, fv), b.fmul(v.shuf(_concat_all(b, [x.m2 for x in st.blks]), per_block), dx)))
+    for h in range(n_blk):
+        sel = list(range(4 * h, 4 * h + 4))
+        for x, scale in terms:
+            facc = _fma(b, v.shuf(x, sel), v.shuf(scale, sel), facc)
+    return facc
 
 
 def _k_lanes(v, blk, i, vecs, faccs, bufs, sub):
@@ -511,11 +669,36 @@ def _loop(b, start, end, init, body):
     return state
 
 
-def _steps(b, kind, decode, nbytes, wrows, rb, i0, i1, init, apply):
+PREFETCH_BYTES = 1024    # how far ahead of a step each weight stream is prefetched
+
+
+def _prefetch_ahead(b, wrows, off, start, end, nxt, step_bytes):
+    """Prefetch, for each weight stream, the step PREFETCH_BYTES past byte `off` of its row; a
+    stream reads bytes start .. end and the kernel then reads on at byte `nxt` of the same row
+    pointer (the next pass's row, or the next row's chunk), so the lookahead runs on there. It
+    is at most one stream long: a chunk shorter than that (the tiled kernels' many-token passes)
+    looks ahead into the next row's chunk only, not into a chunk needed a whole pass later."""
+    dist = b.sub(end, start)
+    dist = b.select(b.icmp_signed("<", dist, _c64(PREFETCH_BYTES)), dist, _c64(PREFETCH_BYTES))
+    t = b.add(off, dist)
+    t = b.select(b.icmp_signed("<", t, end), t, b.add(b.sub(t, end), nxt))
+    for wrow in wrows:
+        for line in range(0, step_bytes, 64):
+            prefetch(b, b.gep(wrow, [b.add(t, _c64(line))]))
+
+
+def _steps(b, kind, decode, nbytes, wrows, rb, i0, i1, init, apply, nxt=None):
     """Steps i0 .. i1-1 of the weight rows wrows: state = apply(vbs, i, state), vbs[r] row r's
     step i as a function emitting its decoder (returns (v, blk); emitted once, where first used).
-    A legacy row of an odd number of blocks ends in a step of one block (the other half zeros)."""
+    A legacy row of an odd number of blocks ends in a step of one block (the other half zeros).
+    nxt: where (bytes from each row pointer) the kernel reads next after step i1 - 1: the
+    streams are prefetched ahead, across that jump."""
+    step_bytes = nbytes if kind == "k" else 2 * nbytes
+
     def step(i, state, n_blk):
+        if nxt is not None:
+            _prefetch_ahead(b, wrows, b.mul(i, _c64(step_bytes)), b.mul(i0, _c64(step_bytes)),
+                            b.mul(i1, _c64(step_bytes)), nxt, step_bytes)
         def decoder(wrow):
             done = []
 
@@ -639,7 +822,9 @@ def _make_lane_dot(across_rows: bool):
                         entries = [(vb, trows[0]) for vb in vbs] if across_rows else [(vbs[0], t) for t in trows]
                         return [group(b, entries, i, state[0])]
                     zero = ir.Constant(ir.VectorType(F32, n), [0.0] * n)
-                    (facc,) = _steps(b, kind, decode, nbytes, list(wrows), rbs[0], _c64(0), n_steps, [zero], step)
+                    # after this pass the caller takes the next n rows (rows_dot) or the next row
+                    nxt = b.mul(rbs[0], _c64(n if across_rows else 1))
+                    (facc,) = _steps(b, kind, decode, nbytes, list(wrows), rbs[0], _c64(0), n_steps, [zero], step, nxt)
                     O = _array(context, b, signature.args[8], out_)
                     width = cgutils.unpack_tuple(b, O.shape, 2)[1]
                     for u, lane in enumerate(lanes):
@@ -670,7 +855,7 @@ rows_dot = _make_lane_dot(True)
 def row_acc(typingctx, qtype, w, r, xa, xb, xc, u0, n, s0, s1, acc, ar):
     """acc[ar, unit (u0 + j) + l] for l < unit, j < n, after steps s0 .. s1-1 of row r.
 
-    xa, xb, xc from quantize_tiled: row-major rows (xc int16) -> unit 4, token groups; transposed
+    xa, xb, xc from quantize_tiled: token quads (xc int16) -> unit 4; transposed
     token vectors (xc int32) -> unit 16, token lanes. Each step is decoded once into registers
     (token lanes: and a stack buffer) and applied to all n units before the next step is read.
     """
@@ -698,6 +883,7 @@ def row_acc(typingctx, qtype, w, r, xa, xb, xc, u0, n, s0, s1, acc, ar):
 
             def apply(vbs, i, state):
                 vb = _decoded(vbs[0])       # before the loop over units: decoded once per step
+                quad = _QuadStep(*vb, bufs[0], K_SUB.get(qt)) if unit == 4 else None
 
                 def units(first, count):
                     """count (1 or 2) consecutive units from unit `first`."""
@@ -708,8 +894,7 @@ def row_acc(typingctx, qtype, w, r, xa, xb, xc, u0, n, s0, s1, acc, ar):
                         lanes = _k_lanes if kind == "k" else _pair_lanes
                         faccs = lanes(*vb, i, [tok.rows(u) for u in us], faccs, bufs, K_SUB.get(qt))
                     else:
-                        toks = [tok.rows(b.add(b.mul(us[0], _c64(4)), _c64(t))) for t in range(4)]
-                        faccs = [(_k_group if kind == "k" else _pair_group)(b, [(vb, t) for t in toks], i, faccs[0])]
+                        faccs = [(_k_quad if kind == "k" else _pair_quad)(vb[0], quad, i, tok.rows(us[0]), faccs[0])]
                     for p, f in zip(ps, faccs):
                         b.store(f, p, align=4)
 
@@ -721,7 +906,33 @@ def row_acc(typingctx, qtype, w, r, xa, xb, xc, u0, n, s0, s1, acc, ar):
                     with b.if_then(odd):
                         units(b.add(u0_, b.sub(n_, _c64(1))), 1)
                 return []
-            _steps(b, kind, decode, nbytes, [wrow], rb, s0_, s1_, [], apply)
+            # the tile's next row reads this chunk next
+            step_bytes = nbytes if kind == "k" else 2 * nbytes
+            nxt = b.add(rb, b.mul(s0_, _c64(step_bytes)))
+            s_rest = s0_
+            if unit == 4 and kind == "pair":
+                # legacy quads take two full block pairs a step: their folds and float terms share
+                # vectors (16 lanes instead of 8); an odd pair and the odd last block after
+                n_full = b.sdiv(b.sdiv(rb, _c64(nbytes)), _c64(2))
+                e = b.select(b.icmp_signed("<", s1_, n_full), s1_, n_full)
+                n_dbl = b.select(b.icmp_signed(">", e, s0_), b.sdiv(b.sub(e, s0_), _c64(2)), _c64(0))
+
+                def double(j, _):
+                    i = b.add(s0_, b.mul(j, _c64(2)))
+                    _prefetch_ahead(b, [wrow], b.mul(i, _c64(step_bytes)), b.mul(s0_, _c64(step_bytes)),
+                                    b.mul(s1_, _c64(step_bytes)), nxt, 2 * step_bytes)
+                    vs = [IntBlockIR(b, b.gep(wrow, [b.mul(b.add(i, _c64(h)), _c64(step_bytes))]), None) for h in (0, 1)]
+                    st = _QuadStep(vs[0], [decode(x, 2) for x in vs], bufs[0], None)
+
+                    def one_unit(u, _):
+                        p = b.bitcast(b.gep(acc_row, [b.mul(u, _c64(unit))]), fv.as_pointer())
+                        b.store(_pair_quad(vs[0], st, i, tok.rows(u), b.load(p, align=4)), p, align=4)
+                        return []
+                    _loop(b, u0_, b.add(u0_, n_), [], one_unit)
+                    return []
+                _loop(b, _c64(0), n_dbl, [], double)
+                s_rest = b.add(s0_, b.mul(n_dbl, _c64(2)))
+            _steps(b, kind, decode, nbytes, [wrow], rb, s_rest, s1_, [], apply, nxt)
 
         _by_type(b, qt_, done, emit, only)
         b.position_at_end(done)
@@ -740,16 +951,29 @@ def row_dots(qtype, w, r, xq, xd, xs, out, oc):
         t0 += n
 
 
-ROW_TILE = 8          # rows sharing an L1-resident chunk of the activations (token groups)
+ROW_TILE = 8          # rows sharing an L1-resident chunk of the activations (token quads)
 ROW_TILE_LANES = 32   # the same for token lanes: the activations of 16+ tokens cost more to stream
-TILE_UNITS = 4        # token groups (16 tokens) or token vectors (64) per pass over a chunk
+TILE_UNITS = 4        # token quads (16 tokens) or token vectors (64) per pass over a chunk
 ACT_L1_BYTES = 24576  # activation bytes of a chunk (all the pass's tokens) kept in L1
-TILED_MIN_K = 4       # k from which matvec runs the tiled kernels (below: row_dots, state in registers)
-# k from which the tiled kernel runs on token lanes (transposed activations, padded to 16 tokens):
-# measured crossover, one core: legacy types 8-12 tokens (27B-wide rows: groups 8 % faster at 8,
-# lanes 20-30 % faster at 12), K-quants 12-16 (their token groups share more of the work between
-# tokens: one maddubs + dpwssd pair per 64 weights and token)
-LANES_MIN_K = {"k": 16, "pair": 10}
+# k from which matvec runs the tiled kernels (below: row_dots, state in registers). Measured on the
+# 27B FFN shapes, one core (bench_matvec.py --tiled-from 1 against 999, BENCHMARKS.md's "second
+# pass"): at 3 tokens (padded to a quad) the quads take 0.54-0.70x the row kernels' time for
+# Q4_0 / Q8_0 and 0.85x for Q4_K, but 1.1-1.2x for Q6_K (16-weight sub-blocks: twice the packs
+# and scale steps a quad), which starts at 4; at 2 tokens 0.8-1.2x (legacy) and 1.2-1.6x (K).
+TILED_MIN_K = 3
+TILED_MIN_K_SUB16 = 4       # Q6_K, Q3_K, Q2_K
+
+
+def tiled_min_k(qtype: int) -> int:
+    return TILED_MIN_K_SUB16 if K_SUB.get(int(qtype)) == 16 else TILED_MIN_K
+# k from which the tiled kernel runs on token lanes (transposed activations, padded to 16 tokens)
+# instead of token quads. Measured on the 27B FFN shapes, one core (bench_matvec.py --lanes-from 1
+# against 999, BENCHMARKS.md's "second pass"): legacy types, lanes / quads 1.25-1.38 at 12 tokens,
+# 0.92-0.95 at 14; K-quants 1.12-1.38 at 32, 1.01-1.57 at 48, 0.92-1.34 at 64 (a K quad shares a
+# step's decode among 16 tokens and its scales among 4, one vpdpwssd per two sub-blocks). K from
+# 40, not 64: hybridrt.warmup compiles batches of up to 40 tokens, and a longer first prompt would
+# otherwise compile the token-lane kernel (its own signature) in the middle of a run
+LANES_MIN_K = {"k": 40, "pair": 14}
 
 
 def uses_lanes(qtype: int, k: int) -> bool:
@@ -760,9 +984,9 @@ def uses_lanes(qtype: int, k: int) -> bool:
 def tile_sums(qtype, w, r0, n_rows, xa, xb, xc, n_steps, chunk, acc):
     """acc[r, t] = row r0 + r (r < n_rows) . token t, for all tokens of the (padded) activations:
     column chunks of `chunk` steps, each swept by the tile's rows for TILE_UNITS units of tokens.
-    xa, xb, xc: quantize_tiled's rows (groups of 4 tokens) or quantize_lanes' token vectors (16)."""
+    xa, xb, xc: quantize_tiled's token quads (4 tokens) or token vectors (16)."""
     k_pad = acc.shape[1]
-    n_units = k_pad // 4 if xa.shape[0] == k_pad else xa.shape[0]      # groups of 4 or vectors of 16
+    n_units = xa.shape[0]           # token quads (4 tokens) or token vectors (16)
     acc[:n_rows] = 0.0
     for u0 in range(0, n_units, TILE_UNITS):
         n = min(TILE_UNITS, n_units - u0)
@@ -837,9 +1061,12 @@ def quantize_for(qtype: int, x: np.ndarray):
 
 
 def quantize_tiled(qtype: int, x: np.ndarray):
-    """The activations of the tiled kernel for x's k >= TILED_MIN_K rows: (xa, xb, xc, k_pad).
+    """The activations of the tiled kernel for x's k >= tiled_min_k(qtype) rows: (xa, xb, xc, k_pad).
 
-    Token groups: quantize_for's rows with zero rows up to a multiple of 4 tokens. Token lanes:
+    Token quads: quantize_for's rows with zero rows up to a multiple of 4 tokens, interleaved per
+    4 tokens Q by 16 columns: xa[Q, 64 g + 16 t + i] = q[4 Q + t, 16 g + i] (one 64-byte vector
+    holds 16 columns of the 4 tokens), xb[Q, 4 b + t] = d[4 Q + t, b], and xc the sums as xa by 16
+    (K-quants: a super-block's 16 sums of each token side by side) or as xb (legacy). Token lanes:
     padded to 16 tokens and transposed per 16-token vector V: xa[V, 64 e4 + 4 l + i] = q[16 V + l,
     4 e4 + i] (4-byte groups of 16 tokens side by side), xb[V, 16 b + l] = d[16 V + l, b], and xc the
     16-value sums as i16 pairs (K-quants) or the 32-value sums as int32 (legacy), laid out as xb."""
@@ -848,7 +1075,11 @@ def quantize_tiled(qtype: int, x: np.ndarray):
     k_pad = -(-k // unit) * unit
     q, d, s = quantize_rows(x, act_block(qtype), pad_rows=k_pad - k)
     if unit == 4:
-        return q, d, s, k_pad
+        nu = k_pad // 4
+
+        def quads(a, group):
+            return np.ascontiguousarray(a.reshape(nu, 4, -1, group).transpose(0, 2, 1, 3)).reshape(nu, -1)
+        return quads(q, 16), quads(d, 1), quads(s, 16 if act_block(qtype) == QK_K else 1), k_pad
     nv = k_pad // 16
 
     def lanes(a):
@@ -859,9 +1090,9 @@ def quantize_tiled(qtype: int, x: np.ndarray):
 
 def matvec_int_into(w: np.ndarray, qtype: int, x: np.ndarray, out: np.ndarray, xq=None) -> np.ndarray:
     """out = W x on int8 activations. Operands already checked (matvec.check_operands); xq: x
-    already quantized for this type by quantize_for (k < TILED_MIN_K) or quantize_tiled."""
+    already quantized for this type by quantize_for (k < tiled_min_k(qtype)) or quantize_tiled."""
     k = x.shape[0]
-    if k < TILED_MIN_K:
+    if k < tiled_min_k(qtype):
         q, d, s = quantize_for(qtype, x) if xq is None else xq
         _matvec_int_kernel(w, type_tag(qtype), q, d, s, out, n_row_groups(w.shape[0]))
         return out

@@ -1,6 +1,7 @@
 """Integer multiply-add building blocks for the quantized-activation matvec, as LLVM IR.
 
-The kernels (matvec_int) are written once, over logical 64-byte vectors, with four operations:
+The kernels (matvec_int) are written once, over logical 64-byte vectors, with four operations
+(and packs, vpackssdw on values that fit int16):
 
     maddubs(u8 x64, s8 x64) -> i16 x32    lane i = u[2i] s[2i] + u[2i+1] s[2i+1]
     dpwssd(acc i32 x16, a i16 x32, c i16 x32) -> acc[j] + a[2j] c[2j] + a[2j+1] c[2j+1]
@@ -179,6 +180,28 @@ def dpbusd(b, acc, u, s, wide=False):
     return b.add(acc, b.add(b.add(parts[0], parts[1]), b.add(parts[2], parts[3])))
 
 
+def packs(b, x, y):
+    """i32 x 16 twice -> i16 x 32, per 128-bit lane L: x's 4 lanes of L, then y's (vpackssdw's
+    order). Callers keep every value inside int16, so the conversion is exact on every ISA."""
+    if ISA == "avx512vnni":
+        return _intrinsic(b, "llvm.x86.avx512.packssdw.512", _vec(I16, 32), [x, y])
+    if ISA in ("avxvnni", "avx2"):
+        return _split_call(b, lambda u, w: _intrinsic(b, "llvm.x86.avx2.packssdw", _vec(I16, 16), [u, w]), x, y)
+    idx = [16 * h + 4 * lane + j for lane in range(4) for h in (0, 1) for j in range(4)]
+    return b.trunc(b.shuffle_vector(x, y, ir.Constant(_vec(I32, 32), idx)), _vec(I16, 32))
+
+
+def prefetch(b, ptr):
+    """Ask for the cache line at ptr (an i8*) ahead of its use: a hint, never a fault (prefetcht0).
+    The row kernels stream short weight rows side by side; the hardware prefetcher loses time
+    finding each new stream, and a decode-heavy loop leaves too few loads in flight on its own."""
+    fn = b.module.globals.get("llvm.prefetch.p0i8")
+    if fn is None:
+        fn = ir.Function(b.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]),
+                         name="llvm.prefetch.p0i8")
+    b.call(fn, [ptr, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+
+
 # ------------------------------------------------------------------------------ byte-vector helpers
 
 class IntBlockIR(BlockIR):
@@ -213,6 +236,16 @@ class IntBlockIR(BlockIR):
     def i16(self, v):
         """i32 lanes (small values) -> i16 lanes."""
         return self.b.trunc(v, _vec(I16, v.type.count))
+
+    def halves(self, off, shifts, mask):
+        """The 32 bytes at off loaded into both halves of a 64-byte vector (one broadcast load),
+        each half shifted right by its own amount (shifts: low half, high half; bits < 8) and
+        masked: (q >> 0) & 15, (q >> 4) & 15 puts a nibble-packed row's two halves in element
+        order in one shift and one and (LLVM: vpsrlvw + vpandd, or one GFNI affine op)."""
+        q = self.bytes(off, 32)
+        w = self.b.bitcast(self.concat(q, q), _vec(I16, 32))
+        w = self.b.lshr(w, self.bconst([shifts[0]] * 16 + [shifts[1]] * 16, 32, I16))
+        return self.band(self.b.bitcast(w, _vec(I8, 64)), mask)
 
     def zeros(self, el, n):
         return ir.Constant(_vec(el, n), [0] * n)

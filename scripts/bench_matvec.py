@@ -17,12 +17,16 @@
    "both" (default) runs each row with both, side by side; the JSON rows carry a "kernel" field.
 3. torch baseline: the matrix dequantized once to float32, then `torch.matmul(x, W.T)`.
 4. First matvec call in a fresh process with a warm Numba cache (import + call).
+5. Issue 11's targets per matrix: k=1's % of the bandwidth and each k's time over k=1's (the
+   first --ks value), from the medians and the minimums.
 
 --quick: Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 on the Qwen3.6-27B FFN shapes only (< 3 minutes on 2 threads).
 --ks: the token counts (default 1,2,3,4,8; e.g. 1,4,8,16,64 for prompt batches); --types: a subset.
 --baseline DIR: also time DIR/cpu_kernels (an older copy, e.g. `git archive REV cpu_kernels | tar -x
 -C DIR`) imported under another name, each row right after the current kernel's: before/after side
 by side in one run (kernel "int-base" / "float-base").
+--tiled-from N / --lanes-from N: run this tree's k >= N on the tiled kernels / on token lanes (path
+crossovers, e.g. --types Q4_0 --ks 12,16 --lanes-from 1 against --lanes-from 999).
 """
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ from numba import njit, prange
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from cpu_kernels.formats import SUPPORTED_TYPES, format_of  # noqa: E402
 from cpu_kernels.matvec import matvec  # noqa: E402
+from cpu_kernels import matvec_int  # noqa: E402
 from cpu_kernels.matvec_int import INT_TYPES  # noqa: E402
 from cpu_kernels.matvec_testdata import F16_FIELDS  # noqa: E402
 from cpu_kernels.simd_int import ISA  # noqa: E402
@@ -172,6 +177,26 @@ def _row(qtype, label, rows, cols, k, kernel, cold, cold_min, hot, hot_min, torc
     }
 
 
+def print_targets(rows: list[dict], ks: list[int], bw: float) -> None:
+    """Issue 11's targets per matrix and kernel: k=1's share of the read bandwidth, and each k's
+    call time over k=1's (k=4 <= 1.25x, k=8 <= 1.6x), from the medians and from the minimums."""
+    by_key: dict[tuple, dict[int, dict]] = {}
+    for r in rows:
+        by_key.setdefault((r["type"], r["shape"], r["kernel"]), {})[r["k"]] = r
+    base = ks[0]
+    print(f"\ntargets: % of bandwidth at k={base}, and time(k) / time(k={base}), median (min)")
+    for (qtype, shape, kernel), per_k in by_key.items():
+        if base not in per_k:
+            continue
+        b = per_k[base]
+        pct_min = 100 * b["weight_bytes"] / b["ms_min"] / 1e6 / bw
+        line = f"{qtype:7} {shape:18} {kernel:20} {b['pct_of_bw']:5.1f} ({pct_min:5.1f}) %bw"
+        for k in ks[1:]:
+            if k in per_k:
+                line += f"  k={k}: {per_k[k]['ms'] / b['ms']:5.2f} ({per_k[k]['ms_min'] / b['ms_min']:5.2f})x"
+        print(line)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="5 main types, 27B shapes, fewer repeats")
@@ -184,8 +209,16 @@ def main() -> None:
     ap.add_argument("--ks", default=",".join(map(str, KS)), help="token counts, comma-separated (first: the base)")
     ap.add_argument("--types", help="quant types, comma-separated (default: --quick's or all)")
     ap.add_argument("--baseline", help="a directory holding an older cpu_kernels to time side by side")
+    ap.add_argument("--tiled-from", type=int, help="override matvec_int.tiled_min_k (this tree only): "
+                    "the k from which the tiled kernels run instead of the row kernels")
+    ap.add_argument("--lanes-from", type=int, help="override matvec_int.LANES_MIN_K for both kinds (this tree "
+                    "only): the k from which the tiled kernels run on token lanes instead of token quads")
     args = ap.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
+    if args.tiled_from is not None:         # path crossovers: time one path against the other
+        matvec_int.TILED_MIN_K = matvec_int.TILED_MIN_K_SUB16 = args.tiled_from
+    if args.lanes_from is not None:
+        matvec_int.LANES_MIN_K.update(k=args.lanes_from, pair=args.lanes_from)
     if args.cpu_time:
         if args.threads != 1:
             ap.error("--cpu-time measures one thread: use --threads 1")
@@ -246,6 +279,7 @@ def main() -> None:
                           f"{row['pct_of_bw']:5.1f} {row['gmacs']:7.1f} {row['per_token_vs_k1']:6.2f} {hot:7.2f} "
                           f"{torch_ms:8.2f}", flush=True)
             del w_f32
+    print_targets(rows_out, ks, bw)
     first = first_call_seconds()
     print(f"first matvec call in a fresh process, warm cache (import + call): {first:.2f} s")
     if args.json:

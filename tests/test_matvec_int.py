@@ -6,7 +6,8 @@
    |y - W x| <= sum_i |W[r, i]| * d[t, block(i)] / 2 (each value is off by at most half a step).
 3. Every lowering (avx512vnni, avxvnni, avx2, portable) gives the same bits: integer sums are exact
    and the float steps after them are the same.
-4. Prompt-sized batches (the token-lane kernel from 16 tokens, several column chunks and row tiles)
+4. Prompt-sized batches (token quads, and token lanes from 14 (legacy) or 40 (K) tokens, several
+   column chunks and row tiles)
    give every token the bits it gets alone, on 1 and 2 threads; so do row_dots and rows_dots, the
    entry points of fused kernels.
 Bit identity across k <= 16 and threads is in test_matvec.py (both paths).
@@ -54,7 +55,8 @@ def test_exact_on_quantized_activations(qtype):
     rows, cols = 37, _cols(qtype)
     w = random_weights(qtype, rows, cols, rng)
     wd = dequantize(w, qtype).astype(np.float64)
-    for k in (1, 3, 8, 19):          # row lanes, token groups, groups + a padded group, token lanes
+    # row lanes, token quads, quads + a padded quad, token lanes (legacy) or quads (K), token lanes
+    for k in (1, 3, 8, 19, 41):
         x = _x(rng, k, cols)
         y = matvec(w, qtype, x)
         q, d, _ = quantize_for(qtype, x)
@@ -129,7 +131,8 @@ req = json.load(open(sys.argv[1]))
 data = np.load(req["data"])
 res = {}
 for name in req["types"]:
-    res[name] = matvec(data["w_" + name], int(data["t_" + name]), data["x_" + name]).view(np.uint32).tolist()
+    x = data["x_" + name]          # 1 and 2 tokens (row kernels), 5 (token quads)
+    res[name] = [matvec(data["w_" + name], int(data["t_" + name]), x[:k]).view(np.uint32).tolist() for k in (1, 2, 5)]
 json.dump({"isa": simd_int.ISA, "res": res}, open(req["out"], "w"))
 """
 
@@ -166,8 +169,9 @@ def test_every_lowering_gives_the_same_bits(tmp_path, isa):
     got = json.loads((tmp_path / "out.json").read_text())
     assert got["isa"] == isa
     for qtype in INT:
-        here = matvec(arrays[f"w_{qtype.name}"], qtype, arrays[f"x_{qtype.name}"]).view(np.uint32)
-        assert here.tolist() == got["res"][qtype.name], f"{qtype.name}: {isa} differs from {ISA}"
+        x = arrays[f"x_{qtype.name}"]
+        here = [matvec(arrays[f"w_{qtype.name}"], qtype, x[:k]).view(np.uint32).tolist() for k in (1, 2, 5)]
+        assert here == got["res"][qtype.name], f"{qtype.name}: {isa} differs from {ISA}"
 
 
 @numba.njit
@@ -185,12 +189,12 @@ def test_prompt_batches_give_each_token_its_own_bits(qtype):
     rng = np.random.default_rng(300 + int(qtype))
     rows, cols = 37, 32 * 75 if act_block(qtype) == 32 else 256 * 9     # several column chunks
     w = random_weights(qtype, rows, cols, rng)
-    x = _x(rng, 40, cols)
+    x = _x(rng, 72, cols)
     x[7] *= 1e3
-    alone = np.stack([matvec(w, qtype, x[t:t + 1])[0] for t in range(40)]).view(np.uint32)
+    alone = np.stack([matvec(w, qtype, x[t:t + 1])[0] for t in range(72)]).view(np.uint32)
     for threads in (1, 2):
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-        for k, start in ((16, 0), (17, 3), (33, 7), (40, 0)):
+        for k, start in ((16, 0), (17, 3), (33, 7), (40, 0), (65, 6)):
             y = matvec(w, qtype, x[start:start + k]).view(np.uint32)
             assert np.array_equal(y, alone[start:start + k]), f"{qtype.name}: batch of {k} from {start}, {threads} threads"
     q, d, s = quantize_for(qtype, x[:3])
