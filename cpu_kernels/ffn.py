@@ -22,8 +22,8 @@ import numpy as np
 from numba import njit, prange
 
 from .matvec import CHUNK, TOKEN_TILE, check_operands, matvec, n_groups_for, tile_products, use_int
-from .matvec_int import (TILED_MIN_K, act_block, n_row_groups, quantize_for, quantize_tiled, row_dots, tile_sums,
-                         tiling, type_tag)
+from .matvec_int import (act_block, n_row_groups, quantize_for, quantize_tiled, row_dots, tile_sums,
+                         tiled_min_k, tiling, type_tag)
 from .matvec_simd import TILE_ROWS
 from .simd_int import CACHE
 
@@ -89,8 +89,8 @@ def _gate_up_int_kernel(w_gate, t_gate, w_up, t_up, xq, xd, xs, hidden, act, n_g
 @njit(cache=CACHE, nogil=True, parallel=True)
 def _gate_up_tiled_kernel(w_gate, t_gate, w_up, t_up, xa, xb, xc, k_pad, hidden, act, n_steps, chunk, row_tile,
                           n_groups):
-    """As _gate_up_int_kernel for k >= TILED_MIN_K: a tile of rows' gate and up sums for all tokens
-    (matvec_int.tile_sums: each weight chunk decoded once per pass of tokens), then act(gate) * up."""
+    """As _gate_up_int_kernel for k >= tiled_min_k (of both types): a tile of rows' gate and up sums
+    for all tokens (matvec_int.tile_sums: each weight chunk decoded once per pass of tokens), then act(gate) * up."""
     rows = w_gate.shape[0]
     k = hidden.shape[0]
     n_tiles = (rows + row_tile - 1) // row_tile
@@ -131,7 +131,7 @@ def ffn_glu(x: np.ndarray, w_gate: np.ndarray, t_gate: int, w_up: np.ndarray, t_
         if x.shape[1] == 0:
             hidden.fill(0.0)
         elif use_int(t_gate, exact) and use_int(t_up, exact) and act_block(t_gate) == act_block(t_up) \
-                and k >= TILED_MIN_K:
+                and k >= max(tiled_min_k(t_gate), tiled_min_k(t_up)):
             xa, xb, xc, k_pad = quantize_tiled(t_gate, x)
             _gate_up_tiled_kernel(w_gate, type_tag(t_gate), w_up, type_tag(t_up), xa, xb, xc, k_pad, hidden,
                                   ACTIVATIONS[act], *tiling(t_gate, w_gate.shape, k))
