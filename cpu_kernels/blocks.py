@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from gguf.constants import GGMLQuantizationType as _T
 
@@ -318,62 +318,39 @@ def decode_iq4_xs(src, off, out, out_off):
 
 # ---------------------------------------------------------------- whole rows
 
-@njit(cache=True)
+# type -> (block decoder, elements per block, bytes per block); float types are 1-element blocks
+ROW_DECODERS = {
+    F32: (decode_f32, 1, 4), F16: (decode_f16, 1, 2), BF16: (decode_bf16, 1, 2),
+    Q4_0: (decode_q4_0, 32, 18), Q4_1: (decode_q4_1, 32, 20), Q5_0: (decode_q5_0, 32, 22),
+    Q5_1: (decode_q5_1, 32, 24), Q8_0: (decode_q8_0, 32, 34), IQ4_NL: (decode_iq4_nl, 32, 18),
+    Q2_K: (decode_q2_k, 256, 84), Q3_K: (decode_q3_k, 256, 110), Q4_K: (decode_q4_k, 256, 144),
+    Q5_K: (decode_q5_k, 256, 176), Q6_K: (decode_q6_k, 256, 210), IQ4_XS: (decode_iq4_xs, 256, 136),
+}
+
+
 def decode_row(src, off, qtype, n_cols, out, out_off):
-    """Decode n_cols consecutive values of type qtype starting at src[off] into out[out_off:]."""
-    if qtype == F32:
-        for i in range(n_cols):
-            out[out_off + i] = bits_to_f32(load_u32(src, off + 4 * i))
-    elif qtype == F16:
-        for i in range(n_cols):
-            out[out_off + i] = load_f16(src, off + 2 * i)
-    elif qtype == BF16:
-        for i in range(n_cols):
-            decode_bf16(src, off + 2 * i, out, out_off + i)
-    elif qtype == Q4_0:
-        for b in range(n_cols // 32):
-            decode_q4_0(src, off + 18 * b, out, out_off + 32 * b)
-    elif qtype == Q4_1:
-        for b in range(n_cols // 32):
-            decode_q4_1(src, off + 20 * b, out, out_off + 32 * b)
-    elif qtype == Q5_0:
-        for b in range(n_cols // 32):
-            decode_q5_0(src, off + 22 * b, out, out_off + 32 * b)
-    elif qtype == Q5_1:
-        for b in range(n_cols // 32):
-            decode_q5_1(src, off + 24 * b, out, out_off + 32 * b)
-    elif qtype == Q8_0:
-        for b in range(n_cols // 32):
-            decode_q8_0(src, off + 34 * b, out, out_off + 32 * b)
-    elif qtype == IQ4_NL:
-        for b in range(n_cols // 32):
-            decode_iq4_nl(src, off + 18 * b, out, out_off + 32 * b)
-    elif qtype == Q2_K:
-        for b in range(n_cols // 256):
-            decode_q2_k(src, off + 84 * b, out, out_off + 256 * b)
-    elif qtype == Q3_K:
-        for b in range(n_cols // 256):
-            decode_q3_k(src, off + 110 * b, out, out_off + 256 * b)
-    elif qtype == Q4_K:
-        for b in range(n_cols // 256):
-            decode_q4_k(src, off + 144 * b, out, out_off + 256 * b)
-    elif qtype == Q5_K:
-        for b in range(n_cols // 256):
-            decode_q5_k(src, off + 176 * b, out, out_off + 256 * b)
-    elif qtype == Q6_K:
-        for b in range(n_cols // 256):
-            decode_q6_k(src, off + 210 * b, out, out_off + 256 * b)
-    elif qtype == IQ4_XS:
-        for b in range(n_cols // 256):
-            decode_iq4_xs(src, off + 136 * b, out, out_off + 256 * b)
-    else:
-        raise ValueError("decode_row: unsupported tensor type")
+    """Decode n_cols consecutive values starting at src[off] into out[out_off:]; qtype is the type's
+    formats.type_tag, so a kernel calling this compiles only that type's decoder (Numba code only)."""
+    raise NotImplementedError("decode_row runs inside Numba kernels")
+
+
+@overload(decode_row, inline="always")
+def _decode_row(src, off, qtype, n_cols, out, out_off):
+    if not isinstance(qtype, types.BaseTuple) or len(qtype) not in ROW_DECODERS:   # F32's tag is ()
+        return None
+    decode, elems, nbytes = ROW_DECODERS[len(qtype)]
+
+    def impl(src, off, qtype, n_cols, out, out_off):
+        for b in range(n_cols // elems):
+            decode(src, off + nbytes * b, out, out_off + elems * b)
+    return impl
 
 
 # Lives here, not in dequant.py: Numba's cache only notices edits to the caller's own file, and the
 # decoders above are inlined into this loop.
 @njit(parallel=True, cache=True)
 def decode_rows(flat, row_bytes, qtype, n_cols, row_ids, out):
-    """out[i] = row row_ids[i] of the tensor whose rows of row_bytes bytes are packed in flat."""
+    """out[i] = row row_ids[i] of the tensor whose rows of row_bytes bytes are packed in flat;
+    qtype: formats.type_tag of the tensor's type (one compilation per type a model holds)."""
     for i in prange(row_ids.shape[0]):
         decode_row(flat, row_ids[i] * row_bytes, qtype, n_cols, out[i], 0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from .blocks import decode_rows
-from .formats import format_of
+from .formats import format_of, type_tag
 
 
 def _flat_rows(raw: np.ndarray, row_bytes: int) -> tuple[np.ndarray, int]:
@@ -35,7 +35,7 @@ def gather_rows(raw: np.ndarray, qtype: int, n_cols: int, row_ids: np.ndarray) -
         raise IndexError(f"row id out of range [0, {n_rows})")
     out = np.empty((row_ids.size, n_cols), dtype=np.float32)
     if row_ids.size:
-        decode_rows(flat, fmt.row_bytes(n_cols), fmt.qtype, n_cols, row_ids, out)
+        decode_rows(flat, fmt.row_bytes(n_cols), type_tag(fmt.qtype), n_cols, row_ids, out)
     return out
 
 

@@ -51,3 +51,12 @@ def format_of(qtype: int) -> QuantFormat:
         supported = ", ".join(f.name for f in FORMATS.values())
         raise UnsupportedQuantType(f"unsupported tensor type {type_name(qtype)} (supported: {supported})")
     return fmt
+
+
+def type_tag(qtype: int) -> tuple:
+    """The quant type as a compile-time constant: a tuple of that many zeros, whose Numba type
+    (UniTuple(int64, qtype)) differs per type. The kernels take it where a plain int would make
+    one compilation build every type's decoders: with the tag a model compiles (and caches) only
+    the types its files hold, and nothing is retyped at run time (numba.literally would retype
+    every kernel from scratch in every process before finding the cached one)."""
+    return (0,) * int(qtype)

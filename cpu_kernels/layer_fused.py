@@ -32,12 +32,13 @@ import warnings
 
 import numpy as np
 from numba import njit, prange
+from numba.extending import overload
 from numba.core.errors import NumbaPerformanceWarning
 
 from .ffn import _act_times
 from .formats import format_of
 from .matvec import tile_products
-from .matvec_int import act_block, row_dots, rows_dots
+from .matvec_int import act_block, row_dots, rows_dots, types_tag
 from .matvec_simd import TILE_ROWS
 from .quantize_act import PAD_LEGACY, QK_K, QK_LEGACY, _quantize_rows
 from .simd_int import CACHE
@@ -52,8 +53,13 @@ PARALLEL_MIN_WEIGHTS = 1 << 17   # below this a projection runs on the calling t
 ATTEND_PARALLEL_MIN = 1 << 15    # (token, head) x keys x head size products before attention forks
 
 # _project_serial and _attend_serial are compiled with parallel=True on purpose and have no prange
-warnings.filterwarnings("ignore", message=".*The keyword argument 'parallel=True' was specified",   # after Numba's colour codes
+# ((?s): the text follows Numba's colour codes and a newline)
+warnings.filterwarnings("ignore", message="(?s).*The keyword argument 'parallel=True' was specified",
                         category=NumbaPerformanceWarning)
+
+# "no matrix" as _project's row count: a numpy scalar types as int64, where a literal 0 would make
+# Numba compile a separate specialisation of _project (and of both kernels below it) per call site
+NONE = np.intp(0)
 
 
 def matrix_operands(raw: np.ndarray, qtype: int, integer: bool) -> tuple:
@@ -65,6 +71,21 @@ def matrix_operands(raw: np.ndarray, qtype: int, integer: bool) -> tuple:
     raw.flags.writeable = False
     block = act_block(qtype) if integer else format_of(qtype).block_elems
     return raw, int(qtype), block, bool(integer)
+
+
+def int_types(matrices) -> tuple:
+    """The kernels' `int_types` argument: the types of the matrices (matrix_operands tuples) that run
+    on the integer path, as a compile-time set (matvec_int.types_tag). The kernels carry only these
+    types' integer code, and every integer matrix of a call must have one of them (another type
+    would write nothing). A model passes the set of all its layers: one compilation serves them all."""
+    return types_tag(m[1] for m in matrices if m[3])
+
+
+def float_path(matrices) -> tuple:
+    """The kernels' `float_path` argument: (0,) when some matrix runs on the float path, else ().
+    A compile-time flag: with () the float kernel is not compiled in (most of a cold compile when
+    every matrix has an integer kernel), and a float-path matrix would write nothing."""
+    return (0,) if any(not m[3] for m in matrices) else ()
 
 
 # --------------------------------------------------------------------------- row-wise helpers
@@ -120,8 +141,31 @@ def _dot(a, b):
 # Up to three matrices (q, k, v or gate, up) that read the same rows x write their outputs side by
 # side in `out`: matrix m's row r goes to column off_m + r. Work is split in units of 16 rows.
 
+def _float_rows(float_path, w, qt, be, r_lo, r_hi, x, buf, part, acc, out, off):
+    """out[:, off + r] = (W x)[r] for rows r_lo .. r_hi - 1 of one matrix on the float path
+    (matvec.tile_products, 4 rows at a time); compiled in only where float_path is (0,)."""
+    raise NotImplementedError("_float_rows runs inside Numba kernels")
+
+
+@overload(_float_rows, inline="always")
+def _float_rows_code(float_path, w, qt, be, r_lo, r_hi, x, buf, part, acc, out, off):
+    if len(float_path) == 0:
+        def none(float_path, w, qt, be, r_lo, r_hi, x, buf, part, acc, out, off):
+            pass
+        return none
+
+    def rows(float_path, w, qt, be, r_lo, r_hi, x, buf, part, acc, out, off):
+        for r0 in range(r_lo, r_hi, TILE_ROWS):
+            nr = min(TILE_ROWS, r_hi - r0)
+            tile_products(w, qt, be, r0, nr, x, buf, part, acc)
+            for t in range(x.shape[0]):
+                for r in range(nr):
+                    out[t, off + r0 + r] = acc[t, r]
+    return rows
+
+
 @njit(cache=CACHE, nogil=True, inline="always")
-def _project_group(g, n_groups, w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, e2, i2, n2,
+def _project_group(g, n_groups, int_types, float_path, w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, e2, i2, n2,
                    x, q32, d32, s32, q256, d256, s256, out):
     k = x.shape[0]
     u0 = (n0 + ROWS_PER_UNIT - 1) // ROWS_PER_UNIT
@@ -146,38 +190,33 @@ def _project_group(g, n_groups, w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, 
             # work per row); more tokens: row_dots takes 4 tokens of one row a pass
             q, d, s = (q256, d256, s256) if be == QK_K else (q32, d32, s32)
             if k == 1:
-                rows_dots(qt, w, r_lo, r_hi - r_lo, q, d, s, 0, out, off + r_lo)
+                rows_dots((qt,) + int_types, w, r_lo, r_hi - r_lo, q, d, s, 0, out, off + r_lo)
             else:
                 for r in range(r_lo, r_hi):
-                    row_dots(qt, w, r, q, d, s, out, off + r)
+                    row_dots((qt,) + int_types, w, r, q, d, s, out, off + r)
         else:
-            for r0 in range(r_lo, r_hi, TILE_ROWS):
-                nr = min(TILE_ROWS, r_hi - r0)
-                tile_products(w, qt, be, r0, nr, x, buf, part, acc)
-                for t in range(k):
-                    for r in range(nr):
-                        out[t, off + r0 + r] = acc[t, r]
+            _float_rows(float_path, w, qt, be, r_lo, r_hi, x, buf, part, acc, out, off)
 
 
 @njit(cache=CACHE, nogil=True, parallel=True)
-def _project_parallel(n_groups, w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, e2, i2, n2,
+def _project_parallel(n_groups, int_types, float_path, w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, e2, i2, n2,
                       x, q32, d32, s32, q256, d256, s256, out):
     for g in prange(n_groups):
-        _project_group(g, n_groups, w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, e2, i2, n2,
+        _project_group(g, n_groups, int_types, float_path, w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, e2, i2, n2,
                        x, q32, d32, s32, q256, d256, s256, out)
 
 
 # parallel=True without a prange: the same loop compiles ~2x faster than under a plain njit (measured
 # on the 1536 x 576 Q4_1 gate: 58 vs 117 us); it runs on the calling thread, no threads woken
 @njit(cache=CACHE, nogil=True, parallel=True)
-def _project_serial(w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, e2, i2, n2,
+def _project_serial(int_types, float_path, w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, e2, i2, n2,
                     x, q32, d32, s32, q256, d256, s256, out):
-    _project_group(0, 1, w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, e2, i2, n2,
+    _project_group(0, 1, int_types, float_path, w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, e2, i2, n2,
                    x, q32, d32, s32, q256, d256, s256, out)
 
 
 @njit(cache=CACHE, nogil=True)
-def _project(n_threads, w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, e2, i2, n2, x, out):
+def _project(n_threads, int_types, float_path, w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, e2, i2, n2, x, out):
     """out[:, off_m + r] = (W_m x)[r] for the three matrices (n_m = 0: absent). e_m: the matrix's
     activation block when i_m (integer path: 32 or 256), else its weight block size (float path)."""
     k, n_in = x.shape
@@ -192,10 +231,10 @@ def _project(n_threads, w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, e2, i2, 
     # Always through the parallel kernel: LLVM makes the row loop ~2x faster inside a parfor than
     # in a plain loop here (measured); too small a product runs it on this thread alone.
     if n_threads > 1 and (n0 + n1 + n2) * n_in >= PARALLEL_MIN_WEIGHTS:
-        _project_parallel(min(units, GROUPS_PER_THREAD * n_threads), w0, t0, e0, i0, n0, w1, t1, e1, i1, n1,
-                          w2, t2, e2, i2, n2, x, q32, d32, s32, q256, d256, s256, out)
+        _project_parallel(min(units, GROUPS_PER_THREAD * n_threads), int_types, float_path, w0, t0, e0, i0, n0,
+                          w1, t1, e1, i1, n1, w2, t2, e2, i2, n2, x, q32, d32, s32, q256, d256, s256, out)
     else:
-        _project_serial(w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, e2, i2, n2,
+        _project_serial(int_types, float_path, w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, e2, i2, n2,
                         x, q32, d32, s32, q256, d256, s256, out)
 
 
@@ -276,18 +315,20 @@ def _residual(h, a, post_norm, has_post, eps):
 
 
 @njit(cache=CACHE, nogil=True)
-def attention_block(h, n_threads, attn_norm, post_norm, has_post, eps,
+def attention_block(h, n_threads, int_types, float_path, attn_norm, post_norm, has_post, eps,
                     wq, tq, eq, iq, wk, tk, ek, ik, wv, tv, ev, iv, wo, to, eo, io,
                     q_norm, k_norm, qk_norm, cos, sin, n_rot, neox,
                     k_cache, v_cache, start, n_head, n_kv, d, dv, scale, window, first):
     """h (k, n_embd) float32 at positions start .. start+k-1 -> h + attention(h), writing the
     k new key/value rows into the float32 caches (n_ctx, n_kv, d). Weights: raw ggml rows
-    (readonly uint8, one type each), with e*/i* as `_project` takes them."""
+    (readonly uint8, one type each), with e*/i* as `_project` takes them; int_types and float_path:
+    `int_types` and `float_path` of (at least) these matrices."""
     k, n_embd = h.shape
     nq, nk = n_head * d, n_kv * d
     x = _rms_norm_rows(h, attn_norm, eps)
     qkv = np.empty((k, nq + nk + n_kv * dv), np.float32)
-    _project(n_threads, wq, tq, eq, iq, nq, wk, tk, ek, ik, nk, wv, tv, ev, iv, n_kv * dv, x, qkv)
+    _project(n_threads, int_types, float_path, wq, tq, eq, iq, nq, wk, tk, ek, ik, nk, wv, tv, ev, iv, n_kv * dv,
+             x, qkv)
     q = np.empty((k, nq), np.float32)
     for t in range(k):
         pos = start + t
@@ -317,24 +358,25 @@ def attention_block(h, n_threads, attn_norm, post_norm, has_post, eps,
     else:
         _attend_serial(q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale, window, first)
     a = np.empty((k, n_embd), np.float32)
-    _project(n_threads, wo, to, eo, io, n_embd, wo, to, eo, io, 0, wo, to, eo, io, 0, o, a)
+    _project(n_threads, int_types, float_path, wo, to, eo, io, n_embd, wo, to, eo, io, NONE, wo, to, eo, io, NONE, o, a)
     return _residual(h, a, post_norm, has_post, eps)
 
 
 @njit(cache=CACHE, nogil=True)
-def ffn_block(h, n_threads, ffn_norm, post_norm, has_post, eps,
+def ffn_block(h, n_threads, int_types, float_path, ffn_norm, post_norm, has_post, eps,
               wg, tg, eg, ig, wu, tu, eu, iu, wd, td, ed, i_d, act):
     """h (k, n_embd) -> h + [post_norm](W_down (act(W_gate x) * W_up x)), x = rms_norm(h);
-    act as cpu_kernels.ffn.ACTIVATIONS (0: SiLU, 1: GELU-tanh)."""
+    act as cpu_kernels.ffn.ACTIVATIONS (0: SiLU, 1: GELU-tanh); int_types, float_path as for attention_block."""
     k, n_embd = h.shape
     n_ff = wg.shape[0]
     x = _rms_norm_rows(h, ffn_norm, eps)
     gu = np.empty((k, 2 * n_ff), np.float32)
-    _project(n_threads, wg, tg, eg, ig, n_ff, wu, tu, eu, iu, n_ff, wu, tu, eu, iu, 0, x, gu)
+    _project(n_threads, int_types, float_path, wg, tg, eg, ig, n_ff, wu, tu, eu, iu, n_ff, wu, tu, eu, iu, NONE, x, gu)
     hidden = np.empty((k, n_ff), np.float32)
     for t in range(k):
         for r in range(n_ff):
             hidden[t, r] = _act_times(gu[t, r], gu[t, n_ff + r], act)
     y = np.empty((k, n_embd), np.float32)
-    _project(n_threads, wd, td, ed, i_d, n_embd, wd, td, ed, i_d, 0, wd, td, ed, i_d, 0, hidden, y)
+    _project(n_threads, int_types, float_path, wd, td, ed, i_d, n_embd, wd, td, ed, i_d, NONE, wd, td, ed, i_d, NONE,
+             hidden, y)
     return _residual(h, y, post_norm, has_post, eps)

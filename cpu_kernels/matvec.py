@@ -156,6 +156,9 @@ def check_operands(w: np.ndarray, qtype: int, x: np.ndarray, out: np.ndarray | N
         raise ValueError(f"w must be a C-contiguous (rows, row_bytes) array, got {w.dtype} {w.shape}")
     if w.dtype != np.uint8:     # e.g. an F16 matrix as float16: the same bytes
         w = w.view(np.uint8)
+    if w.flags.writeable:       # read-only as mmap views are: one Numba type, one compilation per kernel
+        w = w.view()
+        w.flags.writeable = False
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2:
         raise ValueError(f"x must be (k, n_in), got shape {x.shape}")

@@ -43,6 +43,7 @@ from numba.extending import intrinsic
 
 from gguf.constants import GGMLQuantizationType as _T
 
+from .formats import type_tag
 from .matvec_kquants import q3_k_scales
 from .matvec_simd import _array, _fma, _load_vec, _splat
 from .quantize_act import QK_K, QK_LEGACY, quantize_rows
@@ -738,34 +739,41 @@ def _steps(b, kind, decode, nbytes, wrows, rb, i0, i1, init, apply, nxt=None):
     return merged
 
 
-def type_tag(qtype: int) -> tuple:
-    """The quant type as a compile-time constant: a tuple of that many zeros, whose Numba type
-    (UniTuple(int64, qtype)) differs per type. The kernels take it where a plain int would make
-    one compilation build every type's decoders: with the tag a model compiles (and caches) only
-    the types its files hold, and nothing is retyped at run time (numba.literally would retype
-    every kernel from scratch in every process before finding the cached one)."""
-    return (0,) * int(qtype)
+def types_tag(qtypes) -> tuple:
+    """A set of quant types as a compile-time constant: one element per type of SPECS (ascending),
+    True where the type is in the set, 0.0 where not (a flat tuple: parallel loops cannot take
+    nested ones). A kernel that picks a matrix's type at run time passes (qtype,) + types_tag(...)
+    where the intrinsics take a qtype, and compiles only the set's decoders."""
+    chosen = {int(q) for q in qtypes}
+    return tuple(True if qt in chosen else 0.0 for qt in sorted(SPECS))
 
 
 def _qtype_arg(qtype):
-    """The intrinsics' type for the qtype argument, and the one type to emit code for when it is
-    a type_tag, else None (a plain int: a switch over all SPECS)."""
+    """The intrinsics' type for the qtype argument, and what to emit code for: the one type of a
+    type_tag, the set of a (qtype,) + types_tag tuple, or None (a plain int: every type in SPECS)."""
     if isinstance(qtype, types.UniTuple) and qtype.count in SPECS:
         return qtype, qtype.count
+    if isinstance(qtype, types.BaseTuple) and len(qtype) == 1 + len(SPECS) and isinstance(qtype[0], types.Integer):
+        return qtype, frozenset(qt for qt, ty in zip(sorted(SPECS), qtype[1:]) if isinstance(ty, types.Boolean))
     return types.int64, None
 
 
 def _by_type(b, qtype, done, emit, only=None):
     """switch over SPECS on qtype; emit(qt, kind, decode, nbytes) writes each case's code. With
-    `only` (a compile-time type) just that type's code."""
-    if only is not None:
+    `only` a compile-time type, just that type's code; a set, the switch over its types only (a
+    type outside it writes nothing, as one outside SPECS)."""
+    if isinstance(only, int):
         if only not in SPECS:
             raise TypeError(f"no integer kernel for ggml type {only}")
         emit(only, *SPECS[only])
         b.branch(done)
         return
+    if only is not None:
+        qtype = b.extract_value(qtype, 0)
     by_type = b.switch(qtype, done)
     for qt, spec in SPECS.items():
+        if only is not None and qt not in only:
+            continue
         bb = b.append_basic_block(f"int.t{qt}")
         by_type.add_case(ir.Constant(I64, qt), bb)
         b.position_at_end(bb)

@@ -12,7 +12,7 @@ import numba
 import numpy as np
 import torch
 
-from cpu_kernels import layer_fused
+from cpu_kernels import layer_fused, matvec_int
 from cpu_kernels.dequant import dequantize, gather_rows
 from cpu_kernels.ffn import ACTIVATIONS, ffn_glu
 from cpu_kernels.formats import format_of
@@ -149,6 +149,16 @@ def _fused_state(state, index: int, spec) -> tuple | None:
     return found or None
 
 
+def _covering(kernel_types: tuple, operands: list) -> tuple:
+    """kernel_types = (int_types, float_path) of layer_fused, checked to cover the operands."""
+    int_types, float_path = kernel_types
+    have = {qt for qt, flag in zip(sorted(matvec_int.SPECS), int_types) if flag is True}
+    if any(op[3] and op[1] not in have for op in operands) or (not float_path and not all(op[3] for op in operands)):
+        raise ValueError(f"fused kernels compiled for integer types {sorted(have)}, float path {bool(float_path)}"
+                         f" do not cover {[(op[1], op[3]) for op in operands]} (type, integer)")
+    return kernel_types
+
+
 def _rows_f32(h: torch.Tensor) -> np.ndarray:
     """A CPU trunk's float32 hidden rows as a C-contiguous array (no copy when they already are)."""
     return np.ascontiguousarray(h.numpy() if h.dtype == torch.float32 else _cpu_f32(h).numpy())
@@ -160,7 +170,7 @@ class FusedAttentionBlock:
     matrices are all in the mmap. Decode and verify batches (<= ROWWISE_MAX tokens) on a float32
     cache take it; prompt batches and other cache types run `block`, the torch path it wraps."""
 
-    def __init__(self, block):
+    def __init__(self, block, kernel_types: tuple):
         self.block, self.attn = block, block.attn     # .attn.spec is read at every call
         a = block.attn
         if a.wqkv is not None:
@@ -177,6 +187,7 @@ class FusedAttentionBlock:
         self.k_norm = a.k_norm.numpy() if spec.qk_norm else self.norm
         self.nbytes = a.wo.nbytes + (a.wqkv.nbytes if a.wqkv is not None else a.wq.nbytes + a.wk.nbytes + a.wv.nbytes)
         self.weights = (*self.qkv[0], *self.qkv[1], *self.qkv[2], *self.wo)
+        self.kernel_types = _covering(kernel_types, [*self.qkv, self.wo])
 
     def __call__(self, h: torch.Tensor, state, pos_list: list[int]) -> torch.Tensor:
         s = self.attn.spec
@@ -185,8 +196,9 @@ class FusedAttentionBlock:
             return self.block(h, state, pos_list)
         k_cache, v_cache, cos, sin = views
         out = layer_fused.attention_block(
-            _rows_f32(h), numba.get_num_threads(), self.norm, self.post_norm, self.block.post_norm is not None,
-            s.eps, *self.weights, self.q_norm, self.k_norm, s.qk_norm, cos, sin, s.rope.n_rot, s.rope.neox,
+            _rows_f32(h), numba.get_num_threads(), *self.kernel_types, self.norm, self.post_norm,
+            self.block.post_norm is not None, s.eps, *self.weights, self.q_norm, self.k_norm, s.qk_norm, cos, sin,
+            s.rope.n_rot, s.rope.neox,
             k_cache, v_cache, pos_list[0], s.n_head, s.n_kv, s.head_dim, s.head_dim_v, s.scale, s.window,
             s.first_pos)
         return torch.from_numpy(out)
@@ -197,15 +209,15 @@ class FusedFfnBlock:
     layer_fused call, for a CPU trunk whose FFN matrices are all in the mmap; prompt batches run
     `block`, the path it wraps (whose FFN is the same CpuGluFFN kernels)."""
 
-    def __init__(self, block):
+    def __init__(self, block, kernel_types: tuple):
         self.block, ffn = block, block.ffn
         self.gate, self.up, self.down = (_fused_operands(m) for m in (ffn.gate, ffn.up, ffn.down))
         self.act = ACTIVATIONS[ffn.act]
         self.norm = block.norm.numpy()
         self.post_norm = block.post_norm.numpy() if block.post_norm is not None else self.norm
         self.nbytes = ffn.nbytes
-        self.args = (self.norm, self.post_norm, block.post_norm is not None, block.eps,
-                     *self.gate, *self.up, *self.down, self.act)
+        self.args = (*_covering(kernel_types, [self.gate, self.up, self.down]), self.norm, self.post_norm,
+                     block.post_norm is not None, block.eps, *self.gate, *self.up, *self.down, self.act)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         if h.shape[0] > ROWWISE_MAX:
@@ -265,6 +277,7 @@ class WeightBinder:
         self.executor, self.split, self.exact = executor, split, exact
         self.trace = executor.trace if executor is not None else None
         self.scratch = TileScratch(device, device_dtype)    # one dequantization tile for all QuantLinears
+        self._kernel_types = None   # _fused_types, worked out at the first fused layer
 
     def _cpu(self, raw: np.ndarray, qtype: int, n_in: int, n_out: int, name: str = "") -> CpuQuantLinear:
         return CpuQuantLinear(raw, qtype, n_in, n_out, name, exact=self.exact)
@@ -388,14 +401,25 @@ class WeightBinder:
         a = block.attn
         mats = [a.wqkv, a.wo] if a.wqkv is not None else [a.wq, a.wk, a.wv, a.wo]
         if self._fusable() and not a.spec.gated and all(type(m) is CpuQuantLinear for m in mats):
-            return FusedAttentionBlock(block)
+            return FusedAttentionBlock(block, self._fused_types())
         return block
 
     def ffn_block(self, block):
         """How a layer's FFN half runs: `block` (models.common.FfnBlock) or the fused kernel."""
         if self._fusable() and type(block.ffn) is CpuGluFFN:
-            return FusedFfnBlock(block)
+            return FusedFfnBlock(block, self._fused_types())
         return block
+
+    def _fused_types(self) -> tuple:
+        """(int_types, float_path) of the fused kernels (compile-time constants, see layer_fused):
+        for all of the file's layer matrices, so every layer shares one compilation that holds
+        only the code these types take (no float kernel when each has an integer one)."""
+        if self._kernel_types is None:
+            qtypes = [info.qtype for name, info in self.gguf.tensors.items()
+                      if name.startswith("blk.") and len(info.shape) >= 2]
+            integer = [q for q in qtypes if use_int(q, self.exact)]
+            self._kernel_types = (matvec_int.types_tag(integer), (0,) if len(integer) < len(qtypes) else ())
+        return self._kernel_types
 
     def embedding(self, name: str) -> Embedding:
         return Embedding(self.gguf, name, self.device)

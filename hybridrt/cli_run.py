@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from .errors import UserError
+from .warmup import compile_notice
 
 MODEL_HELP = "GGUF path or a known name (gemma3-270m, smollm2-135m)"
 
@@ -52,6 +53,9 @@ def check_spec_flags(draft_n_max: int) -> None:
         raise UserError(f"--spec-draft-n-max must be within 1..{MAX_DRAFTS}, got {draft_n_max}")
 
 
+# Kernels compile lazily, when a step first calls them (a short greedy run never builds the prompt GEMM
+# or the verify kernels); on a cold cache one stderr line says why the first token takes a while.
+@compile_notice()
 def run(
     model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_HELP + "; default gemma3-270m"),
     prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text."),
@@ -88,7 +92,6 @@ def run(
     from .kv_cache import cache_dtype, kv_cache_type
     from .loader import load_model
     from .place import draft_devices, placement_line
-    from .warmup import announce_and_compile
     from .registry import resolve_model
     from .sampling import SamplerConfig
     from .speculative.loop import SpecConfig, speculative_generate
@@ -117,9 +120,6 @@ def run(
     n_ctx = min(ctx_size, m.n_ctx_train) if ctx_size > 0 else m.n_ctx_train
     if len(ids) >= n_ctx:
         raise UserError(f"prompt is {len(ids)} tokens, the context is {n_ctx} (raise -c or shorten the prompt)")
-    # after every input check, so a bad input stays one error line: on a cold kernel cache one line
-    # says why the first token takes a while, and the kernels compile
-    announce_and_compile(m)
     sampler = SamplerConfig(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     if m.plan is not None:
         spec_type = m.plan.options.spec_type

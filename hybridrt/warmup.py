@@ -1,19 +1,23 @@
-"""First run: compile the CPU (Numba) kernels ahead, and say so when it is about to happen.
+"""First run: say so when CPU (Numba) kernels compile, and compile them ahead on request.
 
 Numba compiles a kernel at its first call and caches the machine code on disk (`cache=True`;
-`__pycache__` beside the source, or NUMBA_CACHE_DIR). A cold cache costs tens of seconds before
-the first token, silently. `kernels_cold()` tells cold from warm without compiling anything: it
-reads the cache index of each top-level kernel a model calls (a small pickle that Numba itself
-discards when the kernel's source changed). `announce_and_compile` prints one line on a cold cache
-and compiles by running one token through the model: every kernel then gets exactly the
-signatures (array types, read-only mmap views) that real decoding uses, and nothing more.
+`__pycache__` beside the source, or NUMBA_CACHE_DIR). A cold cache costs seconds to tens of
+seconds before the first token. `run` compiles lazily, only what its steps call (a short greedy
+prompt: the fused layer halves and the k = 1 output matvec; the prompt GEMM only when a batch
+reaches it, the verify kernels only when speculation verifies): `compile_notice` prints one line
+on stderr when the first compilation starts, wherever in the run that is. `hybridrt warmup`
+compiles everything a model can call ahead (`compile_kernels`: batches of every kernel family,
+each kernel with the signatures real decoding uses). `kernels_cold()` tells a cold cache without
+compiling anything: it reads the cache index of each top-level kernel (a small pickle that Numba
+itself discards when the kernel's source changed).
 """
 from __future__ import annotations
 
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Optional
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Iterator, Optional, TextIO
 
 import typer
 
@@ -52,23 +56,51 @@ def kernels_cold() -> bool:
     return False
 
 
+@contextmanager
+def compile_notice(stream: TextIO | None = None) -> Iterator:
+    """While inside (or, as a decorator, during the call): the first kernel compilation (a cold
+    cache, or a kernel this cache has not seen yet) prints MESSAGE on `stream` (stderr), once,
+    before it starts; loading cached machine code prints nothing. The yielded listener's
+    `.compiled` says afterwards whether anything compiled."""
+    from numba.core import event      # not at import: `info` and `plan` import the CLI
+
+    class Notice(event.Listener):
+        compiled = False
+
+        def on_start(self, ev) -> None:
+            if not self.compiled:
+                self.compiled = True
+                print(MESSAGE, file=stream or sys.stderr, flush=True)
+
+        def on_end(self, ev) -> None:
+            pass
+
+    notice = Notice()
+    with event.install_listener("numba:compile", notice):
+        yield notice
+
+
 def compile_kernels(model: "Model") -> None:
     """Batches of 1, 4, 16 and 40 tokens: compiles (or loads) every kernel the model uses, for decode
     and verify (row kernels, or the fused layer halves of a CPU trunk, which take batches up to
-    ROWWISE_MAX tokens) and prompts (cpu_kernels.matvec_int's tiled kernels on token groups and
-    lanes; a batch past ROWWISE_MAX reaches them through the torch trunk), each for the model's
-    quant types only."""
-    session = model.session(n_ctx=64)
+    ROWWISE_MAX tokens; the output matrix on 4 and 16 tokens as a verify step reads it) and prompts
+    (cpu_kernels.matvec_int's tiled kernels on token groups and lanes; a batch past ROWWISE_MAX
+    reaches them through the torch trunk), each for the model's quant types only. Twice: on an f32
+    KV cache (the fused attention half) and on f16, `run`'s default (the attention half in torch,
+    its matrices through matvec)."""
     token = model.tokenizer.bos_id if model.tokenizer.bos_id is not None else 0
-    for k in (1, 4, 16, 40):
-        session.eval([token] * k, logits="last")
+    for cache_type in ("f32", "f16"):
+        session = model.session(n_ctx=64, cache_type=cache_type)
+        for k in (1, 4, 16, 40):
+            session.eval([token] * k, logits="all" if k in (4, 16) else "last")
 
 
 def announce_and_compile(model: "Model | str | os.PathLike | None") -> bool:
-    """On a cold kernel cache: print MESSAGE on stderr and compile what `model` needs (a loaded
-    Model, or a path / known name: then it is loaded here, which compiles the load-time kernels
-    after the message rather than before it). On a warm cache: nothing. Returns whether it
-    compiled. Call it before `load_model` with the name, or after with the model."""
+    """On a cold kernel cache: compile everything `model` needs ahead (compile_kernels; a server
+    would otherwise stall its first requests), MESSAGE on stderr when compiling starts. `model`: a
+    loaded Model, or a path / known name (loaded here, after a check of the file). On a warm cache:
+    nothing. Returns whether it compiled. Call it before `load_model` with the name, or after with
+    the model."""
     if not kernels_cold():
         return False
     if model is None or isinstance(model, (str, os.PathLike)):
@@ -76,13 +108,13 @@ def announce_and_compile(model: "Model | str | os.PathLike | None") -> bool:
         from .registry import resolve_model
 
         GGUFFile(resolve_model(model))      # a bad path or file stays one error line, no message first
-    print(MESSAGE, file=sys.stderr, flush=True)
-    if model is None or isinstance(model, (str, os.PathLike)):
-        from .loader import load_model
+    with compile_notice() as notice:
+        if model is None or isinstance(model, (str, os.PathLike)):
+            from .loader import load_model
 
-        model = load_model(model)
-    compile_kernels(model)
-    return True
+            model = load_model(model)
+        compile_kernels(model)
+    return notice.compiled
 
 
 def warmup(
@@ -93,12 +125,10 @@ def warmup(
     from .loader import load_model
 
     t0 = time.perf_counter()
-    cold = kernels_cold()
-    if cold:
-        print(MESSAGE, file=sys.stderr, flush=True)
-    m = load_model(model)
-    compile_kernels(m)
+    with compile_notice() as notice:
+        m = load_model(model)
+        compile_kernels(m)
     took = time.perf_counter() - t0
     where = os.environ.get("NUMBA_CACHE_DIR") or "__pycache__ beside the kernels"
-    print(f"CPU kernels {'compiled' if cold else 'already compiled'} for {os.path.basename(m.gguf.path)} "
-          f"in {took:.1f} s (cache: {where})", file=sys.stderr)
+    print(f"CPU kernels {'compiled' if notice.compiled else 'already compiled'} for "
+          f"{os.path.basename(m.gguf.path)} in {took:.1f} s (cache: {where})", file=sys.stderr)

@@ -12,11 +12,15 @@ from gguf.constants import GGMLQuantizationType as T
 from cpu_kernels import layer_fused
 from cpu_kernels.dequant import dequantize
 from cpu_kernels.ffn import ACTIVATIONS
+from cpu_kernels.matvec_int import types_tag
 from cpu_kernels.matvec_testdata import random_weights
 from gpu_kernels.rotary import rotary_table
 
 N_EMBD, N_HEAD, N_KV, HEAD, N_ROT, N_FF, N_CTX = 512, 4, 2, 128, 64, 1024, 64
 EPS = 1e-6
+# the kernels' compile-time type set: every integer type below, so all cases share a compilation (two:
+# with and without the float path)
+TYPES = types_tag((T.Q4_1, T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K))
 
 
 def _matrix(rng, qtype, rows, cols, integer):
@@ -58,8 +62,9 @@ class Layer:
 
     def run(self, h, k_cache, v_cache, start, n_threads=1):
         return layer_fused.attention_block(
-            h, n_threads, self.norm, self.post, self.has_post, EPS, *self.ops[0], *self.ops[1], *self.ops[2],
-            *self.ops[3], self.q_norm, self.k_norm, self.qk_norm, self.cos, self.sin, N_ROT, self.neox,
+            h, n_threads, TYPES, layer_fused.float_path(self.ops), self.norm, self.post, self.has_post, EPS,
+            *self.ops[0], *self.ops[1], *self.ops[2], *self.ops[3], self.q_norm, self.k_norm, self.qk_norm,
+            self.cos, self.sin, N_ROT, self.neox,
             k_cache, v_cache, start, N_HEAD, N_KV, HEAD, HEAD, 1 / math.sqrt(HEAD), self.window, self.first)
 
     def ref(self, h, k_cache, v_cache, start):
@@ -178,8 +183,8 @@ def _ffn(rng, case, integer):
     norm, post_w = (rng.uniform(0.5, 1.5, N_EMBD).astype(np.float32) for _ in range(2))
 
     def run(h, n_threads=1):
-        return layer_fused.ffn_block(h, n_threads, norm, post_w, post, EPS, *ops[0], *ops[1], *ops[2],
-                                     ACTIVATIONS[act])
+        return layer_fused.ffn_block(h, n_threads, TYPES, layer_fused.float_path(ops), norm, post_w, post, EPS,
+                                     *ops[0], *ops[1], *ops[2], ACTIVATIONS[act])
 
     def ref(h):
         h64 = h.astype(np.float64)
@@ -209,3 +214,19 @@ def test_ffn_block_token_does_not_depend_on_the_batch_or_threads():
     singles = np.concatenate([run(h[t:t + 1]) for t in range(8)])
     for k, threads in ((2, 1), (3, 2), (8, 2)):
         assert np.array_equal(np.concatenate([run(h[i:i + k], threads) for i in range(0, 8, k)]), singles)
+
+
+def test_kernel_types_must_cover_every_matrix():
+    """The compile-time type set and float flag leave other types' code out, so a matrix outside
+    them would write nothing: the binder refuses such a layer at load time."""
+    from hybridrt.backends import _covering
+
+    ops = [(None, int(T.Q4_1), 32, True), (None, int(T.F32), 1, False)]
+    assert layer_fused.int_types(ops) == types_tag([T.Q4_1]) and layer_fused.float_path(ops) == (0,)
+    assert layer_fused.float_path(ops[:1]) == ()
+    kernel_types = (types_tag([T.Q4_1, T.Q6_K]), (0,))
+    assert _covering(kernel_types, ops) is kernel_types
+    with pytest.raises(ValueError):
+        _covering((types_tag([T.Q8_0]), (0,)), ops)         # Q4_1 missing
+    with pytest.raises(ValueError):
+        _covering((types_tag([T.Q4_1]), ()), ops)           # the float path missing

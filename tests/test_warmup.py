@@ -1,5 +1,7 @@
 """First-run kernel compilation: cold vs warm told apart from Numba's cache index alone, one stderr
-line only on a cold cache, and `hybridrt warmup` leaving a cache on which nothing is announced."""
+line exactly when a kernel compiles (a lazy `run` compiles mid-run when a prompt first reaches the
+prompt GEMM, and says so), the same tokens from a cold and a warm cache, and `hybridrt warmup`
+leaving a cache on which no run compiles anything."""
 from __future__ import annotations
 
 import os
@@ -9,13 +11,35 @@ import time
 
 import pytest
 
-from hybridrt.warmup import MESSAGE, announce_and_compile, compile_kernels, kernels_cold
+from hybridrt.warmup import MESSAGE, announce_and_compile, compile_kernels, compile_notice, kernels_cold
 from tests.real_models import SMOLLM2, require
 
 
 def _python(code: str, cache_dir) -> subprocess.CompletedProcess:
     env = {**os.environ, "NUMBA_CACHE_DIR": str(cache_dir)}
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+
+
+def _cli(args: list[str], cache_dir) -> subprocess.CompletedProcess:
+    return _python(f"from hybridrt.cli import main; import sys; sys.argv[1:] = {args!r}; main()", cache_dir)
+
+
+def test_compile_notice_says_so_once_and_only_when_compiling(capsys):
+    from numba import njit
+
+    def twice(x):
+        return 2 * x
+
+    kernel = njit(twice)                # not cached: compiles in this process, at its first call
+    with compile_notice() as notice:
+        assert kernel(3) == 6 and kernel(2.5) == 5.0        # two compilations, one line
+        kernel(4)                                           # compiled already: nothing
+    assert notice.compiled and capsys.readouterr().err == MESSAGE + "\n"
+    with compile_notice() as notice:
+        kernel(5)
+    assert not notice.compiled and capsys.readouterr().err == ""
+    kernel(1j)                          # outside: nothing printed
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.usefixtures("single_thread")
@@ -47,3 +71,46 @@ def test_warmup_command_compiles_once(tmp_path):
     r = _python("from hybridrt.warmup import announce_and_compile; print(announce_and_compile('smollm2-135m'))",
                 tmp_path)
     assert r.stdout.strip() == "False" and r.stderr == ""
+
+
+SHORT = ["run", "-m", "smollm2-135m", "-p", "The capital of France is", "-n", "6", "--temp", "0", "-t", "1"]
+# past ROWWISE_MAX (32) tokens: the torch trunk and the tiled prompt kernels, which a short run never calls
+LONG = ["run", "-m", "smollm2-135m", "-p", "one two three four five six seven eight nine ten " * 5, "-n", "4",
+        "--temp", "0", "-t", "1"]
+
+
+@pytest.mark.slow
+def test_lazy_run_compiles_what_it_calls_and_says_so(tmp_path):
+    """A cold run announces its compilation once; a warm run is silent with the same tokens; a long
+    prompt later compiles the prompt kernels the short run left out, and announces that too."""
+    require(SMOLLM2)
+    cold = _cli(SHORT, tmp_path)
+    assert cold.returncode == 0, cold.stderr
+    assert cold.stderr.startswith(MESSAGE) and cold.stderr.count(MESSAGE) == 1
+    warm = _cli(SHORT, tmp_path)
+    assert warm.returncode == 0 and MESSAGE not in warm.stderr, warm.stderr
+    assert warm.stdout == cold.stdout
+    assert kernels_cold_in(tmp_path)            # the short run left the prompt GEMM uncompiled
+    long_cold = _cli(LONG, tmp_path)
+    assert long_cold.returncode == 0 and long_cold.stderr.count(MESSAGE) == 1, long_cold.stderr
+    long_warm = _cli(LONG, tmp_path)
+    assert MESSAGE not in long_warm.stderr and long_warm.stdout == long_cold.stdout
+
+
+def kernels_cold_in(cache_dir) -> bool:
+    r = _python("from hybridrt.warmup import kernels_cold; print(kernels_cold())", cache_dir)
+    return r.stdout.strip() == "True"
+
+
+@pytest.mark.slow
+def test_after_warmup_no_run_compiles(tmp_path):
+    """`hybridrt warmup` compiles everything ahead: a short run, a long prompt and a speculative run
+    (verify batches) then load cached code only."""
+    require(SMOLLM2)
+    assert _cli(["warmup", "-m", "smollm2-135m"], tmp_path).returncode == 0
+    # a prompt that repeats itself: n-gram drafts, verify batches of up to 9 tokens
+    spec = ["run", "-m", "smollm2-135m", "-p", "one two three four five six seven eight nine ten " * 2 + "one two",
+            "-n", "8", "--temp", "0", "-t", "1", "--spec-type", "ngram-simple", "--spec-draft-n-max", "8"]
+    for args in (SHORT, LONG, spec):
+        r = _cli(args, tmp_path)
+        assert r.returncode == 0 and MESSAGE not in r.stderr, (args, r.stderr)
