@@ -39,7 +39,7 @@ from .ffn import _act_times
 from .formats import format_of
 from .matvec import tile_products
 from .matvec_int import act_block, row_dots, rows_dots, types_tag
-from .matvec_simd import TILE_ROWS
+from .matvec_simd import TILE_ROWS, dot_f32
 from .quantize_act import PAD_LEGACY, QK_K, QK_LEGACY, _quantize_rows
 from .simd_int import CACHE
 
@@ -125,16 +125,6 @@ def _quantized(x, block):
     s = np.zeros((k, n_pad // group), np.int16)
     _quantize_rows(x, block, group, q, d, s)
     return q, d, s
-
-
-@njit(cache=CACHE, nogil=True, inline="always")
-def _dot(a, b):
-    """sum_i a[i] * b[i] over two equal-length views (indices from 0: LLVM vectorizes this where
-    an offset index, with its negative-index wraparound check, stays scalar)."""
-    s = np.float32(0.0)
-    for i in range(a.shape[0]):
-        s += a[i] * b[i]
-    return s
 
 
 # --------------------------------------------------------------------------- projections
@@ -265,7 +255,7 @@ def _attend_one(item, q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale,
     qh = q[t, h * d:(h + 1) * d]
     m = np.float32(-np.inf)
     for j in range(n_keys):
-        sc = _dot(qh, k_cache[lo + j, g]) * scale
+        sc = dot_f32(qh, k_cache[lo + j, g]) * scale
         scores[j] = sc
         m = max(m, sc)
     total = 0.0
@@ -284,19 +274,15 @@ def _attend_one(item, q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale,
             acc[i] += p * v[i]
 
 
-# Attention runs with reassociation: LLVM vectorizes the score dots (~5x faster than in index
-# order). Every (token, head) runs the same inlined loop with the same head size, in both kernels,
-# so a score does not depend on the batch or the thread count (tests/test_layer_fused.py checks).
-_ATTEND_MATH = {"reassoc", "nsz"}
-
-
-@njit(cache=CACHE, nogil=True, parallel=True, fastmath=_ATTEND_MATH)
+# No fastmath here: every float step of attention is fixed by the code (matvec_simd.dot_f32), so a
+# token's scores are the same bits in both kernels, in any batch, whichever process compiled them.
+@njit(cache=CACHE, nogil=True, parallel=True)
 def _attend_parallel(q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale, window, first):
     for item in prange(q.shape[0] * n_head):
         _attend_one(item, q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale, window, first)
 
 
-@njit(cache=CACHE, nogil=True, parallel=True, fastmath=_ATTEND_MATH)   # parallel=True: as _project_serial
+@njit(cache=CACHE, nogil=True, parallel=True)   # parallel=True: as _project_serial
 def _attend_serial(q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale, window, first):
     for item in range(q.shape[0] * n_head):
         _attend_one(item, q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale, window, first)

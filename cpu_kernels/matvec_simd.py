@@ -318,3 +318,37 @@ dot_tile_1 = _make_dot_tile(1)
 dot_tile_2 = _make_dot_tile(2)
 dot_tile_3 = _make_dot_tile(3)
 dot_tile_4 = _make_dot_tile(4)
+
+
+@intrinsic
+def dot_f32(typingctx, a, b):
+    """sum_i a[i] * b[i] of two contiguous float32 vectors of equal length, in a fixed order:
+    16-lane fma accumulators over the first n - n % 16 elements (lane j takes i = j mod 16),
+    reduced by `_reduce_tree`, then the tail added one product at a time. As fast as a
+    reassociated loop, but the same bits in every caller and every compilation (the loop
+    vectoriser's choice of lanes would differ between, say, a cached kernel and a fresh one)."""
+    f32_1d = (types.Array(types.float32, 1, "C"), types.Array(types.float32, 1, "C", readonly=True))
+    if a not in f32_1d or b not in f32_1d:
+        return None
+    sig = types.float32(a, b)
+    vf = ir.VectorType(_F32, LANES)
+
+    def codegen(context, builder, signature, args):
+        av = _array(context, builder, signature.args[0], args[0])
+        bv = _array(context, builder, signature.args[1], args[1])
+        n = cgutils.unpack_tuple(builder, av.shape)[0]
+        n_chunks = builder.udiv(n, ir.Constant(n.type, LANES))
+        acc = cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * LANES))
+        with cgutils.for_range(builder, n_chunks) as loop:
+            i = builder.mul(loop.index, ir.Constant(n.type, LANES))
+            va = _load_vec(builder, builder.gep(av.data, [i]), _F32, LANES, 4)
+            vb = _load_vec(builder, builder.gep(bv.data, [i]), _F32, LANES, 4)
+            builder.store(_fma(builder, va, vb, builder.load(acc)), acc)
+        s = cgutils.alloca_once_value(builder, _reduce_tree(builder, builder.load(acc), LANES))
+        done = builder.mul(n_chunks, ir.Constant(n.type, LANES))
+        with cgutils.for_range(builder, builder.sub(n, done)) as loop:
+            i = builder.add(done, loop.index)
+            prod = builder.fmul(builder.load(builder.gep(av.data, [i])), builder.load(builder.gep(bv.data, [i])))
+            builder.store(builder.fadd(builder.load(s), prod), s)
+        return builder.load(s)
+    return sig, codegen

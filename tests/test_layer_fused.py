@@ -4,7 +4,12 @@ the serial / parallel choice."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import numba
 import numpy as np
 import pytest
 from gguf.constants import GGMLQuantizationType as T
@@ -13,6 +18,7 @@ from cpu_kernels import layer_fused
 from cpu_kernels.dequant import dequantize
 from cpu_kernels.ffn import ACTIVATIONS
 from cpu_kernels.matvec_int import types_tag
+from cpu_kernels.matvec_simd import dot_f32
 from cpu_kernels.matvec_testdata import random_weights
 from gpu_kernels.rotary import rotary_table
 
@@ -230,3 +236,43 @@ def test_kernel_types_must_cover_every_matrix():
         _covering((types_tag([T.Q8_0]), (0,)), ops)         # Q4_1 missing
     with pytest.raises(ValueError):
         _covering((types_tag([T.Q4_1]), ()), ops)           # the float path missing
+
+
+@numba.njit
+def _dot_f32(a, b):
+    return dot_f32(a, b)
+
+
+def test_dot_f32_matches_float64():
+    rng = np.random.default_rng()
+    for n in (0, 1, 15, 16, 17, 64, 128, 131):
+        a, b = (rng.standard_normal(n).astype(np.float32) for _ in range(2))
+        got, ref = float(_dot_f32(a, b)), float(a.astype(np.float64) @ b.astype(np.float64))
+        assert abs(got - ref) <= 1e-5 * max(1.0, float(np.abs(a).astype(np.float64) @ np.abs(b))), n
+
+
+_ATTEND_SCRIPT = """
+import sys, numpy as np
+from cpu_kernels import layer_fused as lf
+rng = np.random.default_rng(7)
+n_head, n_kv, d, start, k = 4, 2, 128, 30, 3
+q = rng.standard_normal((k, n_head * d)).astype(np.float32)
+kc, vc = (rng.standard_normal((64, n_kv, d)).astype(np.float32) for _ in range(2))
+o1, o2 = np.zeros((k, n_head * d), np.float32), np.zeros((k, n_head * d), np.float32)
+lf._attend_serial(q, kc, vc, o1, start, n_head, n_kv, d, d, 0.088, 7, 0)
+lf._attend_parallel(q, kc, vc, o2, start, n_head, n_kv, d, d, 0.088, 7, 0)
+print(o1.view(np.uint32).sum(dtype=np.uint64), bool(np.array_equal(o1, o2)))
+"""
+
+
+def test_attention_kernels_agree_compiled_or_loaded_from_the_cache(tmp_path):
+    """The serial and the parallel attention kernel give the same bits whether this process compiled
+    them or loaded them from a cache another process wrote (with reassociation they did not: each
+    compilation vectorized the score dots its own way)."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    runs = [subprocess.run([sys.executable, "-c", _ATTEND_SCRIPT], cwd=Path(__file__).resolve().parent.parent,
+                           env=env, capture_output=True, text=True, timeout=600) for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-2000:]
+    (fresh_sum, fresh_equal), (loaded_sum, loaded_equal) = (r.stdout.split() for r in runs)
+    assert fresh_equal == loaded_equal == "True" and fresh_sum == loaded_sum
