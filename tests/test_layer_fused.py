@@ -134,10 +134,13 @@ def test_attention_block_matches_float64(case, integer):
     ref, ref_k, ref_v = layer.ref(h, kc, vc, start)
     got = layer.run(h, kc, vc, start)
     err = _rel(got, ref, h)
-    # float path: float32 rounding; int8 path: activation quantization (|dx| <= d / 2 per value)
-    assert err <= (3e-2 if integer else 2e-6), f"{case}: relative error {err:.3g}"
-    assert _rel(kc[start:start + k], ref_k[start:start + k], 0) <= (3e-2 if integer else 2e-6)
-    assert _rel(vc[start:start + k], ref_v[start:start + k], 0) <= (3e-2 if integer else 2e-6)
+    # float path: float32 rounding; int8 path: activation quantization (|dx| <= d / 2 per value),
+    # which the softmax amplifies: measured over 150 draws per case, median 1.1-1.3e-2, max 3.4e-2
+    # (llama-q4_1: no q/k norm, the sharpest scores), so 8e-2; a wrong or unwritten row is O(1)
+    bound = 8e-2 if integer else 2e-6
+    assert err <= bound, f"{case}: relative error {err:.3g}"
+    assert _rel(kc[start:start + k], ref_k[start:start + k], 0) <= bound
+    assert _rel(vc[start:start + k], ref_v[start:start + k], 0) <= bound
     assert not kc[start + k:].any()             # nothing written past the batch
 
 
