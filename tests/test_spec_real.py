@@ -109,14 +109,15 @@ def test_sampled_acceptance_beats_sample_and_match(smollm2, monkeypatch):
         return verdict
 
     monkeypatch.setattr(acceptance.SampledAcceptor, "__call__", measure)
-    draft = load_model(write_truncated_draft(SMOLLM2, smollm2.truncated.gguf.path.replace("draft.gguf", "d24.gguf"), 24))
-    for seed in (4, 5, 6):          # ~300 drafts: one seed's ~100 leave the 5 % margin to chance
+    draft = load_model(write_truncated_draft(SMOLLM2, smollm2.truncated.gguf.path.replace("draft.gguf", "d16.gguf"), 16))
+    for seed in (4, 5, 6):          # ~450 drafts
         sampler = SamplerConfig(temp=0.7, top_k=40, top_p=0.95, min_p=0.05, seed=seed)
         for name in ("adversarial", "echo"):
             smollm2.spec(name, "draft-simple", 3, draft=draft, sampler=sampler)
     n = totals["drafted"]
     print(f"temp 0.7, {n} sampled drafts: expected acceptance exact {totals['exact'] / n:.3f}, "
           f"sample-and-match {totals['match'] / n:.3f}; observed exact {totals['kept'] / n:.3f}")
-    # min(1, p/q) >= p holds draft by draft, so the bound is about the size of the gain: 5 % on these
-    # drafts (316 of them, seeds 4-6), asserted with a little room
-    assert totals["exact"] > 1.03 * totals["match"]
+    # min(1, p/q) >= p holds draft by draft, so the bound is about the size of the gain, which grows
+    # as the draft parts from the target: with this 16-layer draft 10-31 % over seeds 4-6, 7-9 and
+    # 10-12 (a 24-layer one gained 3-7 %, too close to any bound for a change of prompt or numerics)
+    assert totals["exact"] > 1.05 * totals["match"]

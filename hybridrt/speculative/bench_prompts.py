@@ -14,10 +14,14 @@ ECHO_PROMPT = (
 )
 
 # Free text with many repeated short n-grams whose continuations differ: lookups hit, drafts fail.
+# It ends inside a clause ("the mayor found"): ending at "the mayor" let SmolLM2 leave the
+# pattern for a story of its own, whose n-grams repeat, and whether its drafts failed then turned
+# on a near-tie (an ulp in attention flipped it); mid-clause, none of 4-30 drafts is accepted on
+# either activation path.
 ADVERSARIAL_PROMPT = (
     "Write a short original story. In the town, the baker sold bread; in the town, the smith "
     "made nails; in the town, the child found a cat; in the town, the river froze; in the "
-    "town, the mayor"
+    "town, the mayor found"
 )
 
 BUILTIN_PROMPTS = {"echo": ECHO_PROMPT, "adversarial": ADVERSARIAL_PROMPT}
