@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -238,10 +239,14 @@ def _signature(model, cfg: TrainConfig, what: str, init: float = 0.0) -> str:
 
 
 def _progress():
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+    # redirected to a file, rich assumes 80 columns and elides every field ("━━ 5… 0:… 0…"): give
+    # the log lines room instead
+    console = None if sys.stdout.isatty() else Console(width=160)
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), TextColumn("{task.fields[info]}"), transient=False)
+                    TimeRemainingColumn(), TextColumn("{task.fields[info]}"), transient=False, console=console)
 
 
 def residual_scale(model, tokens: list[int]) -> float:
