@@ -53,9 +53,6 @@ def check_spec_flags(draft_n_max: int) -> None:
         raise UserError(f"--spec-draft-n-max must be within 1..{MAX_DRAFTS}, got {draft_n_max}")
 
 
-# Kernels compile lazily, when a step first calls them (a short greedy run never builds the prompt GEMM
-# or the verify kernels); on a cold cache one stderr line says why the first token takes a while.
-@compile_notice()
 def run(
     model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_HELP + "; default gemma3-270m"),
     prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text."),
@@ -97,62 +94,72 @@ def run(
     from .speculative.loop import SpecConfig, speculative_generate
     from .speculative.sources import build_source, default_spec_type
 
-    text = read_prompt(prompt, file)
-    if not text:
-        raise UserError("empty prompt: pass some text with -p or -f")
-    check_spec_flags(draft_n_max)
-    _check_device(device)
-    cache_type = kv_cache_type(cache_type_k, cache_type_v)
-    cache_dtype(cache_type)         # an unknown type is one line now, not after loading
-    request = placement_options(model, vram, device, ctx_size, cache_type_k, cache_type_v, spec_type,
-                                draft_n_max, model_draft, margin)
-    m = load_model(model, device=device, threads=threads, placement=request, trace=trace is not None,
-                   exact_activations=True if exact_activations else None, mtp_head=mtp_head)
-    if m.plan is not None:
-        print(placement_line(m.plan, device), file=sys.stderr)
-    if chat:
-        text = m.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    ids = m.tokenize(text, add_special=True, parse_special=chat)
-    if ctx_size is None:
-        ctx_size = m.plan.options.n_ctx if m.plan is not None else min(4096, m.n_ctx_train)
-    if ctx_size > m.n_ctx_train:
-        raise UserError(f"-c {ctx_size} is larger than the model's training context {m.n_ctx_train}")
-    n_ctx = min(ctx_size, m.n_ctx_train) if ctx_size > 0 else m.n_ctx_train
-    if len(ids) >= n_ctx:
-        raise UserError(f"prompt is {len(ids)} tokens, the context is {n_ctx} (raise -c or shorten the prompt)")
-    sampler = SamplerConfig(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
-    if m.plan is not None:
-        spec_type = m.plan.options.spec_type
-    spec_type = spec_type or ("draft-simple" if model_draft else default_spec_type(m))
-    spec = SpecConfig(n_max=draft_n_max, n_min=draft_n_min, p_min=draft_p_min,
-                      adaptive=adaptive_default(spec_type) if adaptive is None else adaptive)
-    draft_model = load_model(model_draft, device=device, tensor_devices=draft_devices(m.plan, str(resolve_model(model_draft))),
-                             exact_activations=True if exact_activations else None) if model_draft else None
-    session = m.session(n_ctx, cache_type, k_max=spec.k_max if spec_type != "none" else 1)
-    source = build_source(spec_type, session, sampler, spec, draft_model, ngram_n_max=ngram_n, cache_type=cache_type)
-    if display_prompt and not chat:
-        sys.stdout.write(text)
-    stream = m.tokenizer.stream()
+    # Kernels compile lazily, when a step first calls them (a short greedy run never builds the prompt
+    # GEMM or the verify kernels); on a cold cache one stderr line says why the first token takes a while
+    with compile_notice() as notice:
+        text = read_prompt(prompt, file)
+        if not text:
+            raise UserError("empty prompt: pass some text with -p or -f")
+        check_spec_flags(draft_n_max)
+        _check_device(device)
+        cache_type = kv_cache_type(cache_type_k, cache_type_v)
+        cache_dtype(cache_type)         # an unknown type is one line now, not after loading
+        request = placement_options(model, vram, device, ctx_size, cache_type_k, cache_type_v, spec_type,
+                                    draft_n_max, model_draft, margin)
+        m = load_model(model, device=device, threads=threads, placement=request, trace=trace is not None,
+                       exact_activations=True if exact_activations else None, mtp_head=mtp_head)
+        if m.plan is not None:
+            print(placement_line(m.plan, device), file=sys.stderr)
+        if chat:
+            text = m.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        ids = m.tokenize(text, add_special=True, parse_special=chat)
+        if ctx_size is None:
+            ctx_size = m.plan.options.n_ctx if m.plan is not None else min(4096, m.n_ctx_train)
+        if ctx_size > m.n_ctx_train:
+            raise UserError(f"-c {ctx_size} is larger than the model's training context {m.n_ctx_train}")
+        n_ctx = min(ctx_size, m.n_ctx_train) if ctx_size > 0 else m.n_ctx_train
+        if len(ids) >= n_ctx:
+            raise UserError(f"prompt is {len(ids)} tokens, the context is {n_ctx} (raise -c or shorten the prompt)")
+        sampler = SamplerConfig(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+        if m.plan is not None:
+            spec_type = m.plan.options.spec_type
+        spec_type = spec_type or ("draft-simple" if model_draft else default_spec_type(m))
+        spec = SpecConfig(n_max=draft_n_max, n_min=draft_n_min, p_min=draft_p_min,
+                          adaptive=adaptive_default(spec_type) if adaptive is None else adaptive)
+        draft_model = None
+        if model_draft:
+            draft_model = load_model(model_draft, device=device,
+                                     tensor_devices=draft_devices(m.plan, str(resolve_model(model_draft))),
+                                     exact_activations=True if exact_activations else None)
+        session = m.session(n_ctx, cache_type, k_max=spec.k_max if spec_type != "none" else 1)
+        source = build_source(spec_type, session, sampler, spec, draft_model, ngram_n_max=ngram_n,
+                              cache_type=cache_type)
+        if display_prompt and not chat:
+            sys.stdout.write(text)
+        stream = m.tokenizer.stream()
 
-    def emit(token: int) -> None:
-        sys.stdout.write(stream.push(token))
+        def emit(token: int) -> None:
+            sys.stdout.write(stream.push(token))
+            sys.stdout.flush()
+
+        if source is None:
+            _, stats = generate(m, session, ids, n_predict, sampler, on_token=emit)
+        else:
+            _, stats = speculative_generate(m, session, ids, n_predict, sampler, source, spec, on_token=emit,
+                                            trace=m.executor.trace)
+        sys.stdout.write(stream.flush() + "\n")
         sys.stdout.flush()
-
-    if source is None:
-        _, stats = generate(m, session, ids, n_predict, sampler, on_token=emit)
-    else:
-        _, stats = speculative_generate(m, session, ids, n_predict, sampler, source, spec, on_token=emit,
-                                        trace=m.executor.trace)
-    sys.stdout.write(stream.flush() + "\n")
-    sys.stdout.flush()
-    if stats.spec is not None:
-        print(stats.spec.summary(), file=sys.stderr)
-    print(f"prompt eval: {stats.n_prompt} tokens in {stats.prompt_s * 1e3:.0f} ms ({stats.prompt_tps:.1f} t/s) | "
-          f"decode: {stats.n_decode} tokens in {stats.decode_s * 1e3:.0f} ms ({stats.decode_tps:.1f} t/s)",
-          file=sys.stderr)
-    if trace is not None:
-        m.executor.trace.write(trace)
-        print(f"trace: {trace} (open in ui.perfetto.dev)", file=sys.stderr)
+        if stats.spec is not None:
+            print(stats.spec.summary(), file=sys.stderr)
+        print(f"prompt eval: {stats.n_prompt} tokens in {stats.prompt_s * 1e3:.0f} ms ({stats.prompt_tps:.1f} t/s) | "
+              f"decode: {stats.n_decode} tokens in {stats.decode_s * 1e3:.0f} ms ({stats.decode_tps:.1f} t/s)",
+              file=sys.stderr)
+        if notice.compiled:
+            print("(first run: these times include compiling CPU kernels; the next run shows the real speed)",
+                  file=sys.stderr)
+        if trace is not None:
+            m.executor.trace.write(trace)
+            print(f"trace: {trace} (open in ui.perfetto.dev)", file=sys.stderr)
 
 
 def _check_device(device: str) -> None:
