@@ -144,6 +144,8 @@ def write_text(model, teacher: TorchTeacher | None, prompts: list[list[int]], te
 # --- 2. teacher forcing ---------------------------------------------------------------------------
 def teacher_force(model, seqs: list[list[int]], n_prompt: list[int], progress, label: str,
                   with_argmax: bool = False) -> list[Sequence]:
+    if not seqs:        # the torch teacher gave every hidden already: no empty 0/0 line ticking on
+        return []
     session = model.session(n_ctx=MAX_SEQ, k_max=1)
     task = progress.add_task(label, total=len(seqs), info="")
     out = []
