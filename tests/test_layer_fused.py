@@ -213,7 +213,8 @@ def test_ffn_block_matches_float64(case, integer):
     run, ref = _ffn(rng, case, integer)
     h = rng.standard_normal((3, N_EMBD)).astype(np.float32)
     err = _rel(run(h), ref(h), h)
-    assert err <= (3e-2 if integer else 2e-6), f"{case}: relative error {err:.3g}"
+    # int8: measured over 150 draws per case, median 1.2-1.6e-2, max 2.1e-2 (k-quants); a wrong row is O(1)
+    assert err <= (5e-2 if integer else 2e-6), f"{case}: relative error {err:.3g}"
 
 
 def test_ffn_block_token_does_not_depend_on_the_batch_or_threads():
