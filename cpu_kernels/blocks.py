@@ -5,7 +5,7 @@ Every decoder has the same signature, so callers can pick one per tensor and loo
     decode_<type>(src: uint8[::1], off: int, out: float32[::1], out_off: int) -> None
 
 It decodes the block whose bytes start at src[off] into out[out_off : out_off + block_elems].
-F32, F16 and BF16 "blocks" are one element; `decode_row` has whole-row paths for them.
+F32, F16 and BF16 "blocks" are one element; `decode_row` decodes a row block by block.
 
 Bit-exactness with gguf-py (numpy, float32 throughout): each value is computed with the same
 float32 operations in the same order, e.g. Q4_K is (d*sc)*q - (dmin*m), Q4_1 is d*q + m. Integers
@@ -20,6 +20,8 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from gguf.constants import GGMLQuantizationType as _T
+
+from .formats import FORMATS
 
 F32 = int(_T.F32)
 F16 = int(_T.F16)
@@ -318,13 +320,12 @@ def decode_iq4_xs(src, off, out, out_off):
 
 # ---------------------------------------------------------------- whole rows
 
-# type -> (block decoder, elements per block, bytes per block); float types are 1-element blocks
+# type -> block decoder (block sizes: formats.FORMATS, from gguf-py's table)
 ROW_DECODERS = {
-    F32: (decode_f32, 1, 4), F16: (decode_f16, 1, 2), BF16: (decode_bf16, 1, 2),
-    Q4_0: (decode_q4_0, 32, 18), Q4_1: (decode_q4_1, 32, 20), Q5_0: (decode_q5_0, 32, 22),
-    Q5_1: (decode_q5_1, 32, 24), Q8_0: (decode_q8_0, 32, 34), IQ4_NL: (decode_iq4_nl, 32, 18),
-    Q2_K: (decode_q2_k, 256, 84), Q3_K: (decode_q3_k, 256, 110), Q4_K: (decode_q4_k, 256, 144),
-    Q5_K: (decode_q5_k, 256, 176), Q6_K: (decode_q6_k, 256, 210), IQ4_XS: (decode_iq4_xs, 256, 136),
+    F32: decode_f32, F16: decode_f16, BF16: decode_bf16,
+    Q4_0: decode_q4_0, Q4_1: decode_q4_1, Q5_0: decode_q5_0, Q5_1: decode_q5_1, Q8_0: decode_q8_0,
+    IQ4_NL: decode_iq4_nl, Q2_K: decode_q2_k, Q3_K: decode_q3_k, Q4_K: decode_q4_k, Q5_K: decode_q5_k,
+    Q6_K: decode_q6_k, IQ4_XS: decode_iq4_xs,
 }
 
 
@@ -338,7 +339,8 @@ def decode_row(src, off, qtype, n_cols, out, out_off):
 def _decode_row(src, off, qtype, n_cols, out, out_off):
     if not isinstance(qtype, types.BaseTuple) or len(qtype) not in ROW_DECODERS:   # F32's tag is ()
         return None
-    decode, elems, nbytes = ROW_DECODERS[len(qtype)]
+    decode, fmt = ROW_DECODERS[len(qtype)], FORMATS[len(qtype)]
+    elems, nbytes = fmt.block_elems, fmt.block_bytes
 
     def impl(src, off, qtype, n_cols, out, out_off):
         for b in range(n_cols // elems):
