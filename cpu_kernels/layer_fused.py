@@ -73,19 +73,18 @@ def matrix_operands(raw: np.ndarray, qtype: int, integer: bool) -> tuple:
     return raw, int(qtype), block, bool(integer)
 
 
-def int_types(matrices) -> tuple:
-    """The kernels' `int_types` argument: the types of the matrices (matrix_operands tuples) that run
-    on the integer path, as a compile-time set (matvec_int.types_tag). The kernels carry only these
-    types' integer code, and every integer matrix of a call must have one of them (another type
-    would write nothing). A model passes the set of all its layers: one compilation serves them all."""
-    return types_tag(m[1] for m in matrices if m[3])
-
-
-def float_path(matrices) -> tuple:
-    """The kernels' `float_path` argument: (0,) when some matrix runs on the float path, else ().
-    A compile-time flag: with () the float kernel is not compiled in (most of a cold compile when
-    every matrix has an integer kernel), and a float-path matrix would write nothing."""
-    return (0,) if any(not m[3] for m in matrices) else ()
+def kernel_types(type_paths) -> tuple:
+    """The kernels' (int_types, float_path) arguments for matrices given as (qtype, integer) pairs
+    (integer: the matrix runs on the integer path). int_types: the integer matrices' types as a
+    compile-time set (matvec_int.types_tag); the kernels carry only these types' integer code, and
+    every integer matrix of a call must have one of them (another type would write nothing).
+    float_path: (0,) when some matrix runs on the float path, else (); a compile-time flag: with ()
+    the float kernel is not compiled in (most of a cold compile when every matrix has an integer
+    kernel), and a float-path matrix would write nothing. A model passes the pairs of all its
+    layers: one compilation serves them all."""
+    type_paths = list(type_paths)
+    return (types_tag(qt for qt, integer in type_paths if integer),
+            (0,) if any(not integer for _, integer in type_paths) else ())
 
 
 # --------------------------------------------------------------------------- row-wise helpers
@@ -307,8 +306,8 @@ def attention_block(h, n_threads, int_types, float_path, attn_norm, post_norm, h
                     k_cache, v_cache, start, n_head, n_kv, d, dv, scale, window, first):
     """h (k, n_embd) float32 at positions start .. start+k-1 -> h + attention(h), writing the
     k new key/value rows into the float32 caches (n_ctx, n_kv, d). Weights: raw ggml rows
-    (readonly uint8, one type each), with e*/i* as `_project` takes them; int_types and float_path:
-    `int_types` and `float_path` of (at least) these matrices."""
+    (readonly uint8, one type each), with e*/i* as `_project` takes them; int_types, float_path:
+    `kernel_types` of (at least) these matrices."""
     k, n_embd = h.shape
     nq, nk = n_head * d, n_kv * d
     x = _rms_norm_rows(h, attn_norm, eps)

@@ -417,8 +417,7 @@ class WeightBinder:
         if self._kernel_types is None:
             qtypes = [info.qtype for name, info in self.gguf.tensors.items()
                       if name.startswith("blk.") and len(info.shape) >= 2]
-            integer = [q for q in qtypes if use_int(q, self.exact)]
-            self._kernel_types = (matvec_int.types_tag(integer), (0,) if len(integer) < len(qtypes) else ())
+            self._kernel_types = layer_fused.kernel_types((q, use_int(q, self.exact)) for q in qtypes)
         return self._kernel_types
 
     def embedding(self, name: str) -> Embedding:

@@ -29,6 +29,11 @@ EPS = 1e-6
 TYPES = types_tag((T.Q4_1, T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K))
 
 
+def _float_path(ops):
+    """float_path for these matrix_operands tuples (the type set is TYPES, shared by every case)."""
+    return layer_fused.kernel_types((op[1], op[3]) for op in ops)[1]
+
+
 def _matrix(rng, qtype, rows, cols, integer):
     raw = random_weights(qtype, rows, cols, rng)
     w64 = dequantize(raw, qtype, cols).reshape(rows, cols).astype(np.float64)
@@ -68,7 +73,7 @@ class Layer:
 
     def run(self, h, k_cache, v_cache, start, n_threads=1):
         return layer_fused.attention_block(
-            h, n_threads, TYPES, layer_fused.float_path(self.ops), self.norm, self.post, self.has_post, EPS,
+            h, n_threads, TYPES, _float_path(self.ops), self.norm, self.post, self.has_post, EPS,
             *self.ops[0], *self.ops[1], *self.ops[2], *self.ops[3], self.q_norm, self.k_norm, self.qk_norm,
             self.cos, self.sin, N_ROT, self.neox,
             k_cache, v_cache, start, N_HEAD, N_KV, HEAD, HEAD, 1 / math.sqrt(HEAD), self.window, self.first)
@@ -192,7 +197,7 @@ def _ffn(rng, case, integer):
     norm, post_w = (rng.uniform(0.5, 1.5, N_EMBD).astype(np.float32) for _ in range(2))
 
     def run(h, n_threads=1):
-        return layer_fused.ffn_block(h, n_threads, TYPES, layer_fused.float_path(ops), norm, post_w, post, EPS,
+        return layer_fused.ffn_block(h, n_threads, TYPES, _float_path(ops), norm, post_w, post, EPS,
                                      *ops[0], *ops[1], *ops[2], ACTIVATIONS[act])
 
     def ref(h):
@@ -232,8 +237,8 @@ def test_kernel_types_must_cover_every_matrix():
     from hybridrt.backends import _covering
 
     ops = [(None, int(T.Q4_1), 32, True), (None, int(T.F32), 1, False)]
-    assert layer_fused.int_types(ops) == types_tag([T.Q4_1]) and layer_fused.float_path(ops) == (0,)
-    assert layer_fused.float_path(ops[:1]) == ()
+    assert layer_fused.kernel_types((op[1], op[3]) for op in ops) == (types_tag([T.Q4_1]), (0,))
+    assert layer_fused.kernel_types((op[1], op[3]) for op in ops[:1])[1] == ()
     kernel_types = (types_tag([T.Q4_1, T.Q6_K]), (0,))
     assert _covering(kernel_types, ops) is kernel_types
     with pytest.raises(ValueError):
