@@ -25,11 +25,14 @@ def main() -> None:
     ap.add_argument("--keys", default="128,1024,4096", help="context lengths (keys seen by the token)")
     ap.add_argument("--reps", type=int, default=200)
     args = ap.parse_args()
+    keys = [int(x) for x in args.keys.split(",")]
+    if min(keys) < 1 or args.head_dim < 1 or args.kv_heads < 1 or args.heads % args.kv_heads:
+        ap.error("--keys and --head-dim must be positive, --heads a multiple of --kv-heads")
     rng = np.random.default_rng(0)
     d, n_head, n_kv = args.head_dim, args.heads, args.kv_heads
     q = rng.standard_normal((1, n_head * d)).astype(np.float32)
     o = np.zeros((1, n_head * d), np.float32)
-    for n_keys in (int(x) for x in args.keys.split(",")):
+    for n_keys in keys:
         kc, vc = (rng.standard_normal((n_keys, n_kv, d)).astype(np.float32) for _ in range(2))
         call = (q, kc, vc, o, n_keys - 1, n_head, n_kv, d, d, 1.0 / d ** 0.5, 0, 0)
         layer_fused._attend_serial(*call)

@@ -217,6 +217,8 @@ def main() -> None:
     ap.add_argument("--lanes-from", type=int, help="override matvec_int.LANES_MIN_K for both kinds (this tree "
                     "only): the k from which the tiled kernels run on token lanes instead of token quads")
     args = ap.parse_args()
+    if args.pool_mib < 512:     # the pool holds at least one copy of the largest matrix (F32, 27B shape: 356 MB)
+        ap.error(f"--pool-mib must be at least 512, got {args.pool_mib}")
     ks = [int(k) for k in args.ks.split(",")]
     if args.tiled_from is not None:         # path crossovers: time one path against the other
         matvec_int.TILED_MIN_K = matvec_int.TILED_MIN_K_SUB16 = args.tiled_from
