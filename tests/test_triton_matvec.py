@@ -22,6 +22,7 @@ from gpu_kernels.qlinear import QuantLinear
 from gpu_kernels.quant import dequantize_torch, row_bytes
 from gpu_kernels.triton_matvec import K_MAX, TRITON_MATVEC_TYPES, launch_config, matvec_triton
 from gpu_kernels.triton_support import TritonMissing, have_triton, interpreting, require_triton
+from tests.sm90_compile import run_in_subprocess as compile_for_sm90
 from tests.test_gpu_quant import random_bytes
 
 TYPES = [T(q) for q in sorted(TRITON_MATVEC_TYPES)]
@@ -246,3 +247,10 @@ def test_cuda_27b_ffn_shapes(qtype, n_out, n_in):
     assert_k_independent(batches, raw, qtype, x)
     lin = QuantLinear(raw, qtype, n_in, n_out)
     assert lin.fused_max > K_MAX and torch.equal(lin(x[:3]), batches[2])
+
+
+def test_kernel_compiles_for_a_gpu_without_one():
+    """Every type's decoder in every launch shape, lowered to an sm_90 cubin with Triton's bundled
+    ptxas (tests/sm90_compile.py): the interpreter accepts code the real compiler rejects, and no
+    GPU has been lent to check it on."""
+    compile_for_sm90("matvec")

@@ -1,0 +1,113 @@
+"""Compile the project's Triton kernels for an H100 (sm_90) without a GPU.
+
+The interpreter (TRITON_INTERPRET=1, how the CPU suite runs the kernels) accepts code that the
+real compiler rejects (layouts, shapes, types), so each kernel is also lowered to a cubin here with
+the ptxas bundled in Triton's wheel. The launcher's specializations are mimicked: unit strides are
+constants, other integers and pointers 16-divisible.
+
+    python -m tests.sm90_compile matvec|delta_net     # exit 0: all compiled, 77: cannot here
+
+Runs as its own process: the suite's TRITON_INTERPRET=1 must not be set when Triton is imported.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+CANNOT = 77      # this Triton has no CUDA backend or no ptxas: the test skips
+
+
+def compile_for_sm90(fn, constexprs: dict, num_warps: int, fp_fusion: bool, pointer_types: dict | None = None,
+                     unit: frozenset = frozenset(), not_divisible: frozenset = frozenset()):
+    """Lower fn to a cubin. Arguments not in constexprs: pointers (`pointer_types[name]`, default
+    *fp32, for names in pointer_types or ending in _ptr) or i32; names in `unit` become the
+    constant 1 (a unit stride), the rest but `not_divisible` are marked 16-divisible."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    pointer_types = pointer_types or {}
+    constexprs = {**constexprs, **{a: 1 for a in fn.arg_names if a in unit}}
+
+    def arg_type(a):
+        if a in constexprs:
+            return "constexpr"
+        if a in pointer_types:
+            return pointer_types[a]
+        return "*fp32" if a.endswith("_ptr") else "i32"
+    sig = {a: arg_type(a) for a in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+             if sig[a] != "constexpr" and a not in not_divisible}
+    kernel = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": num_warps, "enable_fp_fusion": fp_fusion})
+    assert kernel.asm.get("cubin"), f"{fn.__name__}: no cubin"
+    return kernel
+
+
+def delta_net() -> list[str]:
+    from gpu_kernels import triton_delta_net as m
+    unit = frozenset({"sq_d", "sk_d", "sv_d", "so_d", "ss_v", "sn_v", "sg_h", "sb_h", "sw_k"})
+    compile_for_sm90(m._delta_rule_kernel, {"BK": 128, "BV": 32, "SNAPSHOTS": True}, 4, True,
+                     unit=unit, not_divisible=frozenset({"n"}))
+    compile_for_sm90(m._causal_conv_kernel, {"K": 4, "KP": 4, "BC": 128, "HISTORY": True, "UPDATE": True}, 4, False,
+                     unit=unit, not_divisible=frozenset({"n"}))
+    return ["_delta_rule_kernel", "_causal_conv_kernel"]
+
+
+def matvec() -> list[str]:
+    """Every type's decoder in every launch shape `launch_config` picks (FFN-sized matrices both
+    ways: 17408 and 5120 rows), as matvec_triton launches it: fp fusion off, k not specialized."""
+    from gguf.constants import GGMLQuantizationType as T
+    from gpu_kernels import triton_matvec as m
+    from gpu_kernels.quant import block_shape
+
+    done = []
+    for qtype, decode in m._DECODERS.items():
+        elems, nbytes = block_shape(int(qtype))
+        for shape in sorted({m.launch_config(int(qtype), n_out) for n_out in (17408, 5120)}):
+            block_n, num_warps, rows_mid = shape
+            constexprs = {"DECODE": decode, "CHUNK_BYTES": m.CHUNK // elems * nbytes, "BLOCK_N": block_n,
+                          "KT": m.K_MAX, "ROWS_MID": rows_mid}
+            compile_for_sm90(m._matvec_kernel, constexprs, num_warps, False,
+                             pointer_types={"raw": "*u8", "x": "*fp32", "y": "*fp32"},
+                             not_divisible=frozenset({"n_out", "row_bytes", "k"}))
+            done.append(f"{T(qtype).name} {shape}")
+    return done
+
+
+def run_in_subprocess(kernels: str) -> None:
+    """For a test: compile `kernels` in a fresh interpreter without TRITON_INTERPRET; skip when this
+    Triton cannot compile for CUDA, fail with the compiler's message."""
+    import pytest
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-m", "tests.sm90_compile", kernels], env=env, cwd=root,
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode == CANNOT:
+        pytest.skip("this Triton cannot compile for CUDA here")
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def main(argv: list[str]) -> int:
+    kernels = {"matvec": matvec, "delta_net": delta_net}
+    if len(argv) != 1 or argv[0] not in kernels:
+        print(f"usage: python -m tests.sm90_compile {'|'.join(kernels)}", file=sys.stderr)
+        return 2
+    try:
+        import triton  # noqa: F401
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError:
+        return CANNOT
+    try:
+        done = kernels[argv[0]]()
+    except FileNotFoundError:       # no ptxas in this Triton install
+        return CANNOT
+    print("\n".join(done))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
