@@ -2,12 +2,19 @@
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 import typer
 
 from .errors import UserError
+from .train_mtp.config import TrainConfig
+
+# the option defaults are TrainConfig's (its fields' defaults: an instance would validate, and that
+# imports torch)
+DEFAULTS = SimpleNamespace(**{f.name: f.default for f in fields(TrainConfig)})
 
 MODEL_HELP = "GGUF path or a known name (gemma3-270m, smollm2-135m) of the target"
 
@@ -15,18 +22,18 @@ MODEL_HELP = "GGUF path or a known name (gemma3-270m, smollm2-135m) of the targe
 def train_mtp(
     model: str = typer.Option(..., "-m", "--model", help=MODEL_HELP),
     out: Path = typer.Option(..., "-o", "--out", help="The head GGUF to write (HEAD.gguf.data.pt and HEAD.gguf.ckpt are kept beside it so a run resumes)."),
-    tokens: int = typer.Option(131072, "--tokens", help="Training tokens the target generates for itself."),
-    steps: int = typer.Option(400, "--steps", help="Optimizer steps (early stopping by held-out acceptance may end sooner)."),
-    draft_vocab: int = typer.Option(4096, "--draft-vocab", help="Output rows of the head: the most frequent tokens of the target's own text (0: the full vocabulary)."),
-    seed: int = typer.Option(0, "--seed", help="Every random choice (text sampling, batches) follows it."),
+    tokens: int = typer.Option(DEFAULTS.tokens, "--tokens", help="Training tokens the target generates for itself."),
+    steps: int = typer.Option(DEFAULTS.steps, "--steps", help="Optimizer steps (early stopping by held-out acceptance may end sooner)."),
+    draft_vocab: int = typer.Option(DEFAULTS.draft_vocab, "--draft-vocab", help="Output rows of the head: the most frequent tokens of the target's own text (0: the full vocabulary)."),
+    seed: int = typer.Option(DEFAULTS.seed, "--seed", help="Every random choice (text sampling, batches) follows it."),
     threads: Optional[int] = typer.Option(None, "-t", "--threads", help="CPU threads (default: all cores)."),
-    loss: str = typer.Option("kl", "--loss", help="kl: KL to the target's logits over the draft vocabulary; argmax: cross-entropy to their argmax."),
-    lr: float = typer.Option(1.5e-3, "--lr", help="Peak learning rate (AdamW, warm-up then cosine)."),
-    batch: int = typer.Option(8, "--batch", help="Sequences per step."),
-    gen_len: int = typer.Option(256, "--gen-len", help="Tokens per training continuation."),
-    eval_every: int = typer.Option(50, "--eval-every", help="Steps between held-out evaluations."),
-    patience: int = typer.Option(3, "--patience", help="Stop after this many evaluations without a better acceptance."),
-    head_type: str = typer.Option("q8_0", "--head-type", help="Storage of the head's matrices: q8_0, f16, f32."),
+    loss: str = typer.Option(DEFAULTS.loss, "--loss", help="kl: KL to the target's logits over the draft vocabulary; argmax: cross-entropy to their argmax."),
+    lr: float = typer.Option(DEFAULTS.lr, "--lr", help="Peak learning rate (AdamW, warm-up then cosine)."),
+    batch: int = typer.Option(DEFAULTS.batch, "--batch", help="Sequences per step."),
+    gen_len: int = typer.Option(DEFAULTS.gen_len, "--gen-len", help="Tokens per training continuation."),
+    eval_every: int = typer.Option(DEFAULTS.eval_every, "--eval-every", help="Steps between held-out evaluations."),
+    patience: int = typer.Option(DEFAULTS.patience, "--patience", help="Stop after this many evaluations without a better acceptance."),
+    head_type: str = typer.Option(DEFAULTS.head_type, "--head-type", help="Storage of the head's matrices: q8_0, f16, f32."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (no progress bar)."),
 ):
     """Train an MTP (NextN) draft head by self-distillation: the target writes its own text, the head
@@ -35,7 +42,7 @@ def train_mtp(
 
     from .loader import load_model
     from .mtp_head import block_kind
-    from .train_mtp import TrainConfig, train_mtp as run_training
+    from .train_mtp.train import train_mtp as run_training
 
     cfg = TrainConfig(tokens=tokens, steps=steps, draft_vocab=draft_vocab, seed=seed, loss=loss, lr=lr,
                       batch=batch, gen_len=gen_len, eval_every=eval_every, patience=patience, head_type=head_type)

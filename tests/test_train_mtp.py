@@ -23,8 +23,9 @@ from hybridrt.sampling import SamplerConfig, dense_probs
 from hybridrt.speculative.acceptance import SampledAcceptor
 from hybridrt.speculative.loop import SpecConfig, speculative_generate
 from hybridrt.speculative.sources import build_source
-from hybridrt.train_mtp import TrainConfig, train_mtp
 from hybridrt.train_mtp import train as train_module
+from hybridrt.train_mtp.config import TrainConfig
+from hybridrt.train_mtp.train import train_mtp
 from hybridrt.train_mtp.torch_model import MTPHeadModule, TorchTeacher
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -275,3 +276,18 @@ def test_real_model_greedy_parity_with_trained_head(name):
         assert out == ref
         if not adaptive:
             assert sum(stats.spec.accepted) > 0
+
+
+def test_cli_defaults_are_train_config_and_cost_no_torch():
+    """`hybridrt train-mtp`'s option defaults come from TrainConfig (one place to change them), and
+    the CLI still imports no torch before a command runs."""
+    code = ("import sys, inspect; import hybridrt.cli; from hybridrt import cli_train_mtp as c\n"
+            "assert 'torch' not in sys.modules\n"
+            "print({p.name: p.default.default for p in inspect.signature(c.train_mtp).parameters.values()})")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    options = eval(r.stdout)
+    cfg = dataclasses.asdict(TrainConfig())
+    shared = set(options) & set(cfg)
+    assert shared >= set(cfg) - {"heldout_len"}     # every knob but the held-out length is an option
+    assert {k: options[k] for k in shared} == {k: cfg[k] for k in shared}

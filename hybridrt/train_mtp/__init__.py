@@ -1,4 +1,2 @@
-"""Training MTP heads by self-distillation (`hybridrt train-mtp`); see train.py."""
-from .train import TrainConfig, TrainResult, train_mtp
-
-__all__ = ["TrainConfig", "TrainResult", "train_mtp"]
+"""Training MTP heads by self-distillation (`hybridrt train-mtp`): config.py (torch-free: the CLI's
+option defaults), train.py (the training), torch_model.py, prompts.py."""

@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UserError
-from ..mtp_head import HEAD_TYPES, block_kind, head_attention_spec, target_fingerprint, write_head
+from ..mtp_head import block_kind, head_attention_spec, target_fingerprint, write_head
 from ..sampling import SamplerConfig
+from .config import TrainConfig
 from .prompts import HELDOUT_PROMPTS, TRAIN_PROMPTS, Prompt
 from .torch_model import MTPHeadModule, TorchTeacher, initial_head_tensors, output_rows
 
@@ -37,33 +38,6 @@ from .torch_model import MTPHeadModule, TorchTeacher, initial_head_tensors, outp
 BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 TEXT_VERSION = 2        # 1: temperatures cycled per continuation; 2: text_plan (sampled prefix, then greedy)
 MAX_SEQ = 512                               # prompt + continuation (one hybridrt prefill chunk)
-LOSSES = ("kl", "argmax")
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    tokens: int = 131072         # generated training tokens (~5 min of bfloat16 teacher on SmolLM2, 1 core)
-    steps: int = 400             # optimizer steps (early stopping may end sooner)
-    draft_vocab: int = 4096      # output rows of the head (0: the full vocabulary)
-    seed: int = 0
-    loss: str = "kl"
-    lr: float = 1.5e-3
-    batch: int = 8               # sequences per step
-    gen_len: int = 256           # tokens per training continuation
-    heldout_len: int = 96        # tokens per held-out continuation
-    eval_every: int = 50
-    patience: int = 3            # evaluations without a better acceptance before stopping
-    head_type: str = "q8_0"
-
-    def __post_init__(self):
-        if self.tokens < 1 or self.steps < 1 or self.batch < 1 or self.gen_len < 1 or self.eval_every < 1:
-            raise UserError("train-mtp: --tokens, --steps, --batch, --gen-len and --eval-every must be positive")
-        if self.draft_vocab < 0:
-            raise UserError("train-mtp: --draft-vocab must be >= 0 (0: the full vocabulary)")
-        if self.loss not in LOSSES:
-            raise UserError(f"train-mtp: --loss must be one of {', '.join(LOSSES)}")
-        if self.head_type not in HEAD_TYPES:
-            raise UserError(f"train-mtp: --head-type must be one of {', '.join(HEAD_TYPES)}")
 
 
 @dataclass

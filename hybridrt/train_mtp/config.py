@@ -1,0 +1,37 @@
+"""What `hybridrt train-mtp` trains with: a torch-free module, so the CLI takes its option defaults
+from here without importing torch before the command runs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import UserError
+
+LOSSES = ("kl", "argmax")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    tokens: int = 131072         # generated training tokens (~5 min of bfloat16 teacher on SmolLM2, 1 core)
+    steps: int = 400             # optimizer steps (early stopping may end sooner)
+    draft_vocab: int = 4096      # output rows of the head (0: the full vocabulary)
+    seed: int = 0
+    loss: str = "kl"
+    lr: float = 1.5e-3
+    batch: int = 8               # sequences per step
+    gen_len: int = 256           # tokens per training continuation
+    heldout_len: int = 96        # tokens per held-out continuation
+    eval_every: int = 50
+    patience: int = 3            # evaluations without a better acceptance before stopping
+    head_type: str = "q8_0"
+
+    def __post_init__(self):
+        from ..mtp_head import HEAD_TYPES       # the head writer's storage types (imports torch)
+
+        if self.tokens < 1 or self.steps < 1 or self.batch < 1 or self.gen_len < 1 or self.eval_every < 1:
+            raise UserError("train-mtp: --tokens, --steps, --batch, --gen-len and --eval-every must be positive")
+        if self.draft_vocab < 0:
+            raise UserError("train-mtp: --draft-vocab must be >= 0 (0: the full vocabulary)")
+        if self.loss not in LOSSES:
+            raise UserError(f"train-mtp: --loss must be one of {', '.join(LOSSES)}")
+        if self.head_type not in HEAD_TYPES:
+            raise UserError(f"train-mtp: --head-type must be one of {', '.join(HEAD_TYPES)}")
