@@ -143,12 +143,15 @@ def run(
             sys.stdout.flush()
 
         if source is None:
-            _, stats = generate(m, session, ids, n_predict, sampler, on_token=emit)
+            out, stats = generate(m, session, ids, n_predict, sampler, on_token=emit)
         else:
-            _, stats = speculative_generate(m, session, ids, n_predict, sampler, source, spec, on_token=emit,
+            out, stats = speculative_generate(m, session, ids, n_predict, sampler, source, spec, on_token=emit,
                                             trace=m.executor.trace)
         sys.stdout.write(stream.flush() + "\n")
         sys.stdout.flush()
+        if stats.stopped_by == "context":
+            wanted = f" ({len(out)} of the {n_predict} tokens asked for; raise -c)" if n_predict > 0 else ""
+            print(f"stopped: the context of {session.n_ctx} tokens is full{wanted}", file=sys.stderr)
         if stats.spec is not None:
             print(stats.spec.summary(), file=sys.stderr)
         print(f"prompt eval: {stats.n_prompt} tokens in {stats.prompt_s * 1e3:.0f} ms ({stats.prompt_tps:.1f} t/s) | "

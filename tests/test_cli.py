@@ -34,6 +34,18 @@ def test_run_smollm2_says_paris():
     assert "decode:" in r.stderr and "t/s" in r.stderr
 
 
+def test_run_says_when_the_context_ends_it():
+    """A generation cut short by a full context says so (it used to stop without a word); one that
+    got its -n tokens does not."""
+    require(SMOLLM2)
+    prompt = "The three rules of good code review are"        # 8 tokens
+    r = cli("run", "-m", "smollm2-135m", "-p", prompt, "-n", "24", "-c", "16", "--temp", "0")
+    assert r.returncode == 0, r.stderr
+    assert "stopped: the context of 16 tokens is full (9 of the 24 tokens asked for; raise -c)" in r.stderr
+    r = cli("run", "-m", "smollm2-135m", "-p", prompt, "-n", "9", "-c", "16", "--temp", "0")
+    assert r.returncode == 0 and "stopped:" not in r.stderr, r.stderr
+
+
 def test_run_errors_are_one_line():
     require(SMOLLM2)
     long_prompt = "word " * 300
