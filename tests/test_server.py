@@ -227,6 +227,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": CHAT, "top_p": 0}, 400, "top_p"),
     ("/v1/chat/completions", {"messages": CHAT, "stop": [""]}, 400, "stop"),
     ("/v1/chat/completions", {"messages": CHAT, "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"prompt": PROMPT, "ignore_eos": 1}, 400, "ignore_eos"),
     ("/v1/chat/completions", {"messages": CHAT, "n": 2}, 400, "n"),
     ("/v1/chat/completions", {"messages": CHAT, "model": "gpt-4o"}, 404, "model"),
     ("/v1/completions", {"prompt": "word " * 600}, 400, "prompt"),
@@ -259,8 +260,21 @@ def test_malformed_and_unknown(server, client):
     assert server.health()["status"] == "ok"
 
 
+def test_ignore_eos_generates_max_tokens(server):
+    """llama.cpp server's `ignore_eos`: the end-of-generation token does not stop the completion.
+    Greedy after "... Paris." this model ends its turn at once; told to ignore that, it writes on."""
+    body = {"model": MODEL, "prompt": "Q: What is the capital of France?\nA: Paris.", "max_tokens": 40,
+            "temperature": 0}
+    plain = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()
+    assert plain["choices"][0]["finish_reason"] == "stop" and plain["usage"]["completion_tokens"] < 40
+    r = httpx.post(server.url + "/v1/completions", json={**body, "ignore_eos": True}, timeout=120).json()
+    assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 40
+
+
 def test_disconnect_mid_stream_frees_the_session(server):
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "temperature": 0.8, "seed": 1, "stream": True}
+    # ignore_eos: the request must still be running when the client gives up, whatever it samples
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "temperature": 0.8, "seed": 1, "stream": True,
+            "ignore_eos": True}
     before = _metric(server, "hybridrt_requests_cancelled_total")
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()

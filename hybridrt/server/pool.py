@@ -180,11 +180,13 @@ class SessionPool:
         source = build_source(cfg.spec_type, session, req.sampler, cfg.spec, self.draft_model,
                               ngram_n_max=cfg.ngram_n, cache_type=cfg.cache_type)
         ids = list(req.prompt_ids)
+        stop_ids = set() if req.ignore_eos else None        # None: the tokenizer's end-of-generation ids
         if source is None:      # as `hybridrt run`: plain decoding without a source
-            out, stats = generate(model, session, ids, req.max_tokens, req.sampler, on_token=on_token)
+            out, stats = generate(model, session, ids, req.max_tokens, req.sampler, on_token=on_token,
+                                  stop_ids=stop_ids)
         else:
             out, stats = speculative_generate(model, session, ids, req.max_tokens, req.sampler, source,
-                                            cfg.spec, on_token=on_token)
+                                            cfg.spec, on_token=on_token, stop_ids=stop_ids)
         if not scanner.stopped:
             emit(scanner.push(decoder.flush()))
             emit(scanner.flush())

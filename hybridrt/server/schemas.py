@@ -51,6 +51,7 @@ class GenRequest:
     sampler: SamplerConfig
     stop: tuple[str, ...]
     stream: bool
+    ignore_eos: bool = False     # llama.cpp server's extension: end-of-generation tokens do not stop
 
 
 @dataclass
@@ -84,6 +85,15 @@ def _integer(body: dict, key: str, default: int | None, lo: int, hi: int = 2**63
     return value
 
 
+def _boolean(body: dict, key: str) -> bool:
+    value = body.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise bad_request(f"'{key}' must be a boolean", key)
+    return value
+
+
 def _stops(body: dict) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
@@ -107,9 +117,7 @@ def _common(body: dict, card: ModelCard, kind: Literal["chat", "text"], prompt_i
     _integer(body, "n", 1, 1, 1)      # one choice per request
     max_tokens = _integer(body, "max_completion_tokens", None, 1) if kind == "chat" else None
     max_tokens = max_tokens or _integer(body, "max_tokens", None, 1)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise bad_request("'stream' must be a boolean", "stream")
+    stream, ignore_eos = _boolean(body, "stream"), _boolean(body, "ignore_eos")
     sampler = SamplerConfig(
         temp=_number(body, "temperature", 0.8, 0.0, 2.0),
         top_k=_integer(body, "top_k", 40, 0),
@@ -117,7 +125,7 @@ def _common(body: dict, card: ModelCard, kind: Literal["chat", "text"], prompt_i
         min_p=_number(body, "min_p", 0.05, 0.0, 1.0),
         seed=_integer(body, "seed", -1, -1),
     )
-    return GenRequest(kind, card.check(body), prompt_ids, max_tokens or -1, sampler, _stops(body), stream)
+    return GenRequest(kind, card.check(body), prompt_ids, max_tokens or -1, sampler, _stops(body), stream, ignore_eos)
 
 
 def _content(message: dict, i: int) -> str:
