@@ -21,8 +21,9 @@ operations whatever k is (activation rows are quantized one by one; row_dots and
 bit-stable across k; norms, rotary and attention are per row, and each (token, head) runs the same
 compiled attention loop in the serial and the parallel kernel), so a token's result is the same
 alone or in a verify batch, on any number of threads (tests/test_layer_fused.py). The KV cache here
-is float32 [n_ctx, n_kv, d]; the backend keeps the torch path for other cache types and for prompt
-batches (> 32 tokens).
+is float32 or float16 [n_ctx, n_kv, d] (K and V each; float16, the default of `run` and `serve`, as
+uint16 bits); the backend keeps the torch path for bf16 and q8_0 caches and for prompt batches
+(> 32 tokens).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import os
 import warnings
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
 from numba.extending import overload
 from numba.core.errors import NumbaPerformanceWarning
 
@@ -39,7 +40,7 @@ from .ffn import _act_times
 from .formats import format_of
 from .matvec import tile_products
 from .matvec_int import act_block, row_dots, rows_dots, types_tag
-from .matvec_simd import TILE_ROWS, dot_f32
+from .matvec_simd import TILE_ROWS, dot_f32, f16_bits_to_f32, f32_to_f16_bits
 from .quantize_act import PAD_LEGACY, QK_K, QK_LEGACY, _quantize_rows
 from .simd_int import CACHE
 
@@ -242,6 +243,39 @@ def _rotate(x, lo, cos, sin, pos, n_rot, neox):
         x[ib] = b * c + a * s
 
 
+# --------------------------------------------------------------------------- KV cache rows
+# A cache is float32 or float16 ([n_ctx, n_kv, d]; float16 as its uint16 bits: Numba has no float16
+# on the CPU), K and V each either: a value is widened exactly when read and rounded to nearest
+# (ties to even, as torch's .half()) once, when written.
+
+def _cache_get(row, i):
+    """row[i] of a cache row as float32."""
+
+
+def _cache_put(row, i, x):
+    """row[i] = float32 x, in the cache's storage."""
+
+
+@overload(_cache_get, inline="always")
+def _cache_get_impl(row, i):
+    if row.dtype == types.float32:
+        return lambda row, i: row[i]
+    if row.dtype == types.uint16:
+        return lambda row, i: f16_bits_to_f32(row[i])
+
+
+@overload(_cache_put, inline="always")
+def _cache_put_impl(row, i, x):
+    if row.dtype == types.float32:
+        def put(row, i, x):
+            row[i] = x
+        return put
+    if row.dtype == types.uint16:
+        def put_f16(row, i, x):
+            row[i] = f32_to_f16_bits(x)
+        return put_f16
+
+
 @njit(cache=CACHE, nogil=True, inline="always")
 def _attend_one(item, q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale, window, first):
     """Head h of token t (item = t * n_head + h) over the keys it sees: o[t, h*dv : (h+1)*dv]."""
@@ -270,7 +304,7 @@ def _attend_one(item, q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale,
         p = scores[j] * inv
         v = v_cache[lo + j, g]
         for i in range(dv):
-            acc[i] += p * v[i]
+            acc[i] += p * _cache_get(v, i)
 
 
 # No fastmath here: every float step of attention is fixed by the code (matvec_simd.dot_f32), so a
@@ -305,7 +339,7 @@ def attention_block(h, n_threads, int_types, float_path, attn_norm, post_norm, h
                     q_norm, k_norm, qk_norm, cos, sin, n_rot, neox,
                     k_cache, v_cache, start, n_head, n_kv, d, dv, scale, window, first):
     """h (k, n_embd) float32 at positions start .. start+k-1 -> h + attention(h), writing the
-    k new key/value rows into the float32 caches (n_ctx, n_kv, d). Weights: raw ggml rows
+    k new key/value rows into the caches (n_ctx, n_kv, d): float32, or float16 as uint16 bits. Weights: raw ggml rows
     (readonly uint8, one type each), with e*/i* as `_project` takes them; int_types, float_path:
     `kernel_types` of (at least) these matrices."""
     k, n_embd = h.shape
@@ -315,6 +349,7 @@ def attention_block(h, n_threads, int_types, float_path, attn_norm, post_norm, h
     _project(n_threads, int_types, float_path, wq, tq, eq, iq, nq, wk, tk, ek, ik, nk, wv, tv, ev, iv, n_kv * dv,
              x, qkv)
     q = np.empty((k, nq), np.float32)
+    krow = np.empty(d, np.float32)          # a key row before it is stored (rounded, for float16)
     for t in range(k):
         pos = start + t
         for c in range(nq):
@@ -326,7 +361,6 @@ def attention_block(h, n_threads, int_types, float_path, attn_norm, post_norm, h
                     q[t, hd * d + i] = (q[t, hd * d + i] * r) * q_norm[i]
             _rotate(q[t], hd * d, cos, sin, pos, n_rot, neox)
         for g in range(n_kv):
-            krow = k_cache[pos, g]
             for i in range(d):
                 krow[i] = qkv[t, nq + g * d + i]
             if qk_norm:
@@ -334,8 +368,10 @@ def attention_block(h, n_threads, int_types, float_path, attn_norm, post_norm, h
                 for i in range(d):
                     krow[i] = (krow[i] * r) * k_norm[i]
             _rotate(krow, 0, cos, sin, pos, n_rot, neox)
+            for i in range(d):
+                _cache_put(k_cache[pos, g], i, krow[i])
             for i in range(dv):
-                v_cache[pos, g, i] = qkv[t, nq + nk + g * dv + i]
+                _cache_put(v_cache[pos, g], i, qkv[t, nq + nk + g * dv + i])
     o = np.empty((k, n_head * dv), np.float32)
     n_items = k * n_head
     if n_threads > 1 and n_items > 1 and n_items * (start + k) * d >= ATTEND_PARALLEL_MIN:

@@ -76,6 +76,32 @@ def load_f16(typingctx, src, off):
 
 
 @intrinsic
+def f16_bits_to_f32(typingctx, bits):
+    """The float16 whose bits are the uint16 `bits`, as float32 (exact): how a float16 KV cache,
+    kept as uint16 (Numba has no float16 on the CPU), is read."""
+    if bits != types.uint16:
+        return None
+    sig = types.float32(bits)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], _F16), _F32)
+    return sig, codegen
+
+
+@intrinsic
+def f32_to_f16_bits(typingctx, x):
+    """float32 x rounded to float16 (to nearest, ties to even; inf past +-65504, as torch's
+    .half()), returned as its uint16 bits."""
+    if x != types.float32:
+        return None
+    sig = types.uint16(x)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], _F16), _I16)
+    return sig, codegen
+
+
+@intrinsic
 def load_bf16(typingctx, src, off):
     """The bfloat16 at byte `off` of a uint8 array, as float32."""
     sig = types.float32(src, types.intp)
@@ -322,16 +348,27 @@ dot_tile_4 = _make_dot_tile(4)
 
 @intrinsic
 def dot_f32(typingctx, a, b):
-    """sum_i a[i] * b[i] of two contiguous float32 vectors of equal length, in a fixed order:
-    16-lane fma accumulators over the first n - n % 16 elements (lane j takes i = j mod 16),
-    reduced by `_reduce_tree`, then the tail added one product at a time. As fast as a
-    reassociated loop, but the same bits in every caller and every compilation (the loop
-    vectoriser's choice of lanes would differ between, say, a cached kernel and a fresh one)."""
-    f32_1d = (types.Array(types.float32, 1, "C"), types.Array(types.float32, 1, "C", readonly=True))
-    if a not in f32_1d or b not in f32_1d:
+    """sum_i a[i] * b[i] of two contiguous vectors of equal length, a float32, b float32 or float16
+    bits (uint16: a float16 KV cache row, each value widened exactly), in a fixed order: 16-lane fma
+    accumulators over the first n - n % 16 elements (lane j takes i = j mod 16), reduced by
+    `_reduce_tree`, then the tail added one product at a time. As fast as a reassociated loop, but
+    the same bits in every caller and every compilation (the loop vectoriser's choice of lanes would
+    differ between, say, a cached kernel and a fresh one)."""
+    def c_1d(dtype):
+        return (types.Array(dtype, 1, "C"), types.Array(dtype, 1, "C", readonly=True))
+    if a not in c_1d(types.float32) or b not in c_1d(types.float32) + c_1d(types.uint16):
         return None
     sig = types.float32(a, b)
     vf = ir.VectorType(_F32, LANES)
+    half = b.dtype == types.uint16
+
+    def load_b(builder, ptr, n):
+        if not half:
+            return _load_vec(builder, ptr, _F32, n, 4) if n > 1 else builder.load(ptr)
+        if n == 1:
+            return builder.fpext(builder.bitcast(builder.load(ptr), _F16), _F32)
+        h = builder.bitcast(_load_vec(builder, ptr, _I16, n, 2), ir.VectorType(_F16, n))
+        return builder.fpext(h, ir.VectorType(_F32, n))
 
     def codegen(context, builder, signature, args):
         av = _array(context, builder, signature.args[0], args[0])
@@ -342,13 +379,13 @@ def dot_f32(typingctx, a, b):
         with cgutils.for_range(builder, n_chunks) as loop:
             i = builder.mul(loop.index, ir.Constant(n.type, LANES))
             va = _load_vec(builder, builder.gep(av.data, [i]), _F32, LANES, 4)
-            vb = _load_vec(builder, builder.gep(bv.data, [i]), _F32, LANES, 4)
+            vb = load_b(builder, builder.gep(bv.data, [i]), LANES)
             builder.store(_fma(builder, va, vb, builder.load(acc)), acc)
         s = cgutils.alloca_once_value(builder, _reduce_tree(builder, builder.load(acc), LANES))
         done = builder.mul(n_chunks, ir.Constant(n.type, LANES))
         with cgutils.for_range(builder, builder.sub(n, done)) as loop:
             i = builder.add(done, loop.index)
-            prod = builder.fmul(builder.load(builder.gep(av.data, [i])), builder.load(builder.gep(bv.data, [i])))
+            prod = builder.fmul(builder.load(builder.gep(av.data, [i])), load_b(builder, builder.gep(bv.data, [i]), 1))
             builder.store(builder.fadd(builder.load(s), prod), s)
         return builder.load(s)
     return sig, codegen

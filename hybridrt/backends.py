@@ -130,21 +130,32 @@ def _fused_operands(linear: CpuQuantLinear, rows: slice = slice(None)) -> tuple:
     return layer_fused.matrix_operands(linear.raw[rows], linear.qtype, use_int(linear.qtype, linear.exact))
 
 
+def _fused_cache_view(rows) -> np.ndarray | None:
+    """A CPU cache tensor as the fused attention kernel takes it: float32 as is, float16 as its
+    uint16 bits (the same memory); None for the other storages (bf16, q8_0)."""
+    if not isinstance(rows, torch.Tensor) or rows.device.type != "cpu":
+        return None
+    if rows.dtype == torch.float32:
+        return rows.numpy()
+    if rows.dtype == torch.float16:
+        return rows.view(torch.int16).numpy().view(np.uint16)
+    return None
+
+
 def _fused_state(state, index: int, spec) -> tuple | None:
     """(K cache, V cache, rotary cos, rotary sin) of a session's layer as numpy views, or None when
-    the cache is not float32 on the CPU. Kept in the session's state: a decode step would otherwise
-    rebuild them for every layer."""
+    the cache is not float32 / float16 on the CPU. Kept in the session's state: a decode step would
+    otherwise rebuild them for every layer."""
     views = state.extra.setdefault("fused_layer_views", {})
     key = (index, spec.rope)
     found = views.get(key)
     if found is None:
-        k, v = state.kv.k[index], state.kv.v[index]
-        if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)) or \
-                k.dtype != torch.float32 or v.dtype != torch.float32 or k.device.type != "cpu":
+        k, v = _fused_cache_view(state.kv.k[index]), _fused_cache_view(state.kv.v[index])
+        if k is None or v is None:
             found = ()
         else:
-            table = state.rotary(spec.rope, k.device)
-            found = (k.numpy(), v.numpy(), table.cos.numpy(), table.sin.numpy())
+            table = state.rotary(spec.rope, state.kv.k[index].device)
+            found = (k, v, table.cos.numpy(), table.sin.numpy())
         views[key] = found
     return found or None
 
@@ -167,8 +178,8 @@ def _rows_f32(h: torch.Tensor) -> np.ndarray:
 class FusedAttentionBlock:
     """A layer's attention half (norm, q/k/v, q/k norm, rotary, KV write, attention, output
     projection, post-norm, residual) as one layer_fused call, for a CPU trunk whose attention
-    matrices are all in the mmap. Decode and verify batches (<= ROWWISE_MAX tokens) on a float32
-    cache take it; prompt batches and other cache types run `block`, the torch path it wraps."""
+    matrices are all in the mmap. Decode and verify batches (<= ROWWISE_MAX tokens) on a float32 or
+    float16 cache take it; prompt batches and other cache types run `block`, the torch path it wraps."""
 
     def __init__(self, block, kernel_types: tuple):
         self.block, self.attn = block, block.attn     # .attn.spec is read at every call

@@ -86,8 +86,8 @@ def compile_kernels(model: "Model") -> None:
     ROWWISE_MAX tokens; the output matrix on 4 and 16 tokens as a verify step reads it) and prompts
     (cpu_kernels.matvec_int's tiled kernels on token groups and lanes; a batch past ROWWISE_MAX
     reaches them through the torch trunk), each for the model's quant types only. Twice: on an f32
-    KV cache (the fused attention half) and on f16, `run`'s default (the attention half in torch,
-    its matrices through matvec)."""
+    KV cache (the Python API's default) and on f16 (`run`'s and `serve`'s): the fused attention half
+    compiles once per cache type."""
     token = model.tokenizer.bos_id if model.tokenizer.bos_id is not None else 0
     for cache_type in ("f32", "f16"):
         session = model.session(n_ctx=64, cache_type=cache_type)

@@ -12,13 +12,14 @@ from pathlib import Path
 import numba
 import numpy as np
 import pytest
+import torch
 from gguf.constants import GGMLQuantizationType as T
 
 from cpu_kernels import layer_fused
 from cpu_kernels.dequant import dequantize
 from cpu_kernels.ffn import ACTIVATIONS
 from cpu_kernels.matvec_int import types_tag
-from cpu_kernels.matvec_simd import dot_f32
+from cpu_kernels.matvec_simd import dot_f32, f16_bits_to_f32, f32_to_f16_bits
 from cpu_kernels.matvec_testdata import random_weights
 from gpu_kernels.rotary import rotary_table
 
@@ -78,8 +79,9 @@ class Layer:
             self.cos, self.sin, N_ROT, self.neox,
             k_cache, v_cache, start, N_HEAD, N_KV, HEAD, HEAD, 1 / math.sqrt(HEAD), self.window, self.first)
 
-    def ref(self, h, k_cache, v_cache, start):
-        """float64: returns (h + attention, the caches with the new rows)."""
+    def ref(self, h, k_cache, v_cache, start, round_kv=False):
+        """float64: returns (h + attention, the caches with the new rows); round_kv: the new rows
+        rounded to float16 before they are attended over (a float16 cache)."""
         wq, wk, wv, wo = self.w
         h64 = h.astype(np.float64)
         x = _rms(h64, self.norm)
@@ -95,6 +97,8 @@ class Layer:
             cos, sin = self.cos[pos].astype(np.float64), self.sin[pos].astype(np.float64)
             q[t], keys[pos] = _rotate64(q[t], cos, sin, self.neox), _rotate64(k[t], cos, sin, self.neox)
             vals[pos] = v[t]
+            if round_kv:
+                keys[pos], vals[pos] = keys[pos].astype(np.float16), vals[pos].astype(np.float16)
         for t in range(len(h)):
             pos = start + t
             lo = max(self.first, pos - self.window + 1) if self.window else self.first
@@ -107,12 +111,21 @@ class Layer:
         return h64 + (_rms(a, self.post) if self.has_post else a), keys, vals
 
 
-def _caches(rng, start):
+def _caches(rng, start, cache="f32"):
+    """K and V caches with `start` random rows: float32, or float16 as the kernel takes it (its
+    uint16 bits)."""
     k = np.zeros((N_CTX, N_KV, HEAD), np.float32)
     v = np.zeros((N_CTX, N_KV, HEAD), np.float32)
     k[:start] = rng.standard_normal((start, N_KV, HEAD))
     v[:start] = rng.standard_normal((start, N_KV, HEAD))
+    if cache == "f16":
+        return k.astype(np.float16).view(np.uint16), v.astype(np.float16).view(np.uint16)
     return k, v
+
+
+def _values(c):
+    """A cache's values as float32 (float16 bits widened)."""
+    return c.view(np.float16).astype(np.float32) if c.dtype == np.uint16 else c
 
 
 def _rel(got, ref, base):
@@ -127,26 +140,48 @@ ATTN_CASES = {   # types of q, k, v, o; q/k norm, post-norm, neox, window
 }
 
 
+@pytest.mark.parametrize("cache", ["f32", "f16"])
 @pytest.mark.parametrize("integer", [False, True], ids=["float", "int8"])
 @pytest.mark.parametrize("case", list(ATTN_CASES))
-def test_attention_block_matches_float64(case, integer):
+def test_attention_block_matches_float64(case, integer, cache):
     types, qk_norm, post, neox, window = ATTN_CASES[case]
     rng = np.random.default_rng()
     layer = Layer(rng, types, integer, qk_norm, post, neox, window)
     start, k = int(rng.integers(5, 30)), 3
     h = rng.standard_normal((k, N_EMBD)).astype(np.float32)
-    kc, vc = _caches(rng, start)
-    ref, ref_k, ref_v = layer.ref(h, kc, vc, start)
+    kc, vc = _caches(rng, start, cache)
+    ref, ref_k, ref_v = layer.ref(h, _values(kc), _values(vc), start, round_kv=cache == "f16")
     got = layer.run(h, kc, vc, start)
     err = _rel(got, ref, h)
-    # float path: float32 rounding; int8 path: activation quantization (|dx| <= d / 2 per value),
-    # which the softmax amplifies: measured over 150 draws per case, median 1.1-1.3e-2, max 3.4e-2
-    # (llama-q4_1: no q/k norm, the sharpest scores), so 8e-2; a wrong or unwritten row is O(1)
-    bound = 8e-2 if integer else 2e-6
+    # float path: float32 rounding; a float16 cache adds a float16 ulp where a new row's float32
+    # value and the float64 reference round apart (100 draws a case: median 3e-7, max 8.1e-5, so
+    # 5e-4); int8 path: activation quantization (|dx| <= d / 2 per value), which the softmax
+    # amplifies: measured over 150 draws per case, median 1.1-1.3e-2, max 3.4e-2 (llama-q4_1: no
+    # q/k norm, the sharpest scores; float16 cache: the same), so 8e-2; a wrong or unwritten row
+    # is O(1)
+    bound = 8e-2 if integer else 2e-6 if cache == "f32" else 5e-4
     assert err <= bound, f"{case}: relative error {err:.3g}"
-    assert _rel(kc[start:start + k], ref_k[start:start + k], 0) <= bound
-    assert _rel(vc[start:start + k], ref_v[start:start + k], 0) <= bound
+    row_bound = bound if cache == "f32" or integer else 1e-3       # float16 rows: 2^-11 relative (max 6.6e-5)
+    assert _rel(_values(kc)[start:start + k], ref_k[start:start + k], 0) <= row_bound
+    assert _rel(_values(vc)[start:start + k], ref_v[start:start + k], 0) <= row_bound
     assert not kc[start + k:].any()             # nothing written past the batch
+
+
+@pytest.mark.parametrize("integer", [False, True], ids=["float", "int8"])
+def test_float16_cache_rows_are_the_float32_rows_rounded(integer):
+    """A float16 cache stores exactly what a float32 cache would, rounded to nearest even (torch's
+    .half()), in the same rows; what attends over it is test_attention_block_matches_float64's."""
+    types, qk_norm, post, neox, window = ATTN_CASES["gemma3-mixed"]
+    rng = np.random.default_rng()
+    layer = Layer(rng, types, integer, qk_norm, post, neox, window)
+    start, k = 21, 4
+    h = rng.standard_normal((k, N_EMBD)).astype(np.float32)
+    k16, v16 = _caches(rng, start, "f16")
+    k32, v32 = _values(k16).copy(), _values(v16).copy()
+    layer.run(h, k32, v32, start)
+    layer.run(h, k16, v16, start)
+    assert np.array_equal(k16, k32.astype(np.float16).view(np.uint16))
+    assert np.array_equal(v16, v32.astype(np.float16).view(np.uint16))
 
 
 def test_attention_block_window_and_first_position_are_honoured():
@@ -165,14 +200,15 @@ def test_attention_block_window_and_first_position_are_honoured():
         assert not np.array_equal(layer.run(h, kc.copy(), vc.copy(), start), got)
 
 
+@pytest.mark.parametrize("cache", ["f32", "f16"])
 @pytest.mark.parametrize("case", ["llama-q4_1", "gemma3-mixed"])
-def test_attention_block_token_does_not_depend_on_the_batch_or_threads(case):
+def test_attention_block_token_does_not_depend_on_the_batch_or_threads(case, cache):
     types, qk_norm, post, neox, window = ATTN_CASES[case]
     rng = np.random.default_rng()
     layer = Layer(rng, types, True, qk_norm, post, neox, window)
     start, n = 30, 8
     h = rng.standard_normal((n, N_EMBD)).astype(np.float32)
-    kc, vc = _caches(rng, start)
+    kc, vc = _caches(rng, start, cache)
     k1, v1 = kc.copy(), vc.copy()
     singles = np.concatenate([layer.run(h[t:t + 1], k1, v1, start + t) for t in range(n)])
     for k, threads in ((2, 1), (3, 2), (8, 2), (8, 1)):    # threads 2: the parallel regions
@@ -258,6 +294,29 @@ def test_dot_f32_matches_float64():
         a, b = (rng.standard_normal(n).astype(np.float32) for _ in range(2))
         got, ref = float(_dot_f32(a, b)), float(a.astype(np.float64) @ b.astype(np.float64))
         assert abs(got - ref) <= 1e-5 * max(1.0, float(np.abs(a).astype(np.float64) @ np.abs(b))), n
+        # b as float16 bits (a float16 cache row): each value widened exactly, the same order
+        b16 = b.astype(np.float16)
+        assert _dot_f32(a, b16.view(np.uint16)) == _dot_f32(a, b16.astype(np.float32)), n
+
+
+@numba.njit
+def _round_trip(x, bits, back):
+    for i in range(x.shape[0]):
+        bits[i] = f32_to_f16_bits(x[i])
+        back[i] = f16_bits_to_f32(bits[i])
+
+
+def test_float16_conversions_are_torchs():
+    """float32 -> float16 bits and back, as torch's .half() / .float(): ties to even, subnormals,
+    overflow to inf, signed zeros."""
+    rng = np.random.default_rng()
+    x = (rng.standard_normal(4096) * 10.0 ** rng.uniform(-10, 6, 4096)).astype(np.float32)
+    x[:9] = [0.0, -0.0, 65504.0, 65519.99, 65520.0, -1e6, 2.0 ** -24, 2.0 ** -25, 3 * 2.0 ** -26]
+    bits, back = np.empty(x.shape, np.uint16), np.empty(x.shape, np.float32)
+    _round_trip(x, bits, back)
+    want = torch.from_numpy(x).half()
+    assert np.array_equal(bits, want.view(torch.int16).numpy().view(np.uint16))
+    assert np.array_equal(back.view(np.uint32), want.float().numpy().view(np.uint32))
 
 
 _ATTEND_SCRIPT = """
