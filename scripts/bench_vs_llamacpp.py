@@ -1,12 +1,13 @@
 """Decode speed of hybridrt next to llama.cpp on the same model, prompt, length and thread count.
 
-    python scripts/bench_vs_llamacpp.py [MODEL ...] [-n 128] [-t 2] [--reps 3] [--pp 512]
+    python scripts/bench_vs_llamacpp.py [MODEL ...] [-n 128] [-t 2] [--reps 3] [--pp 512] [-ctk f16]
 Runs llama.cpp (scripts/bench_llamacpp.py in the oracle venv built by scripts/oracle_setup.sh)
 and hybridrt alternately, best of --reps each, and prints one JSON line per model with the ratio.
 --pp N adds prompt processing: an N-token prompt (the prompt text's tokens repeated, BOS first)
 evaluated in one call by each engine (hybridrt: session.eval, 512-token chunks; llama.cpp: one
 llama_eval with n_batch = n_ubatch = N), best of --reps: pp_hybridrt_tps, pp_llamacpp_tps, pp_ratio.
--n 0 skips decode.
+-n 0 skips decode. hybridrt's KV cache is f16 as llama.cpp's (and `hybridrt run`'s) by default;
+-ctk f32 takes the Python API's default.
 """
 from __future__ import annotations
 
@@ -27,10 +28,10 @@ from hybridrt.sampling import SamplerConfig
 PROMPT = "The history of the city of Paris begins"
 
 
-def hybridrt_tps(model, n_gen: int) -> float:
+def hybridrt_tps(model, n_gen: int, cache_type: str = "f16") -> float:
     ids = model.tokenize(PROMPT)
-    _, stats = generate(model, model.session(len(ids) + n_gen + 8), ids, n_gen, SamplerConfig(temp=0.0),
-                        stop_ids=set())
+    _, stats = generate(model, model.session(len(ids) + n_gen + 8, cache_type), ids, n_gen,
+                        SamplerConfig(temp=0.0), stop_ids=set())
     return stats.decode_tps
 
 
@@ -41,8 +42,8 @@ def prompt_ids(model, n: int) -> list[int]:
     return (first + body * (n // len(body) + 1))[:n]
 
 
-def hybridrt_pp_tps(model, ids: list[int]) -> float:
-    session = model.session(len(ids) + 8)
+def hybridrt_pp_tps(model, ids: list[int], cache_type: str = "f16") -> float:
+    session = model.session(len(ids) + 8, cache_type)
     t0 = time.perf_counter()
     prefill(session, ids)
     return len(ids) / (time.perf_counter() - t0)
@@ -63,26 +64,28 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--pp", type=int, default=0, help="also time an N-token prompt (e.g. 512)")
+    ap.add_argument("-ctk", "--cache-type", default="f16",
+                    help="hybridrt's KV cache (f16: llama.cpp's default and hybridrt run's; f32: the Python API's)")
     args = ap.parse_args()
     for spec in args.models:
         path = resolve_model(spec)
         model = load_model(path, threads=args.threads)
-        hybridrt_tps(model, 8)                      # warm-up: JIT cache load, page faults
-        row = {"model": path.name, "threads": args.threads, "n_gen": args.n_gen}
+        hybridrt_tps(model, 8, args.cache_type)      # warm-up: JIT cache load, page faults
+        row = {"model": path.name, "threads": args.threads, "n_gen": args.n_gen, "cache_type": args.cache_type}
         if args.n_gen:
             ours, theirs = [], []
             for _ in range(args.reps):              # alternate so both see the same machine load
                 theirs.append(llamacpp_run(path, args.n_gen, args.threads)["tg_tps"])
-                ours.append(hybridrt_tps(model, args.n_gen))
+                ours.append(hybridrt_tps(model, args.n_gen, args.cache_type))
             row.update(hybridrt_tps=round(max(ours), 1), llamacpp_tps=round(max(theirs), 1),
                        ratio=round(max(ours) / max(theirs), 2))
         if args.pp:
             ids = prompt_ids(model, args.pp)
-            hybridrt_pp_tps(model, ids[:64])        # warm-up of the batch kernels
+            hybridrt_pp_tps(model, ids[:64], args.cache_type)     # warm-up of the batch kernels
             ours, theirs = [], []
             for _ in range(args.reps):
                 theirs.append(llamacpp_run(path, 0, args.threads, args.pp)["pp_tps"])
-                ours.append(hybridrt_pp_tps(model, ids))
+                ours.append(hybridrt_pp_tps(model, ids, args.cache_type))
             row.update(pp=args.pp, pp_hybridrt_tps=round(max(ours), 1), pp_llamacpp_tps=round(max(theirs), 1),
                        pp_ratio=round(max(ours) / max(theirs), 2))
         row.update(torch_threads=torch.get_num_threads(), when=time.strftime("%Y-%m-%d %H:%M"))
