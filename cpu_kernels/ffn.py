@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit, prange
 
 from .matvec import CHUNK, TOKEN_TILE, check_operands, matvec, n_groups_for, tile_products, use_int
-from .matvec_int import (act_block, n_row_groups, quantize_for, quantize_tiled, row_dots, tile_sums,
+from .matvec_int import (act_block, block_dots, n_row_groups, quantize_for, quantize_tiled, tile_sums,
                          tiled_min_k, tiling, type_tag)
 from .matvec_simd import TILE_ROWS
 from .simd_int import CACHE
@@ -78,12 +78,14 @@ def _gate_up_int_kernel(w_gate, t_gate, w_up, t_up, xq, xd, xs, hidden, act, n_g
     rows = w_gate.shape[0]
     k = xq.shape[0]
     for g in prange(n_groups):
-        gu = np.zeros((k, 2), np.float32)          # column 0: gate, 1: up, for all k tokens
-        for r in range(g * rows // n_groups, (g + 1) * rows // n_groups):
-            row_dots(t_gate, w_gate, r, xq, xd, xs, gu, 0)
-            row_dots(t_up, w_up, r, xq, xd, xs, gu, 1)
-            for t in range(k):
-                hidden[t, r] = _act_times(gu[t, 0], gu[t, 1], act)
+        lo, hi = g * rows // n_groups, (g + 1) * rows // n_groups
+        gate = np.empty((k, hi - lo), np.float32)
+        up = np.empty((k, hi - lo), np.float32)
+        block_dots(t_gate, w_gate, lo, hi - lo, xq, xd, xs, gate, 0)
+        block_dots(t_up, w_up, lo, hi - lo, xq, xd, xs, up, 0)
+        for t in range(k):
+            for r in range(hi - lo):
+                hidden[t, lo + r] = _act_times(gate[t, r], up[t, r], act)
 
 
 @njit(cache=CACHE, nogil=True, parallel=True)

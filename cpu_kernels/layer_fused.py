@@ -11,13 +11,13 @@ and its FFN half
     h + post_norm(W_down (act(W_gate x) * W_up x)),  x = rms_norm(h)
 
 are each one call (`attention_block`, `ffn_block`) that runs the projections with matvec_int's
-`row_dots` (int8 activations) or matvec's float `tile_products` (the exact path, and the types with
+`block_dots` (int8 activations) or matvec's float `tile_products` (the exact path, and the types with
 no integer kernel), matrix by matrix as `use_int` decides, and everything between them in plain
 loops. The projections of one step are one parallel region (q, k and v together; gate and up
 together), or a plain loop when the matrices are too small to pay for waking the other threads.
 
 Bit identity across the batch: every step works on one token row at a time with the same
-operations whatever k is (activation rows are quantized one by one; row_dots and tile_products are
+operations whatever k is (activation rows are quantized one by one; block_dots and tile_products are
 bit-stable across k; norms, rotary and attention are per row, and each (token, head) runs the same
 compiled attention loop in the serial and the parallel kernel), so a token's result is the same
 alone or in a verify batch, on any number of threads (tests/test_layer_fused.py). The KV cache here
@@ -39,7 +39,7 @@ from numba.core.errors import NumbaPerformanceWarning
 from .ffn import _act_times
 from .formats import format_of
 from .matvec import tile_products
-from .matvec_int import act_block, row_dots, rows_dots, types_tag
+from .matvec_int import act_block, block_dots, types_tag
 from .matvec_simd import TILE_ROWS, dot_f32, f16_bits_to_f32, f32_to_f16_bits
 from .quantize_act import PAD_LEGACY, QK_K, QK_LEGACY, _quantize_rows
 from .simd_int import CACHE
@@ -65,7 +65,7 @@ NONE = np.intp(0)
 
 def matrix_operands(raw: np.ndarray, qtype: int, integer: bool) -> tuple:
     """(raw rows, type, block, integer) as the kernels below take a matrix: integer selects
-    row_dots on int8 activations (the type must have an integer kernel) over the float kernel;
+    block_dots on int8 activations (the type must have an integer kernel) over the float kernel;
     block is the activation block on the integer path, the weight block on the float path.
     Every matrix goes in as a read-only view, so all of them are one Numba type (one compilation)."""
     raw = raw.view(np.uint8).view()
@@ -176,14 +176,10 @@ def _project_group(g, n_groups, int_types, float_path, w0, t0, e0, i0, n0, w1, t
             w, qt, be, is_int, rows, off, r_lo = w2, t2, e2, i2, n2, n0 + n1, (u - u0 - u1) * ROWS_PER_UNIT
         r_hi = min(rows, r_lo + ROWS_PER_UNIT)
         if is_int:
-            # one token (decode): rows_dots takes 4 rows a pass (same bits as row_dots, less float
-            # work per row); more tokens: row_dots takes 4 tokens of one row a pass
+            # block_dots: one token (decode) 4 rows a pass; verify batches in groups of rows by
+            # tokens (the same bits as row by row, less float and fold work per (row, token))
             q, d, s = (q256, d256, s256) if be == QK_K else (q32, d32, s32)
-            if k == 1:
-                rows_dots((qt,) + int_types, w, r_lo, r_hi - r_lo, q, d, s, 0, out, off + r_lo)
-            else:
-                for r in range(r_lo, r_hi):
-                    row_dots((qt,) + int_types, w, r, q, d, s, out, off + r)
+            block_dots((qt,) + int_types, w, r_lo, r_hi - r_lo, q, d, s, out, off + r_lo)
         else:
             _float_rows(float_path, w, qt, be, r_lo, r_hi, x, buf, part, acc, out, off)
 

@@ -13,11 +13,12 @@ the same order (the numerics block below): one float lane per (token, row), so a
 bit-identical whatever k is, where the token sits in the batch, how many threads run, and which
 of the kernels below computed it (tested for every type):
 
-    k = 1       rows_dots: 4 rows per pass, each row's step decoded into registers and dotted with
-                the token in 64-byte vectors (integers over 16 lanes), the 4 rows' lanes folded
-                (exactly) and packed into one vector: one sitofp + fma per term for 4 rows.
-    k = 2       row_dots: the same with 2 tokens of one row per lane group.
-    k >= 3      tiled, token quads: rows in tiles, columns in chunks whose activations stay in
+    k <= 5      block_dots, register groups: a group of rows by tokens (4 rows x 1 token for
+                decode, 4 x 2 or 2 x 4 for verify batches), each row's step decoded into
+                registers once and dotted with each token in 64-byte vectors (integers over 16
+                lanes), the group's lanes folded (exactly) and packed into one vector: one sitofp
+                + fma per term for the whole group, so the float steps cost little per (row, token).
+    k >= 6      tiled, token quads: rows in tiles, columns in chunks whose activations stay in
                 L1, each step decoded once per 16 tokens into a stack buffer; the activations
                 interleaved by 16 bytes per 4 tokens, each 16 weight bytes broadcast to the 4
                 tokens: one vpdpbusd per 64 products, each token's integers in its own 4 lanes,
@@ -785,10 +786,14 @@ def _c_2d(*arrays):
     return all(isinstance(a, types.Array) and a.layout == "C" and a.ndim == 2 for a in arrays)
 
 
-def _make_lane_dot(across_rows: bool):
-    """The register kernels: a group of n (1, 2 or 4) lanes, tokens t0 + u of row r (row_dot) or
-    rows r + u for token t0 (rows_dot), float state in registers for the whole row."""
-    name = "rows_dot" if across_rows else "row_dot"
+def _make_grid_dot(name: str, shapes: dict):
+    """A register kernel: `name`(qtype, n, w, r, xq, xd, xs, t0, out, oc) computes the lane group
+    shapes[n] = (n_rows, n_toks): out[t0 + u, oc + j] = (row r + j) . (activation row t0 + u) for
+    j < n_rows, u < n_toks, one lane per (row, token), float state in registers for the whole row.
+    Each row's step is decoded once (next to its first dot product) and dotted with every token
+    of the group; the fold and the float steps run once per group for all its lanes, so wider
+    groups spend less per (row, token) on them. Every lane takes the numerics block's steps
+    whatever the group, so the bits are the same in any shape."""
 
     def lane_dot(typingctx, qtype, n_lanes, w, r, xq, xd, xs, t0, out, oc):
         if not _c_2d(w, xq, xd, xs, out):
@@ -803,35 +808,47 @@ def _make_lane_dot(across_rows: bool):
 
             def emit(qt, kind, decode, nbytes):
                 by_n = b.switch(n_, done)
-                for n in (4, 2, 1):
+                for n, (n_rows, n_toks, n_real) in shapes.items():
                     bb = b.append_basic_block(f"{name}.n{n}")
                     by_n.add_case(ir.Constant(I64, n), bb)
                     b.position_at_end(bb)
-                    lanes = [_c64(u) for u in range(n)]
-                    rows = [b.add(r_, u) for u in lanes] if across_rows else [r_]
-                    toks = [t0_] if across_rows else [b.add(t0_, u) for u in lanes]
-                    wrows, rbs = zip(*[_weight_row(context, b, signature.args[2], w_, x) for x in rows])
-                    tok = _Tokens(context, b, signature.args[4:7], (xq_, xd_, xs_))
-                    trows = [tok.rows(t) for t in toks]
-                    group = _k_group if kind == "k" else _pair_group
-                    n_steps = b.sdiv(rbs[0], _c64(nbytes))
-                    if kind != "k":
-                        n_steps = b.sdiv(b.add(n_steps, _c64(1)), _c64(2))
-
-                    def step(vbs, i, state):
-                        entries = [(vb, trows[0]) for vb in vbs] if across_rows else [(vbs[0], t) for t in trows]
-                        return [group(b, entries, i, state[0])]
-                    zero = ir.Constant(ir.VectorType(F32, n), [0.0] * n)
-                    # after this pass the caller takes the next n rows (rows_dot) or the next row
-                    nxt = b.mul(rbs[0], _c64(n if across_rows else 1))
-                    (facc,) = _steps(b, kind, decode, nbytes, list(wrows), rbs[0], _c64(0), n_steps, [zero], step, nxt)
-                    O = _array(context, b, signature.args[8], out_)
-                    width = cgutils.unpack_tuple(b, O.shape, 2)[1]
-                    for u, lane in enumerate(lanes):
-                        t, col = (t0_, b.add(oc_, lane)) if across_rows else (toks[u], oc_)
-                        b.store(b.extract_element(facc, ir.Constant(I32, u)), b.gep(O.data, [b.add(b.mul(t, width), col)]))
+                    # lanes past the n_real tokens repeat the last one and are not stored (groups
+                    # are powers of two). A legacy group's fold ends in 2 lanes per (row, token):
+                    # at most 8 fit one vector, so a wider group runs as passes over the tokens.
+                    toks = [b.add(t0_, _c64(min(u, n_real - 1))) for u in range(n_toks)]
+                    per_pass = n_toks if kind == "k" else max(1, min(n_toks, 8 // n_rows))
+                    for u0 in range(0, n_toks, per_pass):
+                        if u0 < n_real:
+                            group_pass(kind, decode, nbytes, n_rows, toks[u0:u0 + per_pass], n_real - u0)
                     b.branch(done)
                 b.position_at_end(b.append_basic_block(f"{name}.unreachable"))
+
+            def group_pass(kind, decode, nbytes, n_rows, toks, n_store):
+                n_toks = len(toks)
+                rows = [b.add(r_, _c64(j)) for j in range(n_rows)]
+                wrows, rbs = zip(*[_weight_row(context, b, signature.args[2], w_, x) for x in rows])
+                tok = _Tokens(context, b, signature.args[4:7], (xq_, xd_, xs_))
+                trows = [tok.rows(t) for t in toks]
+                group = _k_group if kind == "k" else _pair_group
+                n_steps = b.sdiv(rbs[0], _c64(nbytes))
+                if kind != "k":
+                    n_steps = b.sdiv(b.add(n_steps, _c64(1)), _c64(2))
+
+                def step(vbs, i, state):
+                    entries = [(vb, t) for vb in vbs for t in trows]      # lane j * n_toks + u
+                    return [group(b, entries, i, state[0])]
+                g = n_rows * n_toks
+                zero = ir.Constant(ir.VectorType(F32, g), [0.0] * g)
+                # after this pass the caller takes the next rows (row_dot: the next row)
+                nxt = b.mul(rbs[0], _c64(n_rows))
+                (facc,) = _steps(b, kind, decode, nbytes, list(wrows), rbs[0], _c64(0), n_steps, [zero], step, nxt)
+                O = _array(context, b, signature.args[8], out_)
+                width = cgutils.unpack_tuple(b, O.shape, 2)[1]
+                for j in range(n_rows):
+                    for u in range(min(n_toks, n_store)):
+                        lane = ir.Constant(I32, j * n_toks + u)
+                        b.store(b.extract_element(facc, lane),
+                                b.gep(O.data, [b.add(b.mul(toks[u], width), b.add(oc_, _c64(j)))]))
 
             _by_type(b, qt_, done, emit, only)
             b.position_at_end(done)
@@ -845,10 +862,14 @@ def _make_lane_dot(across_rows: bool):
 # t0 + u) for u < n (1, 2 or 4). w: (rows, row_bytes) uint8 of type qtype; xq int8, xd float32, xs
 # int16 rows from quantize_act.quantize_rows with the block act_block(qtype); out float32 (k, >= oc
 # + 1). Unchecked: the caller validated shapes.
-row_dot = _make_lane_dot(False)
+row_dot = _make_grid_dot("row_dot", {4: (1, 4, 4), 3: (1, 4, 3), 2: (1, 2, 2), 1: (1, 1, 1)})
 # rows_dot(qtype, n, w, r0, xq, xd, xs, t, out, oc0): out[t, oc0 + u] = (row r0 + u) . (activation
 # row t): the k = 1 kernel, the lane folding shared by n rows, each step of each row decoded once.
-rows_dot = _make_lane_dot(True)
+rows_dot = _make_grid_dot("rows_dot", {4: (4, 1, 1), 2: (2, 1, 1), 1: (1, 1, 1)})
+# grid_dot(qtype, n, w, r0, xq, xd, xs, t0, out, oc0): n tokens t0 .. t0 + n - 1 of rows r0 ..:
+# 4 rows by 2 tokens (n = 2), 2 rows by 4 tokens (n = 3, 4; for 3 the fourth lane repeats the
+# third token, unstored), out[t0 + u, oc0 + j]: verify-sized batches, 8 lanes a group.
+grid_dot = _make_grid_dot("grid_dot", {4: (2, 4, 4), 3: (2, 4, 3), 2: (4, 2, 2)})
 
 
 @intrinsic
@@ -955,17 +976,16 @@ ROW_TILE = 8          # rows sharing an L1-resident chunk of the activations (to
 ROW_TILE_LANES = 32   # the same for token lanes: the activations of 16+ tokens cost more to stream
 TILE_UNITS = 4        # token quads (16 tokens) or token vectors (64) per pass over a chunk
 ACT_L1_BYTES = 24576  # activation bytes of a chunk (all the pass's tokens) kept in L1
-# k from which matvec runs the tiled kernels (below: row_dots, state in registers). Measured on the
-# 27B FFN shapes, one core (bench_matvec.py --tiled-from 1 against 999, BENCHMARKS.md's "second
-# pass"): at 3 tokens (padded to a quad) the quads take 0.54-0.70x the row kernels' time for
-# Q4_0 / Q8_0 and 0.85x for Q4_K, but 1.1-1.2x for Q6_K (16-weight sub-blocks: twice the packs
-# and scale steps a quad), which starts at 4; at 2 tokens 0.8-1.2x (legacy) and 1.2-1.6x (K).
-TILED_MIN_K = 3
-TILED_MIN_K_SUB16 = 4       # Q6_K, Q3_K, Q2_K
+# k from which matvec runs the tiled kernels (below: block_dots, state in registers). Measured on
+# the 27B FFN shapes, 2 threads (bench_matvec.py --quick --ks 1,3,4,5,8 --tiled-from 999 against
+# 3, BENCHMARKS.md "Register groups of rows by tokens"): block_dots takes 0.5-0.9x the quads' time
+# at 3 and 4 tokens for all five types and 0.7-1.0x at 5 (one type 1.06x); at 8 the quads are
+# faster for four of five (one pass over the weights where block_dots makes two).
+TILED_MIN_K = 6
 
 
 def tiled_min_k(qtype: int) -> int:
-    return TILED_MIN_K_SUB16 if K_SUB.get(int(qtype)) == 16 else TILED_MIN_K
+    return TILED_MIN_K
 # k from which the tiled kernel runs on token lanes (transposed activations, padded to 16 tokens)
 # instead of token quads. Measured on the 27B FFN shapes, one core (bench_matvec.py --lanes-from 1
 # against 999, BENCHMARKS.md's "second pass"): legacy types, lanes / quads 1.25-1.38 at 12 tokens,
@@ -996,6 +1016,35 @@ def tile_sums(qtype, w, r0, n_rows, xa, xb, xc, n_steps, chunk, acc):
                 row_acc(qtype, w, r0 + r, xa, xb, xc, u0, n, s0, s1, acc, r)
 
 
+GRID_TOKENS = 4      # most tokens a grid_dot pass takes (2 rows by 4 tokens: 8 lanes)
+
+
+@njit(cache=CACHE, nogil=True, inline="always")
+def block_dots(qtype, w, r0, n_rows, xq, xd, xs, out, oc0):
+    """out[t, oc0 + j] for every token t and j < n_rows: rows r0 .. r0 + n_rows - 1. Tokens in
+    passes of up to GRID_TOKENS, each pass over the rows in grid_dot groups (a row left over: row_dot),
+    a last single token by rows_dots. The same bits as row by row (row_dots) or token by token
+    (rows_dots), with fewer fold and float steps per (row, token): for k = 2 about the time of
+    k = 1 on small matrices (the float and fold steps, not the weights, bound those)."""
+    k = xq.shape[0]
+    t0 = 0
+    while t0 < k:
+        if k - t0 < 2:
+            rows_dots(qtype, w, r0, n_rows, xq, xd, xs, t0, out, oc0)
+            t0 += 1
+            continue
+        nt = min(k - t0, GRID_TOKENS)
+        j = 0
+        rstep = 4 if nt == 2 else 2
+        while n_rows - j >= rstep:
+            grid_dot(qtype, nt, w, r0 + j, xq, xd, xs, t0, out, oc0 + j)
+            j += rstep
+        while j < n_rows:
+            row_dot(qtype, nt, w, r0 + j, xq, xd, xs, t0, out, oc0 + j)
+            j += 1
+        t0 += nt
+
+
 @njit(cache=CACHE, nogil=True, inline="always")
 def rows_dots(qtype, w, r0, n_rows, xq, xd, xs, t, out, oc0):
     """out[t, oc0 + j] for j < n_rows: rows r0 .. r0 + n_rows - 1 for token t, in passes of 4, 2, 1
@@ -1013,11 +1062,7 @@ def _matvec_int_kernel(w, qtype, xq, xd, xs, out, n_groups):
     k = xq.shape[0]
     for g in prange(n_groups):
         lo, hi = g * rows // n_groups, (g + 1) * rows // n_groups
-        if k == 1:
-            rows_dots(qtype, w, lo, hi - lo, xq, xd, xs, 0, out, lo)
-        else:
-            for r in range(lo, hi):
-                row_dots(qtype, w, r, xq, xd, xs, out, r)
+        block_dots(qtype, w, lo, hi - lo, xq, xd, xs, out, lo)
 
 
 @njit(cache=CACHE, nogil=True, parallel=True)

@@ -221,7 +221,7 @@ def main() -> None:
         ap.error(f"--pool-mib must be at least 512, got {args.pool_mib}")
     ks = [int(k) for k in args.ks.split(",")]
     if args.tiled_from is not None:         # path crossovers: time one path against the other
-        matvec_int.TILED_MIN_K = matvec_int.TILED_MIN_K_SUB16 = args.tiled_from
+        matvec_int.TILED_MIN_K = args.tiled_from
     if args.lanes_from is not None:
         matvec_int.LANES_MIN_K.update(k=args.lanes_from, pair=args.lanes_from)
     if args.cpu_time:

@@ -27,7 +27,8 @@ from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from cpu_kernels.matvec import matvec
-from cpu_kernels.matvec_int import INT_TYPES, act_block, quantize_for, row_dots, rows_dots
+from cpu_kernels.formats import type_tag
+from cpu_kernels.matvec_int import INT_TYPES, act_block, block_dots, quantize_for, row_dots, rows_dots
 from cpu_kernels.matvec_testdata import random_weights
 from cpu_kernels.quantize_act import dequantize_rows, quantize_rows
 from cpu_kernels.simd_int import ISA, _host_features
@@ -182,6 +183,33 @@ def _by_row_dots(qtype, w, xq, xd, xs, out, rows_at_once):
     else:
         for r in range(w.shape[0]):
             row_dots(qtype, w, r, xq, xd, xs, out, r)
+
+
+@numba.njit
+def _by_block_dots(qtype, w, r0, n_rows, xq, xd, xs, out, oc0):
+    block_dots(qtype, w, r0, n_rows, xq, xd, xs, out, oc0)
+
+
+@pytest.mark.parametrize("qtype", INT, ids=lambda t: t.name)
+def test_register_groups_give_each_token_its_own_bits(qtype):
+    """block_dots' groups of rows by tokens (4 x 2, 2 x 4, 2 x 4 with a repeated fourth token for
+    3, row_dot for a row left over, rows_dots for a last token) give every (row, token) the bits
+    of the token alone: every k up to 9 (the passes 4 + 4 + 1 included), odd row counts and an
+    offset row range written at an offset column."""
+    rng = np.random.default_rng(500 + int(qtype))
+    rows, cols = 23, 32 * 11 if act_block(qtype) == 32 else 256 * 3
+    w = random_weights(qtype, rows, cols, rng)
+    x = _x(rng, 9, cols)
+    x[4] *= 1e3
+    alone = np.stack([matvec(w, qtype, x[t:t + 1])[0] for t in range(9)]).view(np.uint32)
+    for k in range(1, 10):
+        q, d, s = quantize_for(qtype, x[:k])
+        for r0, n_rows in ((0, rows), (2, 5), (3, 3), (1, 1)):
+            out = np.full((k, n_rows + 2), np.nan, np.float32)
+            _by_block_dots(type_tag(qtype), w, r0, n_rows, q, d, s, out, 1)
+            assert np.array_equal(out[:, 1:1 + n_rows].view(np.uint32), alone[:k, r0:r0 + n_rows]), \
+                f"{qtype.name}: k = {k}, rows {r0} .. {r0 + n_rows - 1}"
+            assert np.isnan(out[:, 0]).all() and np.isnan(out[:, -1]).all()     # nothing outside the range
 
 
 @pytest.mark.parametrize("qtype", INT, ids=lambda t: t.name)
