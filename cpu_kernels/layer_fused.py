@@ -21,9 +21,8 @@ operations whatever k is (activation rows are quantized one by one; block_dots a
 bit-stable across k; norms, rotary and attention are per row, and each (token, head) runs the same
 compiled attention loop in the serial and the parallel kernel), so a token's result is the same
 alone or in a verify batch, on any number of threads (tests/test_layer_fused.py). The KV cache here
-is float32 or float16 [n_ctx, n_kv, d] (K and V each; float16, the default of `run` and `serve`, as
-uint16 bits); the backend keeps the torch path for bf16 and q8_0 caches and for prompt batches
-(> 32 tokens).
+is f32, f16 or q8_0 [n_ctx, n_kv, d] (K and V each, as -ctk / -ctv; see "KV cache rows" below);
+the backend keeps the torch path for bf16 caches and for prompt batches (> 32 tokens).
 """
 from __future__ import annotations
 
@@ -240,36 +239,92 @@ def _rotate(x, lo, cos, sin, pos, n_rot, neox):
 
 
 # --------------------------------------------------------------------------- KV cache rows
-# A cache is float32 or float16 ([n_ctx, n_kv, d]; float16 as its uint16 bits: Numba has no float16
-# on the CPU), K and V each either: a value is widened exactly when read and rounded to nearest
-# (ties to even, as torch's .half()) once, when written.
+# A cache row (one position, one KV head) is float32 [d], float16 [d] as its uint16 bits (Numba has
+# no float16 on the CPU) or q8_0 uint8 [d / 32, 34] (ggml's block: float16 scale, 32 int8), K and V
+# each either, the same values as the torch trunk's caches (gpu_kernels.attention): a float16 value
+# is widened exactly when read and rounded to nearest even (torch's .half()) once, when written; a
+# q8_0 row is quantized as gguf-py does when written and read as float32(q) * float32(d).
 
-def _cache_get(row, i):
-    """row[i] of a cache row as float32."""
-
-
-def _cache_put(row, i, x):
-    """row[i] = float32 x, in the cache's storage."""
+def _cache_row(row, scratch):
+    """The row as `dot_f32` and `_cache_value` read it: itself, or (q8_0) dequantized into scratch."""
 
 
-@overload(_cache_get, inline="always")
-def _cache_get_impl(row, i):
+def _cache_value(row, i):
+    """Element i of what _cache_row returned, as float32."""
+
+
+def _cache_store(row, x):
+    """Write float32 x [d] into the row, in the cache's storage."""
+
+
+def _is_q8_0_row(row):
+    return isinstance(row, types.Array) and row.ndim == 2 and row.dtype == types.uint8
+
+
+@njit(cache=CACHE, nogil=True)
+def _q8_0_dequantize_row(row, out):
+    for b in range(row.shape[0]):
+        d = f16_bits_to_f32(np.uint16(np.int64(row[b, 0]) | (np.int64(row[b, 1]) << 8)))
+        for i in range(32):
+            out[32 * b + i] = np.float32(np.int8(row[b, 2 + i])) * d
+    return out
+
+
+@njit(cache=CACHE, nogil=True)
+def _q8_0_quantize_row(row, x):
+    for b in range(row.shape[0]):
+        amax = np.float32(0.0)
+        for i in range(32):
+            amax = max(amax, abs(x[32 * b + i]))
+        d = amax / np.float32(127.0)
+        inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+        bits = f32_to_f16_bits(d)
+        row[b, 0], row[b, 1] = np.uint8(bits & 0xFF), np.uint8(bits >> 8)
+        for i in range(32):
+            # gguf-py's np_roundf: floor(|a|) + floor(2 frac(|a|)), half away from zero
+            a = x[32 * b + i] * inv
+            mag = np.floor(abs(a))
+            q = mag + np.floor(np.float32(2.0) * (abs(a) - mag))
+            row[b, 2 + i] = np.uint8(np.int8(-q if a < 0 else q) & 0xFF)
+
+
+@njit(cache=CACHE, nogil=True)
+def _f16_store_row(row, x):
+    for i in range(row.shape[0]):
+        row[i] = f32_to_f16_bits(x[i])
+
+
+@njit(cache=CACHE, nogil=True)
+def _f32_store_row(row, x):
+    for i in range(row.shape[0]):
+        row[i] = x[i]
+
+
+# (not inline="always": Numba's inliner trips over the loops of the q8_0 helpers; these are calls)
+@overload(_cache_row)
+def _cache_row_impl(row, scratch):
+    if _is_q8_0_row(row):
+        return lambda row, scratch: _q8_0_dequantize_row(row, scratch)
+    if row.ndim == 1 and row.dtype in (types.float32, types.uint16):
+        return lambda row, scratch: row
+
+
+@overload(_cache_value, inline="always")
+def _cache_value_impl(row, i):
     if row.dtype == types.float32:
         return lambda row, i: row[i]
     if row.dtype == types.uint16:
         return lambda row, i: f16_bits_to_f32(row[i])
 
 
-@overload(_cache_put, inline="always")
-def _cache_put_impl(row, i, x):
-    if row.dtype == types.float32:
-        def put(row, i, x):
-            row[i] = x
-        return put
-    if row.dtype == types.uint16:
-        def put_f16(row, i, x):
-            row[i] = f32_to_f16_bits(x)
-        return put_f16
+@overload(_cache_store)
+def _cache_store_impl(row, x):
+    if _is_q8_0_row(row):
+        return lambda row, x: _q8_0_quantize_row(row, x)
+    if row.ndim == 1 and row.dtype == types.float32:
+        return lambda row, x: _f32_store_row(row, x)
+    if row.ndim == 1 and row.dtype == types.uint16:
+        return lambda row, x: _f16_store_row(row, x)
 
 
 @njit(cache=CACHE, nogil=True, inline="always")
@@ -281,10 +336,11 @@ def _attend_one(item, q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale,
     lo = max(first, pos - window + 1) if window > 0 else first
     n_keys = pos + 1 - lo
     scores = np.empty(n_keys, np.float32)
+    kbuf, vbuf = np.empty(d, np.float32), np.empty(dv, np.float32)     # q8_0 rows, dequantized
     qh = q[t, h * d:(h + 1) * d]
     m = np.float32(-np.inf)
     for j in range(n_keys):
-        sc = dot_f32(qh, k_cache[lo + j, g]) * scale
+        sc = dot_f32(qh, _cache_row(k_cache[lo + j, g], kbuf)) * scale
         scores[j] = sc
         m = max(m, sc)
     total = 0.0
@@ -298,9 +354,9 @@ def _attend_one(item, q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale,
         acc[i] = 0.0
     for j in range(n_keys):
         p = scores[j] * inv
-        v = v_cache[lo + j, g]
+        v = _cache_row(v_cache[lo + j, g], vbuf)
         for i in range(dv):
-            acc[i] += p * _cache_get(v, i)
+            acc[i] += p * _cache_value(v, i)
 
 
 # No fastmath here: every float step of attention is fixed by the code (matvec_simd.dot_f32), so a
@@ -335,7 +391,8 @@ def attention_block(h, n_threads, int_types, float_path, attn_norm, post_norm, h
                     q_norm, k_norm, qk_norm, cos, sin, n_rot, neox,
                     k_cache, v_cache, start, n_head, n_kv, d, dv, scale, window, first):
     """h (k, n_embd) float32 at positions start .. start+k-1 -> h + attention(h), writing the
-    k new key/value rows into the caches (n_ctx, n_kv, d): float32, or float16 as uint16 bits. Weights: raw ggml rows
+    k new key/value rows into the caches (n_ctx, n_kv, d): float32, float16 as uint16 bits, or q8_0
+    blocks uint8 (n_ctx, n_kv, d / 32, 34). Weights: raw ggml rows
     (readonly uint8, one type each), with e*/i* as `_project` takes them; int_types, float_path:
     `kernel_types` of (at least) these matrices."""
     k, n_embd = h.shape
@@ -345,7 +402,7 @@ def attention_block(h, n_threads, int_types, float_path, attn_norm, post_norm, h
     _project(n_threads, int_types, float_path, wq, tq, eq, iq, nq, wk, tk, ek, ik, nk, wv, tv, ev, iv, n_kv * dv,
              x, qkv)
     q = np.empty((k, nq), np.float32)
-    krow = np.empty(d, np.float32)          # a key row before it is stored (rounded, for float16)
+    krow, vrow = np.empty(d, np.float32), np.empty(dv, np.float32)     # new rows before they are stored
     for t in range(k):
         pos = start + t
         for c in range(nq):
@@ -364,10 +421,10 @@ def attention_block(h, n_threads, int_types, float_path, attn_norm, post_norm, h
                 for i in range(d):
                     krow[i] = (krow[i] * r) * k_norm[i]
             _rotate(krow, 0, cos, sin, pos, n_rot, neox)
-            for i in range(d):
-                _cache_put(k_cache[pos, g], i, krow[i])
+            _cache_store(k_cache[pos, g], krow)
             for i in range(dv):
-                _cache_put(v_cache[pos, g], i, qkv[t, nq + nk + g * dv + i])
+                vrow[i] = qkv[t, nq + nk + g * dv + i]
+            _cache_store(v_cache[pos, g], vrow)
     o = np.empty((k, n_head * dv), np.float32)
     n_items = k * n_head
     if n_threads > 1 and n_items > 1 and n_items * (start + k) * d >= ATTEND_PARALLEL_MIN:

@@ -25,6 +25,7 @@ from gpu_kernels.quant import QUANTIZED_TYPES
 
 from .executor import Executor, HostExperts, HostFFN, SplitFFN, TracedBackend
 from .gguf_file import GGUFFile
+from .kv_cache import Q8Rows
 
 
 FUSED_DEFAULT = layer_fused.FUSED_DEFAULT
@@ -131,8 +132,10 @@ def _fused_operands(linear: CpuQuantLinear, rows: slice = slice(None)) -> tuple:
 
 
 def _fused_cache_view(rows) -> np.ndarray | None:
-    """A CPU cache tensor as the fused attention kernel takes it: float32 as is, float16 as its
-    uint16 bits (the same memory); None for the other storages (bf16, q8_0)."""
+    """A CPU cache as the fused attention kernel takes it (the same memory): float32 as is,
+    float16 as its uint16 bits, q8_0 as its uint8 blocks; None for bf16."""
+    if isinstance(rows, Q8Rows):
+        return rows.blocks.numpy() if rows.blocks.device.type == "cpu" else None
     if not isinstance(rows, torch.Tensor) or rows.device.type != "cpu":
         return None
     if rows.dtype == torch.float32:
@@ -144,7 +147,7 @@ def _fused_cache_view(rows) -> np.ndarray | None:
 
 def _fused_state(state, index: int, spec) -> tuple | None:
     """(K cache, V cache, rotary cos, rotary sin) of a session's layer as numpy views, or None when
-    the cache is not float32 / float16 on the CPU. Kept in the session's state: a decode step would
+    the cache is bf16 or not on the CPU. Kept in the session's state: a decode step would
     otherwise rebuild them for every layer."""
     views = state.extra.setdefault("fused_layer_views", {})
     key = (index, spec.rope)
@@ -154,7 +157,7 @@ def _fused_state(state, index: int, spec) -> tuple | None:
         if k is None or v is None:
             found = ()
         else:
-            table = state.rotary(spec.rope, state.kv.k[index].device)
+            table = state.rotary(spec.rope, torch.device("cpu"))
             found = (k, v, table.cos.numpy(), table.sin.numpy())
         views[key] = found
     return found or None
@@ -178,8 +181,8 @@ def _rows_f32(h: torch.Tensor) -> np.ndarray:
 class FusedAttentionBlock:
     """A layer's attention half (norm, q/k/v, q/k norm, rotary, KV write, attention, output
     projection, post-norm, residual) as one layer_fused call, for a CPU trunk whose attention
-    matrices are all in the mmap. Decode and verify batches (<= ROWWISE_MAX tokens) on a float32 or
-    float16 cache take it; prompt batches and other cache types run `block`, the torch path it wraps."""
+    matrices are all in the mmap. Decode and verify batches (<= ROWWISE_MAX tokens) on an f32, f16 or
+    q8_0 cache take it; prompt batches and other cache types run `block`, the torch path it wraps."""
 
     def __init__(self, block, kernel_types: tuple):
         self.block, self.attn = block, block.attn     # .attn.spec is read at every call

@@ -81,18 +81,24 @@ def compile_notice(stream: TextIO | None = None) -> Iterator:
 
 
 def compile_kernels(model: "Model") -> None:
-    """Batches of 1, 4, 16 and 40 tokens: compiles (or loads) every kernel the model uses, for decode
-    and verify (row kernels, or the fused layer halves of a CPU trunk, which take batches up to
-    ROWWISE_MAX tokens; the output matrix on 4 and 16 tokens as a verify step reads it) and prompts
-    (cpu_kernels.matvec_int's tiled kernels on token groups and lanes; a batch past ROWWISE_MAX
-    reaches them through the torch trunk), each for the model's quant types only. Twice: on an f32
-    KV cache (the Python API's default) and on f16 (`run`'s and `serve`'s): the fused attention half
-    compiles once per cache type."""
+    """Batches of 1, 4, 8, 16 and 40 tokens: compiles (or loads) every kernel the model uses, for
+    decode and verify (register groups, or the fused layer halves of a CPU trunk, which take
+    batches up to ROWWISE_MAX tokens; the output matrix on 4, 8 and 16 tokens as verify steps read
+    it: register groups, token quads, and token lanes for the 32-weight types) and prompts
+    (cpu_kernels.matvec_int's tiled kernels on token quads and lanes; a batch past ROWWISE_MAX
+    reaches them through the torch trunk), each for the model's quant types only. Once per KV cache
+    type the fused attention half reads (it compiles once for each): f32 (the Python API's
+    default), f16 (`run`'s and `serve`'s) and q8_0 (-ctk / -ctv q8_0) where the head size allows."""
+    from .errors import UserError
+
     token = model.tokenizer.bos_id if model.tokenizer.bos_id is not None else 0
-    for cache_type in ("f32", "f16"):
-        session = model.session(n_ctx=64, cache_type=cache_type)
-        for k in (1, 4, 16, 40):
-            session.eval([token] * k, logits="all" if k in (4, 16) else "last")
+    for cache_type in ("f32", "f16", "q8_0"):
+        try:
+            session = model.session(n_ctx=128, cache_type=cache_type)
+        except UserError:           # q8_0 on a head size its blocks do not divide
+            continue
+        for k in (1, 4, 8, 16, 40):
+            session.eval([token] * k, logits="all" if k in (4, 8, 16) else "last")
 
 
 def announce_and_compile(model: "Model | str | os.PathLike | None") -> bool:

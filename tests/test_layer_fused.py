@@ -21,6 +21,7 @@ from cpu_kernels.ffn import ACTIVATIONS
 from cpu_kernels.matvec_int import types_tag
 from cpu_kernels.matvec_simd import dot_f32, f16_bits_to_f32, f32_to_f16_bits
 from cpu_kernels.matvec_testdata import random_weights
+from gpu_kernels.attention import q8_0_dequantize, q8_0_quantize
 from gpu_kernels.rotary import rotary_table
 
 N_EMBD, N_HEAD, N_KV, HEAD, N_ROT, N_FF, N_CTX = 512, 4, 2, 128, 64, 1024, 64
@@ -79,9 +80,9 @@ class Layer:
             self.cos, self.sin, N_ROT, self.neox,
             k_cache, v_cache, start, N_HEAD, N_KV, HEAD, HEAD, 1 / math.sqrt(HEAD), self.window, self.first)
 
-    def ref(self, h, k_cache, v_cache, start, round_kv=False):
-        """float64: returns (h + attention, the caches with the new rows); round_kv: the new rows
-        rounded to float16 before they are attended over (a float16 cache)."""
+    def ref(self, h, k_cache, v_cache, start, cache="f32"):
+        """float64: returns (h + attention, the caches with the new rows), the new rows rounded as
+        a cache of type `cache` stores them before they are attended over."""
         wq, wk, wv, wo = self.w
         h64 = h.astype(np.float64)
         x = _rms(h64, self.norm)
@@ -97,8 +98,7 @@ class Layer:
             cos, sin = self.cos[pos].astype(np.float64), self.sin[pos].astype(np.float64)
             q[t], keys[pos] = _rotate64(q[t], cos, sin, self.neox), _rotate64(k[t], cos, sin, self.neox)
             vals[pos] = v[t]
-            if round_kv:
-                keys[pos], vals[pos] = keys[pos].astype(np.float16), vals[pos].astype(np.float16)
+            keys[pos], vals[pos] = _stored(keys[pos], cache), _stored(vals[pos], cache)
         for t in range(len(h)):
             pos = start + t
             lo = max(self.first, pos - self.window + 1) if self.window else self.first
@@ -112,20 +112,33 @@ class Layer:
 
 
 def _caches(rng, start, cache="f32"):
-    """K and V caches with `start` random rows: float32, or float16 as the kernel takes it (its
-    uint16 bits)."""
+    """K and V caches with `start` random rows as the kernel takes them: float32, float16 (its
+    uint16 bits) or q8_0 (uint8 blocks [.., HEAD / 32, 34], the torch trunk's quantizer)."""
     k = np.zeros((N_CTX, N_KV, HEAD), np.float32)
     v = np.zeros((N_CTX, N_KV, HEAD), np.float32)
     k[:start] = rng.standard_normal((start, N_KV, HEAD))
     v[:start] = rng.standard_normal((start, N_KV, HEAD))
     if cache == "f16":
         return k.astype(np.float16).view(np.uint16), v.astype(np.float16).view(np.uint16)
+    if cache == "q8_0":
+        return tuple(q8_0_quantize(torch.from_numpy(c)).numpy() for c in (k, v))
     return k, v
 
 
 def _values(c):
-    """A cache's values as float32 (float16 bits widened)."""
+    """A cache's values as float32 (float16 bits widened, q8_0 blocks dequantized)."""
+    if c.dtype == np.uint8:
+        return q8_0_dequantize(torch.from_numpy(c)).numpy()
     return c.view(np.float16).astype(np.float32) if c.dtype == np.uint16 else c
+
+
+def _stored(rows, cache):
+    """float64 rows as a cache of that type holds them (float16 or q8_0 rounding)."""
+    if cache == "f16":
+        return rows.astype(np.float16).astype(np.float64)
+    if cache == "q8_0":
+        return _values(q8_0_quantize(torch.from_numpy(rows.astype(np.float32))).numpy()).astype(np.float64)
+    return rows
 
 
 def _rel(got, ref, base):
@@ -140,7 +153,7 @@ ATTN_CASES = {   # types of q, k, v, o; q/k norm, post-norm, neox, window
 }
 
 
-@pytest.mark.parametrize("cache", ["f32", "f16"])
+@pytest.mark.parametrize("cache", ["f32", "f16", "q8_0"])
 @pytest.mark.parametrize("integer", [False, True], ids=["float", "int8"])
 @pytest.mark.parametrize("case", list(ATTN_CASES))
 def test_attention_block_matches_float64(case, integer, cache):
@@ -150,7 +163,7 @@ def test_attention_block_matches_float64(case, integer, cache):
     start, k = int(rng.integers(5, 30)), 3
     h = rng.standard_normal((k, N_EMBD)).astype(np.float32)
     kc, vc = _caches(rng, start, cache)
-    ref, ref_k, ref_v = layer.ref(h, _values(kc), _values(vc), start, round_kv=cache == "f16")
+    ref, ref_k, ref_v = layer.ref(h, _values(kc), _values(vc), start, cache)
     got = layer.run(h, kc, vc, start)
     err = _rel(got, ref, h)
     # float path: float32 rounding; a float16 cache adds a float16 ulp where a new row's float32
@@ -159,29 +172,41 @@ def test_attention_block_matches_float64(case, integer, cache):
     # amplifies: measured over 150 draws per case, median 1.1-1.3e-2, max 3.4e-2 (llama-q4_1: no
     # q/k norm, the sharpest scores; float16 cache: the same), so 8e-2; a wrong or unwritten row
     # is O(1)
-    bound = 8e-2 if integer else 2e-6 if cache == "f32" else 5e-4
+    # q8_0 cache: a new value that lands on the other side of a quantization level than the
+    # float64 reference's moves by 1/127 of its block's max (100 draws a case: median 2e-7, max
+    # 7e-4 on the output and the rows, so 5e-3)
+    bound = 8e-2 if integer else {"f32": 2e-6, "f16": 5e-4, "q8_0": 5e-3}[cache]
     assert err <= bound, f"{case}: relative error {err:.3g}"
-    row_bound = bound if cache == "f32" or integer else 1e-3       # float16 rows: 2^-11 relative (max 6.6e-5)
+    row_bound = bound if cache != "f16" or integer else 1e-3       # float16 rows: 2^-11 relative (max 6.6e-5)
     assert _rel(_values(kc)[start:start + k], ref_k[start:start + k], 0) <= row_bound
     assert _rel(_values(vc)[start:start + k], ref_v[start:start + k], 0) <= row_bound
     assert not kc[start + k:].any()             # nothing written past the batch
 
 
+@pytest.mark.parametrize("cache", ["f16", "q8_0"])
 @pytest.mark.parametrize("integer", [False, True], ids=["float", "int8"])
-def test_float16_cache_rows_are_the_float32_rows_rounded(integer):
-    """A float16 cache stores exactly what a float32 cache would, rounded to nearest even (torch's
-    .half()), in the same rows; what attends over it is test_attention_block_matches_float64's."""
+def test_cache_rows_are_the_float32_rows_stored_as_torch_stores_them(integer, cache):
+    """A float16 or q8_0 cache stores exactly what a float32 cache gets, rounded as the torch
+    trunk's caches round it (torch's .half(); gguf-py's q8_0 quantizer, byte for byte), in the same
+    rows; what attends over them is test_attention_block_matches_float64's."""
     types, qk_norm, post, neox, window = ATTN_CASES["gemma3-mixed"]
     rng = np.random.default_rng()
     layer = Layer(rng, types, integer, qk_norm, post, neox, window)
     start, k = 21, 4
     h = rng.standard_normal((k, N_EMBD)).astype(np.float32)
-    k16, v16 = _caches(rng, start, "f16")
-    k32, v32 = _values(k16).copy(), _values(v16).copy()
+    kq, vq = _caches(rng, start, cache)
+    before = kq.copy(), vq.copy()
+    k32, v32 = _values(kq).copy(), _values(vq).copy()
     layer.run(h, k32, v32, start)
-    layer.run(h, k16, v16, start)
-    assert np.array_equal(k16, k32.astype(np.float16).view(np.uint16))
-    assert np.array_equal(v16, v32.astype(np.float16).view(np.uint16))
+    layer.run(h, kq, vq, start)
+    new = slice(start, start + k)
+    for stored, rows, old in ((kq, k32, before[0]), (vq, v32, before[1])):
+        if cache == "f16":
+            want = rows[new].astype(np.float16).view(np.uint16)
+        else:
+            want = q8_0_quantize(torch.from_numpy(rows[new])).numpy()
+        assert np.array_equal(stored[new], want)
+        assert np.array_equal(np.delete(stored, np.r_[new], axis=0), np.delete(old, np.r_[new], axis=0))
 
 
 def test_attention_block_window_and_first_position_are_honoured():
@@ -200,7 +225,7 @@ def test_attention_block_window_and_first_position_are_honoured():
         assert not np.array_equal(layer.run(h, kc.copy(), vc.copy(), start), got)
 
 
-@pytest.mark.parametrize("cache", ["f32", "f16"])
+@pytest.mark.parametrize("cache", ["f32", "f16", "q8_0"])
 @pytest.mark.parametrize("case", ["llama-q4_1", "gemma3-mixed"])
 def test_attention_block_token_does_not_depend_on_the_batch_or_threads(case, cache):
     types, qk_norm, post, neox, window = ATTN_CASES[case]

@@ -161,27 +161,31 @@ def test_qwen3next_tiny_has_packed_beta_alpha_and_experts(tiny_file):
     assert g.tensors["blk.0.ffn_up_exps.weight"].shape[2] == int(g.get("expert_count"))
 
 
+@pytest.mark.parametrize("cache", ["f16", "q8_0"])
 @pytest.mark.parametrize("arch", FUSED_ARCHS)
-def test_float16_cache_takes_the_fused_kernels(tiny_file, arch, monkeypatch):
-    """`run` and `serve` default to a float16 KV cache (llama.cpp's default): decode and verify steps
-    on it take the fused layer kernels too (it ran ~1.6x slower on the torch trunk), and agree with
-    the torch trunk on the same cache to float16 rounding (a 1e-7 difference in a key can move its
-    float16 value by an ulp; measured 1.3e-6 .. 3.3e-5, a broken conversion is O(1))."""
+def test_f16_and_q8_0_caches_take_the_fused_kernels(tiny_file, arch, cache, monkeypatch):
+    """`run` and `serve` default to a float16 KV cache (llama.cpp's default), and -ctk / -ctv q8_0
+    is common: decode and verify steps on either take the fused layer kernels too (they ran
+    ~1.6-2.4x slower on the torch trunk), and agree with the torch trunk on the same cache to its
+    rounding (a 1e-7 difference in a key can move its stored value by an ulp or a q8_0 level;
+    measured f16 1.3e-6 .. 3.3e-5, q8_0 2.5e-7; a broken conversion is O(1))."""
     from hybridrt import backends
 
     path = tiny_file(arch, "q8_0")
     fused = load_model(path, exact_activations=True)
+    if cache == "q8_0" and fused.layers[0][0].attn.spec.head_dim % 32:
+        pytest.skip(f"{arch}'s tiny file has a head size q8_0 blocks do not divide")
     monkeypatch.setattr(backends, "FUSED_DEFAULT", False)
     torch_trunk = load_model(path, exact_activations=True)
     tokens = tokens_for(fused, N_POS, seed=5)
     steps = ((0, 7), (7, 8), (8, 16), (16, 19), (19, 20), (20, 28), (28, 40))
     logits, views = [], []
     for m in (fused, torch_trunk):
-        s = m.session(64, "f16", k_max=8)
+        s = m.session(64, cache, k_max=8)
         logits.append(np.concatenate([s.eval(tokens[i:j]).numpy() for i, j in steps]))
         views.append(s.state.extra.get("fused_layer_views", {}))
-    assert views[0] and all(v and v[0].dtype == np.uint16 for v in views[0].values())
+    assert views[0] and all(v and v[0].dtype == (np.uint16 if cache == "f16" else np.uint8) for v in views[0].values())
     assert not views[1]
     err = rel_err(logits[0], logits[1])
-    print(f"\n{arch}: fused vs torch trunk on a float16 cache, relative error {err:.3g}")
+    print(f"\n{arch}: fused vs torch trunk on a {cache} cache, relative error {err:.3g}")
     assert err <= 5e-4, f"{arch}: relative error {err:.3g}"
