@@ -1019,7 +1019,7 @@ def tile_sums(qtype, w, r0, n_rows, xa, xb, xc, n_steps, chunk, acc):
 GRID_TOKENS = 4      # most tokens a grid_dot pass takes (2 rows by 4 tokens: 8 lanes)
 
 
-@njit(cache=CACHE, nogil=True, inline="always")
+@njit(cache=CACHE, nogil=True)
 def block_dots(qtype, w, r0, n_rows, xq, xd, xs, out, oc0):
     """out[t, oc0 + j] for every token t and j < n_rows: rows r0 .. r0 + n_rows - 1. Tokens in
     passes of up to GRID_TOKENS, each pass over the rows in grid_dot groups (a row left over: row_dot),
