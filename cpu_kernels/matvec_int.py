@@ -788,8 +788,10 @@ def _c_2d(*arrays):
 
 def _make_grid_dot(name: str, shapes: dict):
     """A register kernel: `name`(qtype, n, w, r, xq, xd, xs, t0, out, oc) computes the lane group
-    shapes[n] = (n_rows, n_toks): out[t0 + u, oc + j] = (row r + j) . (activation row t0 + u) for
-    j < n_rows, u < n_toks, one lane per (row, token), float state in registers for the whole row.
+    shapes[n] = (n_rows, n_toks, n_real): out[t0 + u, oc + j] = (row r + j) . (activation row
+    t0 + u) for j < n_rows, u < n_real, one lane per (row, token), float state in registers for the
+    whole row; lanes u >= n_real (groups are powers of two) repeat token n_real - 1 and are not
+    stored (at compile time: their integer work folds away where it duplicates another lane's).
     Each row's step is decoded once (next to its first dot product) and dotted with every token
     of the group; the fold and the float steps run once per group for all its lanes, so wider
     groups spend less per (row, token) on them. Every lane takes the numerics block's steps
@@ -859,7 +861,7 @@ def _make_grid_dot(name: str, shapes: dict):
 
 
 # row_dot(qtype, n, w, r, xq, xd, xs, t0, out, oc): out[t0 + u, oc] = (row r of W) . (activation row
-# t0 + u) for u < n (1, 2 or 4). w: (rows, row_bytes) uint8 of type qtype; xq int8, xd float32, xs
+# t0 + u) for u < n (1 to 4). w: (rows, row_bytes) uint8 of type qtype; xq int8, xd float32, xs
 # int16 rows from quantize_act.quantize_rows with the block act_block(qtype); out float32 (k, >= oc
 # + 1). Unchecked: the caller validated shapes.
 row_dot = _make_grid_dot("row_dot", {4: (1, 4, 4), 3: (1, 4, 3), 2: (1, 2, 2), 1: (1, 1, 1)})
