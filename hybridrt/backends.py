@@ -282,7 +282,7 @@ class WeightBinder:
     def __init__(self, gguf: GGUFFile, device: torch.device, tensor_devices: dict[str, str] | None = None,
                  default: str = "cpu", device_dtype: torch.dtype = torch.float32,
                  executor: Executor | None = None, split: tuple[int, int] | None = None,
-                 exact: bool | None = None, fused: bool | None = None):
+                 exact: bool | None = None, fused: bool | None = None, fused_qtypes: list[int] | None = None):
         self.gguf, self.device = gguf, device
         # False: the torch trunk ops even where the fused kernels could run (None: FUSED_DEFAULT)
         self.fused = FUSED_DEFAULT if fused is None else fused
@@ -292,6 +292,7 @@ class WeightBinder:
         self.trace = executor.trace if executor is not None else None
         self.scratch = TileScratch(device, device_dtype)    # one dequantization tile for all QuantLinears
         self._kernel_types = None   # _fused_types, worked out at the first fused layer
+        self._fused_qtypes = fused_qtypes   # the types those cover (None: layer_qtypes())
 
     def _cpu(self, raw: np.ndarray, qtype: int, n_in: int, n_out: int, name: str = "") -> CpuQuantLinear:
         return CpuQuantLinear(raw, qtype, n_in, n_out, name, exact=self.exact)
@@ -429,10 +430,13 @@ class WeightBinder:
         for all of the file's layer matrices, so every layer shares one compilation that holds
         only the code these types take (no float kernel when each has an integer one)."""
         if self._kernel_types is None:
-            qtypes = [info.qtype for name, info in self.gguf.tensors.items()
-                      if name.startswith("blk.") and len(info.shape) >= 2]
+            qtypes = self.layer_qtypes() if self._fused_qtypes is None else self._fused_qtypes
             self._kernel_types = layer_fused.kernel_types((q, use_int(q, self.exact)) for q in qtypes)
         return self._kernel_types
+
+    def layer_qtypes(self) -> list[int]:
+        """The quant types of the file's layer matrices."""
+        return [info.qtype for name, info in self.gguf.tensors.items() if name.startswith("blk.") and len(info.shape) >= 2]
 
     def embedding(self, name: str) -> Embedding:
         return Embedding(self.gguf, name, self.device)

@@ -32,12 +32,12 @@ from .backends import WeightBinder
 from .errors import UserError
 from .gguf_file import GGUFError, GGUFFile
 from .kv_cache import KVCache
-from .models.common import Attention, AttentionSpec, ModelState
+from .models.common import Attention, AttentionSpec, ModelState, attention_block, ffn_block
 
 HEAD_ARCH = "mtp_head"
 PREFIX = "mtp"
 SUPPORTED_TARGETS = ("llama", "qwen3", "gemma3", "qwen35")
-KV_KEY = "mtp_kv"       # ModelState.extra entry holding the head's own KV cache
+HEAD_STATE_KEY = "mtp_head_state"    # ModelState.extra entry holding the head's own state (its KV cache)
 
 
 @dataclass(frozen=True)
@@ -97,27 +97,28 @@ class TrainedMTPHead:
         self.enorm = w.dense(f"{p}.enorm.weight")
         self.hnorm = w.dense(f"{p}.hnorm.weight")
         self.eh_proj = w.linear(f"{p}.eh_proj.weight")
-        self.attn_norm = w.dense(f"{p}.attn_norm.weight")
-        self.attn = Attention(w, p, spec, cache_index=0)
-        self.ffn_norm = w.dense(f"{p}.ffn_norm.weight")
-        self.ffn = w.glu_ffn(p, act=kind.act)
-        if kind.sandwich:
-            self.post_attn_norm = w.dense(f"{p}.post_attention_norm.weight")
-            self.post_ffn_norm = w.dense(f"{p}.post_ffw_norm.weight")
+        # the block's two halves as the target's layers run them: one fused call each on a CPU
+        # trunk (the binder's choice), else torch ops
+        self.attn_half = attention_block(w, p, spec, 0, "post_attention_norm" if kind.sandwich else None)
+        self.ffn_half = ffn_block(w, p, kind.act, model.eps, "post_ffw_norm" if kind.sandwich else None)
         self.head_norm = w.dense(f"{p}.head_norm.weight")
         self.output = w.linear(f"{p}.head.weight")
         self.spec, self.draft_ids = spec, draft_ids
         self.n_out = self.output.n_out
 
-    def _kv(self, state: ModelState) -> KVCache:
-        # the head's cache lives with the session's state (qwen35 sessions already make one)
-        kv = getattr(state, "mtp_kv", None)
-        kv = state.extra.get(KV_KEY) if kv is None else kv
-        if kv is None:
-            s = self.spec
-            kv = KVCache(1, state.n_ctx, s.n_kv, s.head_dim, s.head_dim_v, torch.float32, self.model.device)
-            state.extra[KV_KEY] = kv
-        return kv
+    def _head_state(self, state: ModelState) -> ModelState:
+        """The head's own state (its KV cache, the session's rotary tables), kept with the session's
+        state (qwen35 sessions already make the cache): made once, so the fused attention half's
+        views of it are too."""
+        head_state = state.extra.get(HEAD_STATE_KEY)
+        if head_state is None:
+            kv = getattr(state, "mtp_kv", None)
+            if kv is None:
+                s = self.spec
+                kv = KVCache(1, state.n_ctx, s.n_kv, s.head_dim, s.head_dim_v, torch.float32, self.model.device)
+            head_state = ModelState(n_ctx=state.n_ctx, kv=kv, rope=state.rope, rope_rows=state.rope_rows)
+            state.extra[HEAD_STATE_KEY] = head_state
+        return head_state
 
     def step(self, state: ModelState, tokens: torch.Tensor, hidden: torch.Tensor, start_pos: int,
              logits: bool = True, out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -128,11 +129,7 @@ class TrainedMTPHead:
         e = rms_norm(self.model.embed(tokens), self.enorm, self.eps)
         hn = rms_norm(hidden, self.hnorm, self.eps)
         x = self.eh_proj(torch.cat((e, hn), dim=-1))
-        head_state = ModelState(n_ctx=state.n_ctx, kv=self._kv(state), rope=state.rope, rope_rows=state.rope_rows)
-        a = self.attn(rms_norm(x, self.attn_norm, self.eps), head_state, pos_list)
-        x = x + (rms_norm(a, self.post_attn_norm, self.eps) if self.kind.sandwich else a)
-        f = self.ffn(rms_norm(x, self.ffn_norm, self.eps))
-        x = x + (rms_norm(f, self.post_ffn_norm, self.eps) if self.kind.sandwich else f)
+        x = self.ffn_half(self.attn_half(x, self._head_state(state), pos_list))
         normed = rms_norm(x, self.head_norm, self.eps)
         return (self.head(normed, out=out) if logits else None), normed
 
@@ -216,8 +213,12 @@ def load_mtp_head(model, path: str | Path, tensor_devices: dict[str, str] | None
     _, spec = head_attention_spec(model)
     ids = f.metadata.get(f"{HEAD_ARCH}.draft_vocab")
     draft_ids = torch.from_numpy(np.asarray(ids, dtype=np.int64).copy()) if ids is not None else None
+    # the fused kernels' types: the target's and the head's together, so a head whose types the
+    # target already has (q8_0 heads on most files) runs the target's compiled layer kernels
+    head_types = [info.qtype for info in f.tensors.values() if len(info.shape) >= 2]
     binder = WeightBinder(f, model.device, tensor_devices, device_dtype=model.binder.device_dtype,
-                          exact=model.binder.exact)
+                          exact=model.binder.exact,
+                          fused_qtypes=model.binder.layer_qtypes() + head_types)
     head = TrainedMTPHead(binder, model, kind, spec, draft_ids)
     want_rows = len(draft_ids) if draft_ids is not None else model.n_vocab
     if head.n_out != want_rows:

@@ -100,6 +100,9 @@ def test_head_round_trip_and_runtime_matches_torch(tiny_llama, tmp_path):
     m = load_model(tiny_llama, exact_activations=True, mtp_head=tmp_path / "h.gguf")
     head = m.mtp
     assert isinstance(head, TrainedMTPHead) and len(head.draft_ids) == TINY.draft_vocab
+    # on a CPU trunk the head's block runs as the target's layers do: one fused call per half
+    from hybridrt.backends import FUSED_DEFAULT, FusedAttentionBlock, FusedFfnBlock
+    assert isinstance(head.attn_half, FusedAttentionBlock) == isinstance(head.ffn_half, FusedFfnBlock) == FUSED_DEFAULT
     # the torch module rebuilt from the file's tensors
     from hybridrt.gguf_file import GGUFFile
 
