@@ -33,7 +33,8 @@ class BenchResult:
     placement: dict | None       # the executed plan's summary (None: everything in the mmap)
 
 
-def bench_plain(m, n_prompt: int, n_gen: int, reps: int, seed: int = 0) -> tuple[float, float]:
+def bench_plain(m, n_prompt: int, n_gen: int, reps: int, seed: int = 0,
+                cache_type: str | None = None) -> tuple[float, float]:
     """Best-of-reps prompt t/s and decode t/s (greedy, fixed pseudo-random prompt tokens)."""
     import torch
 
@@ -41,11 +42,13 @@ def bench_plain(m, n_prompt: int, n_gen: int, reps: int, seed: int = 0) -> tuple
     from .sampling import SamplerConfig
 
     gen = torch.Generator().manual_seed(seed)
-    # avoid special tokens at the bottom of the vocabulary so the model does not stop early
-    prompt = torch.randint(1000, m.n_vocab - 1000, (n_prompt,), generator=gen).tolist()
+    # avoid special tokens at the bottom of the vocabulary so the model does not stop early (a small
+    # vocabulary: its middle half)
+    lo = min(1000, m.n_vocab // 4)
+    prompt = torch.randint(lo, m.n_vocab - lo, (n_prompt,), generator=gen).tolist()
     best_pp = best_tg = 0.0
     for _ in range(reps):
-        session = m.session(None if m.plan is not None else n_prompt + n_gen + 8)
+        session = m.session(None if m.plan is not None else n_prompt + n_gen + 8, cache_type)
         _, stats = generate(m, session, prompt, n_gen, SamplerConfig(temp=0.0), stop_ids=set())
         best_pp, best_tg = max(best_pp, stats.prompt_tps), max(best_tg, stats.decode_tps)
     return best_pp, best_tg
@@ -95,7 +98,7 @@ def placement_summary(plan) -> dict | None:
 
 def bench_speculative(m, prompt_ids: list[int], n_gen: int, reps: int, spec_type: str, n_max: int,
                       draft_model=None, force: str = "none", prompt_name: str = "",
-                      adaptive: bool = False) -> SpecBenchResult:
+                      adaptive: bool = False, cache_type: str | None = None) -> SpecBenchResult:
     """Plain greedy decoding and speculative decoding of the same prompt, best of reps each."""
     from .generate import generate
     from .sampling import SamplerConfig
@@ -110,12 +113,13 @@ def bench_speculative(m, prompt_ids: list[int], n_gen: int, reps: int, spec_type
     ref: list[int] = []
     spec_stats = None
     for _ in range(reps):
-        ref, stats = generate(m, m.session(n_ctx, k_max=spec.k_max), prompt_ids, n_gen, greedy, stop_ids=set())
+        ref, stats = generate(m, m.session(n_ctx, cache_type, k_max=spec.k_max), prompt_ids, n_gen, greedy,
+                              stop_ids=set())
         best_plain = max(best_plain, stats.decode_tps)
     identical = True
     for _ in range(reps):
-        session = m.session(n_ctx, k_max=spec.k_max)
-        source = build_source(spec_type, session, greedy, spec, draft_model)
+        session = m.session(n_ctx, cache_type, k_max=spec.k_max)
+        source = build_source(spec_type, session, greedy, spec, draft_model, cache_type=cache_type or "f32")
         if force != "none":
             source = ForcedSource(source, ref, len(prompt_ids), m.n_vocab, corrupt=1.0 if force == "reject" else 0.0)
         out, stats = speculative_generate(m, session, prompt_ids, n_gen, greedy, source, spec, stop_ids=set())
@@ -145,8 +149,8 @@ def bench(
     vram: Optional[str] = typer.Option(None, "--vram", help="VRAM budget to plan for and execute (12GiB, 700MiB, auto)."),
     ctx_size: Optional[int] = typer.Option(None, "-c", "--ctx-size", help="Context the plan reserves (default 4096 or the model's)."),
     margin: str = typer.Option("512MiB", "--margin", help="Planned fixed overhead."),
-    cache_type_k: str = typer.Option("f16", "-ctk", "--cache-type-k", help="KV cache type for K (planned runs)."),
-    cache_type_v: str = typer.Option("f16", "-ctv", "--cache-type-v", help="KV cache type for V (planned runs)."),
+    cache_type_k: str = typer.Option("f16", "-ctk", "--cache-type-k", help="KV cache type for K (f16 as `run` and llama.cpp; a plan reserves it)."),
+    cache_type_v: str = typer.Option("f16", "-ctv", "--cache-type-v", help="KV cache type for V."),
     cpu_bw: Optional[float] = typer.Option(None, "--cpu-bw", help="CPU memory bandwidth in GB/s for the prediction (default: measured)."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome/Perfetto trace of the bench to this file."),
     exact_activations: bool = typer.Option(False, "--exact-activations", help="Run the mmap'd matrices on float32 activations (exact; slower) instead of int8 activations with integer dot products (llama.cpp's numerics)."),
@@ -161,6 +165,7 @@ def bench(
     from placement import measure_cpu_bandwidth
 
     from .cli_run import _check_device, adaptive_default, check_spec_flags, placement_options
+    from .kv_cache import cache_dtype, kv_cache_type
     from .loader import load_model
     from .place import placement_line
 
@@ -171,6 +176,8 @@ def bench(
                                 spec_type or "none", draft_n_max, model_draft, margin)
     if request is not None:
         request = dataclasses.replace(request, cpu_bw=cbw)
+    cache_type = kv_cache_type(cache_type_k, cache_type_v)      # what `run` decodes on
+    cache_dtype(cache_type)                 # an unknown type is one error line before the model loads
     m = load_model(model, device=device, threads=threads, placement=request, trace=trace is not None,
                    exact_activations=True if exact_activations else None, mtp_head=mtp_head)
     if m.plan is not None:
@@ -178,20 +185,21 @@ def bench(
     try:
         if spec_type is not None:
             _bench_spec(m, spec_type, draft_n_max, model_draft, prompt_file, spec_prompt, spec_force, n_prompt,
-                        n_gen, reps, as_json, cbw, adaptive)
+                        n_gen, reps, as_json, cbw, adaptive, cache_type)
         else:
-            _bench_plain(m, n_prompt, n_gen, reps, as_json, cbw, numba.get_num_threads())
+            _bench_plain(m, n_prompt, n_gen, reps, as_json, cbw, numba.get_num_threads(), cache_type)
     finally:
         if trace is not None:
             m.executor.trace.write(trace)
 
 
-def _bench_plain(m, n_prompt: int, n_gen: int, reps: int, as_json: bool, cpu_bw: float, threads: int) -> None:
+def _bench_plain(m, n_prompt: int, n_gen: int, reps: int, as_json: bool, cpu_bw: float, threads: int,
+                 cache_type: str) -> None:
     # one short warm-up so JIT compilation and page faults are not timed
-    warm = m.session(16)
+    warm = m.session(16, cache_type)
     warm.eval([1, 2, 3, 4], logits="last")
     t0 = time.perf_counter()
-    pp, tg = bench_plain(m, n_prompt, n_gen, reps)
+    pp, tg = bench_plain(m, n_prompt, n_gen, reps, cache_type=cache_type)
     predicted, source = predicted_speed(m, cpu_bw)
     result = BenchResult(model=m.gguf.path, n_prompt=n_prompt, n_gen=n_gen, threads=threads,
                          pp_tps=pp, tg_tps=tg, weight_bytes_per_token=m.weight_bytes_per_token,
@@ -213,7 +221,7 @@ def _bench_plain(m, n_prompt: int, n_gen: int, reps: int, as_json: bool, cpu_bw:
 
 
 def _bench_spec(m, spec_type, n_max, model_draft, prompt_file, spec_prompt, force, n_prompt, n_gen, reps, as_json,
-                cpu_bw, adaptive):
+                cpu_bw, adaptive, cache_type):
     import torch
 
     from .cli_run import adaptive_default, read_prompt
@@ -232,11 +240,11 @@ def _bench_spec(m, spec_type, n_max, model_draft, prompt_file, spec_prompt, forc
     else:
         raise UserError(f"--spec-prompt must be one of {', '.join([*BUILTIN_PROMPTS, 'random'])}")
     draft = load_model(model_draft) if model_draft else None
-    warm = m.session(16, k_max=n_max + 1)
+    warm = m.session(16, cache_type, k_max=n_max + 1)
     warm.eval([1, 2], logits="last")
     warm.eval(list(range(3, 3 + n_max + 1)), logits="all")
     r = bench_speculative(m, ids, n_gen, reps, spec_type, n_max, draft, force, name,
-                          adaptive=adaptive_default(spec_type) if adaptive is None else adaptive)
+                          adaptive=adaptive_default(spec_type) if adaptive is None else adaptive, cache_type=cache_type)
     r.measured_tps = r.spec_tps
     r.predicted_tps, r.prediction = predicted_speed(m, cpu_bw, speculative=True)
     r.placement = placement_summary(m.plan)

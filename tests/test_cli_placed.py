@@ -94,3 +94,18 @@ def test_bench_json_has_predicted_and_measured_speed():
     plain = json.loads(run_cli("bench", "-m", str(require(SMOLLM2)), "-p", "8", "-n", "4", "-r", "1", "--json",
                                "--cpu-bw", "20").stdout)
     assert plain["placement"] is None and plain["predicted_tps"] == pytest.approx(20e9 / plain["weight_bytes_per_token"])
+
+
+def test_bench_decodes_on_the_cache_run_uses(tiny_qwen3, monkeypatch):
+    """`bench` times the KV cache `run` decodes on (-ctk / -ctv, f16 by default as llama.cpp), not
+    the Python API's f32 default; a bad type is one error line."""
+    from hybridrt.cli_bench import bench_plain
+    from hybridrt.loader import load_model
+
+    m = load_model(tiny_qwen3)
+    made = []
+    session = m.session
+    monkeypatch.setattr(m, "session", lambda *a, **k: made.append(session(*a, **k)) or made[-1])
+    bench_plain(m, 4, 4, 1, cache_type="q8_0")
+    assert made and all(s.state.kv.types.k == "q8_0" for s in made)
+    assert_one_line_error(run_cli("bench", "-m", str(tiny_qwen3), "-ctk", "q4_9"), "unsupported KV cache type 'q4_9'")
