@@ -47,6 +47,12 @@ class DraftSource(Protocol):
         its final-normed hidden state of each (rows [n, n_embd]). Calls cover every position once,
         in order, starting at 0."""
 
+    def catch_up(self) -> None:
+        """Process what observe() has deferred (a model source evaluates committed tokens in one
+        batch with its next proposal). The loop calls it before a proposal that follows a run of
+        plain steps and times it apart, so a draft's measured cost does not grow with the plain
+        steps before it (which made probing drafts look too dear to ever pay)."""
+
     def propose(self, certain: int, pos: int, n_max: int) -> Draft:
         """Up to n_max tokens to follow `certain`, the token known to come at position `pos`."""
 

@@ -29,6 +29,10 @@ class ForcedSource:
         if self.inner is not None:
             self.inner.observe(start, tokens, hidden)
 
+    def catch_up(self) -> None:
+        if self.inner is not None:
+            self.inner.catch_up()
+
     def propose(self, certain: int, pos: int, n_max: int) -> Draft:
         n = len(self.inner.propose(certain, pos, n_max)) if self.inner is not None else n_max
         first = pos + 1 - self.prompt_len          # index in `reference` of the token after `certain`

@@ -62,6 +62,12 @@ class DraftModelSource:
             self.synced += len(self.pending)
             self.pending = []
 
+    def catch_up(self) -> None:
+        if self.pending:
+            self.session.eval(self.pending, start_pos=self.synced, logits="none")
+            self.synced += len(self.pending)
+            self.pending = []
+
     def propose(self, certain: int, pos: int, n_max: int) -> Draft:
         draft = self.picker.start()
         tokens = self.pending + [certain]

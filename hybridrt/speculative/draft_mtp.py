@@ -64,6 +64,12 @@ class MTPSource:
                                  start + lo, logits=False)
         return h[-1:]
 
+    def catch_up(self) -> None:
+        if self.tokens:
+            self._write(self.tokens, torch.cat(self.prev_hidden), self.synced)
+            self.synced += len(self.tokens)
+            self.tokens, self.prev_hidden = [], []
+
     def propose(self, certain: int, pos: int, n_max: int) -> Draft:
         draft = self.picker.start()
         if n_max <= 0:

@@ -66,5 +66,8 @@ class NgramSource:
             raise ValueError(f"ngram index holds {len(self.index.tokens)} tokens, observed start {start}")
         self.index.extend(tokens)
 
+    def catch_up(self) -> None:
+        pass            # the index is updated as tokens are observed
+
     def propose(self, certain: int, pos: int, n_max: int) -> Draft:
         return Draft(self.index.lookup(certain, n_max))

@@ -30,6 +30,10 @@ from .adaptive import DraftLengthPolicy
 from .draft import Draft, DraftSource
 from .stats import SpecStats
 
+# plain steps after which a source's deferred work is done apart from the next proposal (and not
+# counted as its cost): fewer go in one batch with it, as after a drafting step
+CATCH_UP_AFTER = 4
+
 
 @dataclass(frozen=True)
 class SpecConfig:
@@ -88,6 +92,7 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
     stats.spec = spec_stats
     logits_buf = torch.empty(spec.k_max, model.n_vocab)     # every verify writes into this
     no_draft = Draft()
+    plain_run = CATCH_UP_AFTER  # steps since the last one that verified drafts (the prompt: many)
     policy = DraftLengthPolicy(spec.n_max) if spec.adaptive and source is not None else None
     picker = getattr(source, "picker", None)
     if policy is not None and picker is not None and spec.gate:   # model drafts: each weighed by its confidence
@@ -123,6 +128,11 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
         if n_predict >= 0:
             room = min(room, n_predict - len(out))
 
+        if source is not None and room > 0 and plain_run >= CATCH_UP_AFTER:
+            # what the source deferred over the prompt and a run of plain steps: not this draft's
+            # cost (after a drafting step, or a few plain ones, the deferred tokens go in one batch
+            # with the proposal, and count in it)
+            source.catch_up()
         t0 = time.perf_counter()
         with maybe_span(trace, "draft", "spec"):
             draft = source.propose(certain, pos, room) if source is not None and room > 0 else no_draft
@@ -154,6 +164,7 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
             session.truncate(pos + 1 + n_emit)
         if source is not None:
             source.observe(pos, [certain] + kept[:n_emit], session.hidden[:1 + n_emit])
+        plain_run = 0 if len(draft) else plain_run + 1
         spec_stats.record(len(draft), verdict.n_accepted, chosen)
         if policy is not None:
             policy.observe(len(draft), verdict.n_accepted, t2 - t1, t1 - t0, draft.conf, gated)
