@@ -251,3 +251,27 @@ def test_ngram_parity_on_a_repetitive_prompt(qwen3):
     for n_max in (1, 2, 3, 4, 8):
         out, _, _, _ = spec_run(qwen3, ids, lambda s, spec: build_source("ngram-simple", s, GREEDY, spec), n_max)
         assert out == ref
+
+
+@pytest.mark.parametrize("kind", ["draft-mtp", "draft-simple"])
+def test_catching_up_apart_gives_the_same_drafts(kind, qwen35, qwen3):
+    """A model source defers committed tokens to its next proposal; `catch_up` (the loop calls it
+    after a run of plain steps, timed apart) processes them first. The drafts must not change."""
+    model = qwen35 if kind == "draft-mtp" else qwen3
+    ids = prompt(9)
+    ref = plain(model, ids, n=12)
+    seq = ids + ref[:8]
+    drafts = []
+    for apart in (False, True):
+        spec = SpecConfig(n_max=3)
+        session = model.session(256, k_max=spec.k_max)
+        source = build_source(kind, session, GREEDY, spec, model if kind == "draft-simple" else None)
+        session.eval(ids, logits="none")
+        source.observe(0, ids, session.hidden)
+        for p in range(len(ids), len(seq)):          # plain steps, one token each
+            session.eval([seq[p]], logits="none")
+            source.observe(p, [seq[p]], session.hidden)
+        if apart:
+            source.catch_up()
+        drafts.append(source.propose(ref[8], len(seq), 3).tokens)
+    assert drafts[0] and drafts[0] == drafts[1]
