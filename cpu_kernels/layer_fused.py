@@ -39,7 +39,7 @@ from .ffn import _act_times
 from .formats import format_of
 from .matvec import tile_products
 from .matvec_int import act_block, block_dots, types_tag
-from .matvec_simd import TILE_ROWS, dot_f32, f16_bits_to_f32, f32_to_f16_bits
+from .matvec_simd import TILE_ROWS, dot_f32, f16_bits_to_f32, f32_to_f16_bits, load_f16
 from .quantize_act import PAD_LEGACY, QK_K, QK_LEGACY, _quantize_rows
 from .simd_int import CACHE
 
@@ -264,7 +264,7 @@ def _is_q8_0_row(row):
 @njit(cache=CACHE, nogil=True)
 def _q8_0_dequantize_row(row, out):
     for b in range(row.shape[0]):
-        d = f16_bits_to_f32(np.uint16(np.int64(row[b, 0]) | (np.int64(row[b, 1]) << 8)))
+        d = load_f16(row[b], 0)
         for i in range(32):
             out[32 * b + i] = np.float32(np.int8(row[b, 2 + i])) * d
     return out

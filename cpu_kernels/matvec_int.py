@@ -963,17 +963,6 @@ def row_acc(typingctx, qtype, w, r, xa, xb, xc, u0, n, s0, s1, acc, ar):
     return sig, codegen
 
 
-@njit(cache=CACHE, nogil=True, inline="always")
-def row_dots(qtype, w, r, xq, xd, xs, out, oc):
-    """out[t, oc] for every token t: row r in passes of 4, 2, 1 tokens."""
-    k = xq.shape[0]
-    t0 = 0
-    while t0 < k:
-        n = 4 if k - t0 >= 4 else (2 if k - t0 >= 2 else 1)
-        row_dot(qtype, n, w, r, xq, xd, xs, t0, out, oc)
-        t0 += n
-
-
 ROW_TILE = 8          # rows sharing an L1-resident chunk of the activations (token quads)
 ROW_TILE_LANES = 32   # the same for token lanes: the activations of 16+ tokens cost more to stream
 TILE_UNITS = 4        # token quads (16 tokens) or token vectors (64) per pass over a chunk
@@ -1025,8 +1014,8 @@ GRID_TOKENS = 4      # most tokens a grid_dot pass takes (2 rows by 4 tokens: 8 
 def block_dots(qtype, w, r0, n_rows, xq, xd, xs, out, oc0):
     """out[t, oc0 + j] for every token t and j < n_rows: rows r0 .. r0 + n_rows - 1. Tokens in
     passes of up to GRID_TOKENS, each pass over the rows in grid_dot groups (a row left over: row_dot),
-    a last single token by rows_dots. The same bits as row by row (row_dots) or token by token
-    (rows_dots), with fewer fold and float steps per (row, token): for k = 2 about the time of
+    a last single token by rows_dots. The same bits for any rows and tokens asked (a row or a token
+    at a time included), with fewer fold and float steps per (row, token): for k = 2 about the time of
     k = 1 on small matrices (the float and fold steps, not the weights, bound those)."""
     k = xq.shape[0]
     t0 = 0
@@ -1050,7 +1039,7 @@ def block_dots(qtype, w, r0, n_rows, xq, xd, xs, out, oc0):
 @njit(cache=CACHE, nogil=True, inline="always")
 def rows_dots(qtype, w, r0, n_rows, xq, xd, xs, t, out, oc0):
     """out[t, oc0 + j] for j < n_rows: rows r0 .. r0 + n_rows - 1 for token t, in passes of 4, 2, 1
-    rows (faster than row_dots row by row for one token; the same bits)."""
+    rows (faster than a row at a time for one token; the same bits)."""
     j = 0
     while j < n_rows:
         n = 4 if n_rows - j >= 4 else (2 if n_rows - j >= 2 else 1)

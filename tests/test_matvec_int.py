@@ -8,8 +8,8 @@
    and the float steps after them are the same.
 4. Prompt-sized batches (token quads, and token lanes from 14 (legacy) or 40 (K) tokens, several
    column chunks and row tiles)
-   give every token the bits it gets alone, on 1 and 2 threads; so do row_dots and rows_dots, the
-   entry points of fused kernels.
+   give every token the bits it gets alone, on 1 and 2 threads; so do block_dots (a row at a time)
+   and rows_dots, the entry points of fused kernels.
 Bit identity across k <= 16 and threads is in test_matvec.py (both paths).
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from gguf.quants import dequantize
 
 from cpu_kernels.matvec import matvec
 from cpu_kernels.formats import type_tag
-from cpu_kernels.matvec_int import INT_TYPES, act_block, block_dots, quantize_for, row_dots, rows_dots
+from cpu_kernels.matvec_int import INT_TYPES, act_block, block_dots, quantize_for, rows_dots
 from cpu_kernels.matvec_testdata import random_weights
 from cpu_kernels.quantize_act import dequantize_rows, quantize_rows
 from cpu_kernels.simd_int import ISA, _host_features
@@ -176,13 +176,13 @@ def test_every_lowering_gives_the_same_bits(tmp_path, isa):
 
 
 @numba.njit
-def _by_row_dots(qtype, w, xq, xd, xs, out, rows_at_once):
+def _by_rows(qtype, w, xq, xd, xs, out, rows_at_once):
     if rows_at_once:
         for t in range(xq.shape[0]):
             rows_dots(qtype, w, 0, w.shape[0], xq, xd, xs, t, out, 0)
     else:
         for r in range(w.shape[0]):
-            row_dots(qtype, w, r, xq, xd, xs, out, r)
+            block_dots(qtype, w, r, 1, xq, xd, xs, out, r)
 
 
 @numba.njit
@@ -228,5 +228,5 @@ def test_prompt_batches_give_each_token_its_own_bits(qtype):
     q, d, s = quantize_for(qtype, x[:3])
     for rows_at_once in (False, True):
         out = np.empty((3, rows), np.float32)
-        _by_row_dots(int(qtype), w, q, d, s, out, rows_at_once)
+        _by_rows(int(qtype), w, q, d, s, out, rows_at_once)
         assert np.array_equal(out.view(np.uint32), alone[:3]), f"{qtype.name}: rows_at_once={rows_at_once}"
