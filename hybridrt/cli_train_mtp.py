@@ -52,12 +52,14 @@ def train_mtp(
     torch.set_num_threads(threads or torch.get_num_threads() or 1)
     block_kind(m.arch)      # an unsupported target is one error line before any work
     r = run_training(m, out, cfg, quiet=as_json)
-    summary = {"head": str(r.path), "heldout_acceptance": r.acceptance, "steps": r.steps, "draft_vocab": r.draft_vocab,
+    summary = {"head": str(r.path), "heldout_acceptance": r.acceptance, "heldout_acceptance_n_max_1": r.acceptance_n_max_1,
+               "steps": r.steps, "draft_vocab": r.draft_vocab,
                "train_tokens": r.n_train_tokens, "wall_s": round(r.wall_s, 1), "cpu_s": round(r.cpu_s, 1),
                "history": r.history}
     if as_json:
         print(json.dumps(summary, indent=2))
     else:
-        print(f"wrote {r.path}: held-out greedy acceptance {r.acceptance:.1%} after {r.steps} steps, "
+        print(f"wrote {r.path}: held-out greedy acceptance {r.acceptance:.1%} per position, "
+              f"{r.acceptance_n_max_1:.1%} of drafts at --spec-draft-n-max 1, after {r.steps} steps, "
               f"draft vocabulary {r.draft_vocab}, {r.n_train_tokens} training tokens, "
               f"{r.wall_s:.0f} s wall / {r.cpu_s:.0f} s CPU")

@@ -16,6 +16,7 @@ import torch
 import make_model
 from hybridrt.errors import UserError
 from hybridrt.generate import generate
+from hybridrt.gguf_file import GGUFFile
 from hybridrt.loader import load_model
 from hybridrt.mtp_head import TrainedMTPHead, block_kind, head_attention_spec
 from hybridrt.models.qwen35 import MTPHead
@@ -104,8 +105,6 @@ def test_head_round_trip_and_runtime_matches_torch(tiny_llama, tmp_path):
     from hybridrt.backends import FUSED_DEFAULT, FusedAttentionBlock, FusedFfnBlock
     assert isinstance(head.attn_half, FusedAttentionBlock) == isinstance(head.ffn_half, FusedFfnBlock) == FUSED_DEFAULT
     # the torch module rebuilt from the file's tensors
-    from hybridrt.gguf_file import GGUFFile
-
     f = GGUFFile(tmp_path / "h.gguf")
     tensors = {n[len("mtp."):-len(".weight")]: torch.from_numpy(np.array(f.tensor_f32(n))) for n in f.tensors}
     _, spec = head_attention_spec(m)
@@ -154,6 +153,31 @@ def test_training_is_deterministic_and_resumes(tiny_llama, tmp_path, monkeypatch
     monkeypatch.setattr(train_module, "loss_of", real_loss)
     calls.clear()
     assert _train(tiny_llama, tmp_path / "r.gguf").path.read_bytes() == a
+
+
+def test_n_max_1_walk_skips_the_position_after_a_hit():
+    # position 0 comes from the prompt's logits; a hit at p commits p and the bonus token p + 1
+    assert train_module.n_max_1_walk([True, True, True, False, True, False, False]) == (2, 4)
+    assert train_module.n_max_1_walk([False] * 5) == (0, 4)
+    assert train_module.n_max_1_walk([True] * 6) == (3, 3)
+    assert train_module.n_max_1_walk([True]) == (0, 0)
+
+
+def test_heldout_text_is_hybridrts_own_greedy_decoding(tiny_llama, tmp_path):
+    """The held-out continuations drafts are judged on are what a run of the target writes (not
+    the bfloat16 teacher's text), and both acceptances are written into the head."""
+    r = _train(tiny_llama, tmp_path / "h.gguf")
+    saved = torch.load(tmp_path / "h.gguf.data.pt", weights_only=False)
+    m = load_model(tiny_llama, exact_activations=True)
+    for s in saved["heldout"]:
+        prompt = s.tokens[:s.n_prompt].tolist()
+        ref, _ = generate(m, m.session(256), prompt, TINY.heldout_len, GREEDY, stop_ids=set())
+        assert s.tokens[s.n_prompt:].tolist() == ref[:len(s.tokens) - s.n_prompt]
+        assert torch.equal(s.argmax[s.n_prompt:len(s.tokens) - 1], s.tokens[s.n_prompt + 1:])
+    meta = GGUFFile(r.path).metadata
+    assert meta["mtp_head.train.heldout_acceptance"] == pytest.approx(r.acceptance)
+    assert meta["mtp_head.train.heldout_acceptance_n_max_1"] == pytest.approx(r.acceptance_n_max_1)
+    assert 0.0 <= r.acceptance_n_max_1 <= 1.0 and set(r.history[-1]) >= {"acceptance", "acceptance_n_max_1"}
 
 
 @pytest.mark.parametrize("n_max", [1, 2, 3])
