@@ -335,8 +335,9 @@ def _attend_one(item, q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale,
     pos = start + t
     lo = max(first, pos - window + 1) if window > 0 else first
     n_keys = pos + 1 - lo
-    scores = np.empty(n_keys, np.float32)
-    kbuf, vbuf = np.empty(d, np.float32), np.empty(dv, np.float32)     # q8_0 rows, dequantized
+    # one allocation per (token, head): the scores, and the rows a q8_0 cache dequantizes into
+    buf = np.empty(n_keys + d + dv, np.float32)
+    scores, kbuf, vbuf = buf[:n_keys], buf[n_keys:n_keys + d], buf[n_keys + d:]
     qh = q[t, h * d:(h + 1) * d]
     m = np.float32(-np.inf)
     for j in range(n_keys):

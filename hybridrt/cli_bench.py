@@ -165,7 +165,7 @@ def bench(
     from placement import measure_cpu_bandwidth
 
     from .cli_run import _check_device, adaptive_default, check_spec_flags, placement_options
-    from .kv_cache import cache_dtype, kv_cache_type
+    from .kv_cache import kv_cache_type
     from .loader import load_model
     from .place import placement_line
 
@@ -177,7 +177,6 @@ def bench(
     if request is not None:
         request = dataclasses.replace(request, cpu_bw=cbw)
     cache_type = kv_cache_type(cache_type_k, cache_type_v)      # what `run` decodes on
-    cache_dtype(cache_type)                 # an unknown type is one error line before the model loads
     m = load_model(model, device=device, threads=threads, placement=request, trace=trace is not None,
                    exact_activations=True if exact_activations else None, mtp_head=mtp_head)
     if m.plan is not None:

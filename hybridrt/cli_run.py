@@ -86,7 +86,7 @@ def run(
 ):
     """Generate text from a prompt (streams tokens; timings on stderr like llama.cpp)."""
     from .generate import generate
-    from .kv_cache import cache_dtype, kv_cache_type
+    from .kv_cache import kv_cache_type
     from .loader import load_model
     from .place import draft_devices, placement_line
     from .registry import resolve_model
@@ -103,7 +103,6 @@ def run(
         check_spec_flags(draft_n_max)
         _check_device(device)
         cache_type = kv_cache_type(cache_type_k, cache_type_v)
-        cache_dtype(cache_type)         # an unknown type is one line now, not after loading
         request = placement_options(model, vram, device, ctx_size, cache_type_k, cache_type_v, spec_type,
                                     draft_n_max, model_draft, margin)
         m = load_model(model, device=device, threads=threads, placement=request, trace=trace is not None,

@@ -70,7 +70,7 @@ def serve(
     """Serve the model over HTTP with OpenAI's API (/v1/chat/completions, /v1/completions, ...)."""
     uvicorn = _server_stack()
     from .cli_run import adaptive_default, check_spec_flags
-    from .kv_cache import cache_dtype, kv_cache_type
+    from .kv_cache import kv_cache_type
     from .loader import load_model
     from .registry import KNOWN_MODELS, resolve_model
     from .sampling import SamplerConfig
@@ -87,7 +87,6 @@ def serve(
         raise UserError(f"--port {port} is not a TCP port")
     check_spec_flags(draft_n_max)
     cache_type = kv_cache_type(cache_type_k, cache_type_v)
-    cache_dtype(cache_type)                     # an unknown type fails here, before loading
     _threadsafe_kernels(parallel)
     path = resolve_model(model)
     announce_and_compile(path)

@@ -30,8 +30,11 @@ class KVTypes(NamedTuple):
 
 
 def kv_cache_type(k: str, v: str) -> str:
-    """The session cache-type string for -ctk K -ctv V."""
-    return k if k == v else f"{k}/{v}"
+    """The session cache-type string for -ctk K -ctv V; an unsupported type is a UserError here,
+    before any model loads."""
+    name = k if k == v else f"{k}/{v}"
+    cache_dtype(name)
+    return name
 
 
 def _storage(name: str) -> Storage:
