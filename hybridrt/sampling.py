@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -58,9 +59,18 @@ def dense_probs(logits: torch.Tensor, cfg: SamplerConfig) -> torch.Tensor:
     return out.scatter_(-1, ids, probs)
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """The first index of the maximum of each row of logits [k, V] (the last dimension).
+    numpy's argmax on CPU float32 rows: torch.argmax over Gemma 3's 262,144-token row took ~360 us
+    on one thread here, numpy's ~13 us (2.7 % of a decode step). Ties and NaNs as torch: the first."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return np.argmax(logits.detach().numpy(), axis=-1).reshape(-1).tolist()
+    return torch.argmax(logits, dim=-1).reshape(-1).tolist()
+
+
 def sample_token(logits_row: torch.Tensor, cfg: SamplerConfig, gen: torch.Generator) -> int:
     if cfg.greedy:
-        return int(torch.argmax(logits_row))
+        return argmax_rows(logits_row)[0]
     ids, probs = filtered_probs(logits_row.unsqueeze(0), cfg)
     choice = torch.multinomial(probs[0], 1, generator=gen)
     return int(ids[0, choice])

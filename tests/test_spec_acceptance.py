@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrt.sampling import SamplerConfig, dense_probs, filtered_probs
+from hybridrt.sampling import SamplerConfig, argmax_rows, dense_probs, filtered_probs
 from hybridrt.speculative.acceptance import SampledAcceptor, Verdict, accept_greedy, sample_and_match
 from hybridrt.speculative.draft import Draft
 
@@ -31,6 +31,21 @@ def rows():
     target = torch.randn(3, V, generator=g) * 1.5       # rows verify d1, d2, then the bonus row
     draft = target[:2] + torch.randn(2, V, generator=g)  # a related but different draft model
     return target, draft
+
+
+def test_argmax_rows_is_torch_argmax():
+    """numpy's argmax stands in for torch's on CPU rows: the same index for random rows, ties
+    (the first), a NaN (the first NaN), strided views, one row or many, and other dtypes."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 262144, generator=g)
+    x[1, 7] = x[1, 9] = x[1].max() + 1.0                    # a tie: the first
+    x[2, 100] = float("nan")
+    x[2, 50] = float("nan")
+    x[3] = 0.0                                               # all equal: index 0
+    x[4, -1] = float("inf")
+    for rows in (x, x[:, ::3], x[1], x[2:3], x.to(torch.bfloat16), x.double()):
+        want = torch.argmax(rows, dim=-1).reshape(-1).tolist()
+        assert argmax_rows(rows) == want
 
 
 def test_greedy_keeps_the_matching_prefix():

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import SamplerConfig, filtered_probs
+from ..sampling import SamplerConfig, argmax_rows, filtered_probs
 from .draft import Draft
 
 
@@ -29,7 +29,7 @@ class Verdict:
 
 def accept_greedy(logits: torch.Tensor, drafts: list[int]) -> Verdict:
     """logits [n + 1, V]: rows 0..n-1 verify drafts[0..n-1]; row n follows the last draft."""
-    argmax = torch.argmax(logits[:len(drafts) + 1], dim=-1).tolist()
+    argmax = argmax_rows(logits[:len(drafts) + 1])
     for i, d in enumerate(drafts):
         if argmax[i] != d:
             return Verdict(i, argmax[i])

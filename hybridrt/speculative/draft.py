@@ -13,7 +13,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from ..sampling import SamplerConfig, filtered_probs
+from ..sampling import SamplerConfig, argmax_rows, filtered_probs
 
 
 @dataclass
@@ -93,7 +93,7 @@ class DraftPicker:
                     return False
                 draft.tokens.append(int(best))
                 return True
-            draft.tokens.append(int(torch.argmax(logits_row)))
+            draft.tokens.append(argmax_rows(logits_row)[0])
             return True
         ids, probs = filtered_probs(logits_row.unsqueeze(0), self.cfg)
         ids, probs = ids[0], probs[0]
