@@ -119,6 +119,25 @@ def test_gated_drafting_that_does_not_pay_turns_into_plain_steps():
     assert chosen[0] >= 1 and chosen[20:].count(0) >= 0.8 * len(chosen[20:]) and 1 in chosen[20:]
 
 
+def test_one_bad_first_gated_step_does_not_outweigh_the_probes():
+    """Gemma 3 on a prompt its head predicts (64 % accepted, 1.28x plain at N = 1): the first
+    gated step was refused (1 token for a verify and two head rows), then every probe accepted its
+    draft. The first probe that pays must bring drafting back, not move a decayed mean 10 %."""
+    p = DraftLengthPolicy(n_max=3, gating=True, probe_every=16)
+    assert p.choose() >= 1
+    p.observe(1, 0, 0.0143, 0.0018, conf=[0.6], gated=True)
+    chosen = []
+    for _ in range(40):
+        n = p.choose()
+        chosen.append(n)
+        if n:
+            p.observe(1, 1, 0.0139, 0.0010, conf=[0.7])        # 2 tokens in 14.9 ms
+        else:
+            p.observe(0, 0, 0.0123, 0.0)                        # 1 token in 12.3 ms
+    first_probe = chosen.index(1)
+    assert first_probe <= 17 and chosen[first_probe + 1:].count(0) <= 3
+
+
 def test_plain_step_cost_is_measured_not_extrapolated():
     """After the first drafting step the policy takes one plain step to measure t(1): with t(4) =
     2x t(1) and 20 % acceptance, drafting does not pay, and without that measurement the

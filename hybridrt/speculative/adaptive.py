@@ -52,8 +52,8 @@ class DraftLengthPolicy:
     gating: bool = False            # keep_draft is installed: drafting steps are gated
     bin_hits: list = field(default_factory=lambda: [0.0] * N_BINS)
     bin_trials: list = field(default_factory=lambda: [0.0] * N_BINS)
-    gated_tokens: float | None = None     # weighted mean tokens of a gated drafting step
-    gated_s: float | None = None          # and its seconds (draft + verify)
+    gated_tokens: float = 0.0             # decayed sum of the tokens of gated drafting steps
+    gated_s: float = 0.0                  # and of their seconds (draft + verify)
     step_tokens: float = 1.0              # the step being drafted: expected tokens so far
     step_prob: float = 1.0                # and the chance that every draft so far is accepted
 
@@ -119,7 +119,7 @@ class DraftLengthPolicy:
         if self.gating:
             # gated drafting against plain steps, on what each has measured (untried: drafting)
             best = max(range(1, self.n_max + 1), key=self.expected_rate)
-            if self.gated_s is not None and self.gated_tokens / self.gated_s < 1.0 / self.verify_cost(1):
+            if self.gated_s > 0.0 and self.gated_tokens / self.gated_s < 1.0 / self.verify_cost(1):
                 best = 0
         if best == 0:
             self.plain_streak += 1
@@ -150,9 +150,12 @@ class DraftLengthPolicy:
             self.bin_trials[b] += 1
         rows = n_proposed + gated
         if self.gating and rows:
-            tokens, secs = 1 + n_accepted, verify_s + draft_s
-            self.gated_tokens = tokens if self.gated_tokens is None else DECAY * self.gated_tokens + (1 - DECAY) * tokens
-            self.gated_s = secs if self.gated_s is None else DECAY * self.gated_s + (1 - DECAY) * secs
+            # a ratio of decayed sums, not a decayed mean started at the first step: one turned-down
+            # first step (1 token in a verify plus a draft) then weighed 90 % against every later
+            # probe, and a head accepting 64 % of its drafts (1.28x plain at N = 1) was left
+            # plain for the whole run; with sums, a second and third step count as much as the first
+            self.gated_tokens = DECAY * self.gated_tokens + 1 + n_accepted
+            self.gated_s = DECAY * self.gated_s + verify_s + draft_s
         if rows:
             per_draft = draft_s / rows
             self.draft_s = per_draft if self.draft_s is None else DECAY * self.draft_s + (1 - DECAY) * per_draft
