@@ -231,7 +231,7 @@ def _entry(acc: Acceptance) -> dict:
 
 
 def _shown(acc: Acceptance) -> str:
-    return f"{acc.per_position:.1%} (n_max 1: {acc.n_max_1:.1%})"
+    return f"{acc.per_position:.1%} / n_max 1 {acc.n_max_1:.1%}"
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
