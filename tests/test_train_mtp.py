@@ -155,6 +155,16 @@ def test_training_is_deterministic_and_resumes(tiny_llama, tmp_path, monkeypatch
     assert _train(tiny_llama, tmp_path / "r.gguf").path.read_bytes() == a
 
 
+def test_a_checkpoint_made_on_other_text_is_not_resumed(tiny_llama, tmp_path, monkeypatch):
+    """The held-out set changed (as the text version or the prompts do): the checkpoint beside the
+    output was judged on the old one, so training starts afresh rather than resuming it."""
+    _train(tiny_llama, tmp_path / "r.gguf")
+    assert (tmp_path / "r.gguf.ckpt").exists()
+    monkeypatch.setattr(train_module, "HELDOUT_PROMPTS", train_module.HELDOUT_PROMPTS[:4])
+    fresh = _train(tiny_llama, tmp_path / "f.gguf").path.read_bytes()
+    assert _train(tiny_llama, tmp_path / "r.gguf").path.read_bytes() == fresh
+
+
 def test_n_max_1_walk_skips_the_position_after_a_hit():
     # position 0 comes from the prompt's logits; a hit at p commits p and the bonus token p + 1
     assert train_module.n_max_1_walk([True, True, True, False, True, False, False]) == (2, 4)

@@ -230,8 +230,9 @@ def _entry(acc: Acceptance) -> dict:
     return {"acceptance": acc.per_position, "acceptance_n_max_1": acc.n_max_1}
 
 
-def _shown(acc: Acceptance) -> str:
-    return f"{acc.per_position:.1%} / n_max 1 {acc.n_max_1:.1%}"
+def _shown(entry: dict) -> str:
+    """A history entry's acceptances, for the progress line."""
+    return f"{entry['acceptance']:.1%} / n_max 1 {entry['acceptance_n_max_1']:.1%}"
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -243,13 +244,15 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def _signature(model, cfg: TrainConfig, what: str, init: float = 0.0) -> str:
-    """What the cached text ("data") or the checkpoint ("ckpt", with the block's starting scale)
-    depends on: when any of it changes, that stage starts afresh instead of resuming."""
+    """What the cached text ("data") or the checkpoint ("ckpt": the text too, and the block's
+    starting scale) depends on: when any of it changes, that stage starts afresh instead of
+    resuming (a checkpoint resumed on other text would be judged on another held-out set)."""
     keys = {k: v for k, v in asdict(cfg).items() if what == "ckpt" or k in ("tokens", "seed", "gen_len", "heldout_len")}
     prompts = [(p.kind, p.text) for p in TRAIN_PROMPTS + HELDOUT_PROMPTS]
     # TEXT_VERSION and BF16: how the text is written (the plan of temperatures, the teacher's dtype)
     text = [prompts, TEXT_VERSION, BF16]
-    blob = json.dumps([target_fingerprint(model.gguf), keys, text if what == "data" else init], sort_keys=True)
+    blob = json.dumps([target_fingerprint(model.gguf), keys, text, *([init] if what == "ckpt" else [])],
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -343,8 +346,8 @@ def train_mtp(model, out: str | Path, cfg: TrainConfig, quiet: bool = False) -> 
                 stale, history = saved["stale"], saved["history"]
         best_state = best_state or {k: v.clone() for k, v in head.state_dict().items()}
         task = progress.add_task("training", total=cfg.steps, completed=start,
-                                 info=f"held-out acceptance {_shown(best_acc)}")
-        loss_avg, last_acc = None, best_acc
+                                 info=f"held-out acceptance {_shown(history[-1])}")
+        loss_avg = None
         for step in range(start, cfg.steps):
             if stale >= cfg.patience:
                 break
@@ -360,7 +363,7 @@ def train_mtp(model, out: str | Path, cfg: TrainConfig, quiet: bool = False) -> 
             loss_avg = value if loss_avg is None else 0.9 * loss_avg + 0.1 * value
             done = step + 1
             if done % cfg.eval_every == 0 or done == cfg.steps:
-                acc = last_acc = heldout_acceptance(model, head, heldout, draft_ids)
+                acc = heldout_acceptance(model, head, heldout, draft_ids)
                 history.append({"step": done, "loss": loss_avg, **_entry(acc)})
                 if acc.per_position > best_acc.per_position:
                     best_acc, stale = acc, 0
@@ -370,7 +373,7 @@ def train_mtp(model, out: str | Path, cfg: TrainConfig, quiet: bool = False) -> 
                 torch.save({"signature": sig, "step": done, "head": head.state_dict(), "opt": opt.state_dict(),
                             "best": best_state, "best_acc": best_acc, "stale": stale, "history": history}, ckpt)
             progress.update(task, completed=done,
-                            info=f"loss {loss_avg:.3f}  held-out acceptance {_shown(last_acc)} (best {_shown(best_acc)})")
+                            info=f"loss {loss_avg:.3f}  held-out acceptance {_shown(history[-1])} (best {_shown(_entry(best_acc))})")
     head.load_state_dict(best_state)
     n_tokens = sum(len(s.tokens) - s.n_prompt for s in train)
     wall, cpu = time.perf_counter() - t_wall, time.process_time() - t_cpu
