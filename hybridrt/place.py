@@ -27,6 +27,8 @@ def parse_size(text: str, what: str = "size") -> int:
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _UNITS:
         raise UserError(f"bad {what} '{text}': use a number of bytes or a size like 12GiB, 12GB, 300MiB")
+    if _UNITS[unit] == 1 and "." in m.group(1):     # '0.5' meant as GiB would silently be 0 bytes
+        raise UserError(f"bad {what} '{text}': a number without a unit counts bytes; add one (e.g. {m.group(1)}GiB)")
     return int(float(m.group(1)) * _UNITS[unit])
 
 

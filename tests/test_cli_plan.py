@@ -31,7 +31,7 @@ def test_parse_size(text, nbytes):
     assert parse_size(text) == nbytes
 
 
-@pytest.mark.parametrize("text", ["12 parsecs", "GiB", "-1GiB", "", "1e9"])
+@pytest.mark.parametrize("text", ["12 parsecs", "GiB", "-1GiB", "", "1e9", "0.05", "12.5b"])
 def test_parse_size_rejects(text):
     with pytest.raises(UserError, match="bad size"):
         parse_size(text)
