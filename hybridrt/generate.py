@@ -12,7 +12,7 @@ import torch
 
 from .models.base import Model
 from .sampling import SamplerConfig, make_generator, sample_token
-from .session import Session
+from .session import PROMPT_CHUNK, Session
 
 if TYPE_CHECKING:
     from .speculative.stats import SpecStats
@@ -42,13 +42,29 @@ def prefill(session: Session, prompt_ids: list[int], out: torch.Tensor | None = 
     return session.eval(prompt_ids, start_pos=0, logits="last", out=out)[0]
 
 
+def score_prompt(session: Session, prompt_ids: list[int], visit: Callable[[int, torch.Tensor], None]) -> None:
+    """Evaluate the prompt and call visit(i, row) for i = 1 .. n-1 with the logits row that
+    predicts prompt token i (the logits of position i - 1): the prompt's own log-likelihood, as
+    an OpenAI `echo` + `logprobs` request asks. Chunk by chunk, so the rows of a long prompt are
+    never all held at once."""
+    if session.n_past:
+        session.truncate(0)
+    for lo in range(0, len(prompt_ids), PROMPT_CHUNK):
+        rows = session.eval(prompt_ids[lo:lo + PROMPT_CHUNK], start_pos=lo, logits="all")
+        for j in range(rows.shape[0]):
+            if lo + j + 1 < len(prompt_ids):
+                visit(lo + j + 1, rows[j])
+
+
 def generate(model: Model, session: Session, prompt_ids: list[int], n_predict: int,
              sampler: SamplerConfig, on_token: Callable[[int], None] | None = None,
-             stop_ids: set[int] | None = None) -> tuple[list[int], GenerationStats]:
+             stop_ids: set[int] | None = None,
+             on_logits: Callable[[int, torch.Tensor], None] | None = None) -> tuple[list[int], GenerationStats]:
     """Generate up to n_predict tokens (n_predict < 0: until an end-of-generation token or the
     context is full). Stop tokens are not included in the output. `on_token` sees each token as
     it is produced; a true return value stops generation there (a server's stop string or a
-    client that went away)."""
+    client that went away). `on_logits(token, row)`, called just before `on_token`, sees the
+    target's logits row the token was drawn from (valid only during the call: the buffer is reused)."""
     stop_ids = model.tokenizer.eog_ids if stop_ids is None else stop_ids
     gen = make_generator(sampler.seed)
     stats = GenerationStats(n_prompt=len(prompt_ids))
@@ -66,6 +82,8 @@ def generate(model: Model, session: Session, prompt_ids: list[int], n_predict: i
             stats.stopped_by = "eog"
             break
         out.append(token)
+        if on_logits is not None:
+            on_logits(token, logits)
         if on_token is not None and on_token(token):
             stats.stopped_by = "callback"
             break

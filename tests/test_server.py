@@ -15,10 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import psutil
 import pytest
+import torch
 
 from hybridrt.errors import UserError
 from hybridrt.generate import generate
 from hybridrt.sampling import SamplerConfig
+from hybridrt.server.logprobs import LogprobTrack, TokenLogprob
 from hybridrt.server.stops import StopScanner
 from tests.real_models import SMOLLM2, require
 
@@ -43,6 +45,17 @@ def test_stop_scanner_spans_pieces_and_never_emits_the_stop():
     assert _scan(["END"], ["ab", "cE", "N"]) == ("abcEN", False)          # held back, then flushed
     assert _scan(["\n", "c"], ["ab", "c\nd"]) == ("ab", True)              # the earliest stop wins
     assert _scan([], ["a", "b"]) == ("ab", False)
+
+
+def test_logprob_track_releases_a_token_once_its_text_shows():
+    e = [TokenLogprob(t, -1.0, ()) for t in range(4)]
+    track = LogprobTrack()
+    for entry, n in zip(e, (1, 0, 2, 3)):       # text offsets 0, 1, 1, 3 (token 1: half a character)
+        track.add(entry, n)
+    assert [x for x, _ in track.shown(1)] == e[:1] and track.shown(1) == []
+    assert track.shown(2) == [(e[1], 1), (e[2], 1)]
+    assert track.rest(stopped=True, total=3) == []            # token 3 lies wholly in a stop string
+    assert track.rest(stopped=False, total=3) == [(e[3], 3)]
 
 
 def test_serve_without_the_stack_prints_one_install_line(monkeypatch):
@@ -197,6 +210,72 @@ def test_completion_greedy_and_stop_strings(client, model):
         assert streamed[-1].choices[0].finish_reason == "stop"
 
 
+def _log_softmax_rows(model, ids, n):
+    """The rows plain greedy decoding draws its n tokens from, as log-probabilities."""
+    rows = []
+    out, _ = generate(model, model.session(512, "f16"), ids, n, SamplerConfig(temp=0.0),
+                      on_logits=lambda t, row: rows.append(torch.log_softmax(row.float(), -1)))
+    return out, rows
+
+
+def test_chat_logprobs_are_the_targets_own(client, model):
+    """Each token's logprob is log softmax of the target's row it was drawn from (the server
+    speculates: those rows come from verify passes), top_logprobs best first, and the streamed
+    chunks carry the same entries as the whole answer."""
+    out, rows = _log_softmax_rows(model, _chat_ids(model, CHAT), 12)
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert [bytes(c.bytes) for c in content] == [model.tokenizer.token_to_piece(t) for t in out]
+    assert "".join(c.token for c in content) == r.choices[0].message.content
+    for c, t, lp in zip(content, out, rows):
+        assert abs(c.logprob - float(lp[t])) < 1e-3
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token      # greedy: the best
+        assert [x.logprob for x in c.top_logprobs] == sorted((x.logprob for x in c.top_logprobs), reverse=True)
+        assert abs(c.top_logprobs[1].logprob - float(torch.topk(lp, 2).values[1])) < 1e-3
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0,
+                                                 logprobs=True, top_logprobs=3, stream=True))
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [(c.token, round(c.logprob, 4)) for c in streamed] == [(c.token, round(c.logprob, 4)) for c in content]
+    plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completion_echo_scores_the_prompt(client, model):
+    """echo + logprobs + max_tokens 0 (how evaluation harnesses score text): the prompt's tokens,
+    each with log P(token | the tokens before it), the first one None, offsets into the text."""
+    ids = model.tokenize(PROMPT)
+    lp = torch.log_softmax(model.session(512, "f16").eval(ids, logits="all").float(), -1)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=2)
+    c = r.choices[0]
+    assert c.text == PROMPT and r.usage.completion_tokens == 0
+    assert c.logprobs.tokens == [model.tokenizer.token_to_piece(t).decode() for t in ids]
+    assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
+    for i in range(1, len(ids)):
+        assert abs(c.logprobs.token_logprobs[i] - float(lp[i - 1, ids[i]])) < 1e-3
+        assert len(c.logprobs.top_logprobs[i]) <= 2
+    assert all(c.text[o:].startswith(t) for o, t in zip(c.logprobs.text_offset, c.logprobs.tokens))
+    # echo with a continuation: the prompt's entries, then the generated tokens' after the prompt's text
+    out, rows = _log_softmax_rows(model, ids, 6)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, echo=True, logprobs=1, temperature=0)
+    c = r.choices[0]
+    assert c.text == PROMPT + _greedy_text(model, ids, 6)
+    assert c.logprobs.text_offset[len(ids)] == len(PROMPT)
+    for got, t, row in zip(c.logprobs.token_logprobs[len(ids):], out, rows):
+        assert abs(got - float(row[t])) < 1e-3
+
+
+def test_completion_logprobs_stop_where_the_text_stops(client, model):
+    """A stop string's tokens are not listed (their text is never shown)."""
+    want = _greedy_text(model, model.tokenize(PROMPT), 16)
+    stop = want.strip()[2:5]
+    cut = want[:want.index(stop)]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=stop, logprobs=0)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == cut and lp.tokens and all(o < len(cut) for o in lp.text_offset)
+    assert "".join(lp.tokens).startswith(cut) and not "".join(lp.tokens[:-1]).startswith(cut + stop)
+
+
 def test_seeded_sampling_is_reproducible(client):
     def ask():
         return client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0.9,
@@ -234,6 +313,11 @@ BAD = [
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
     ("/v1/completions", {"prompt": {"a": 1}}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": 3}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": 6}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens"),
 ]
 
 

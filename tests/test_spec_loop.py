@@ -275,3 +275,28 @@ def test_catching_up_apart_gives_the_same_drafts(kind, qwen35, qwen3):
             source.catch_up()
         drafts.append(source.propose(ref[8], len(seq), 3).tokens)
     assert drafts[0] and drafts[0] == drafts[1]
+
+
+@pytest.mark.parametrize("name", ["qwen35", "qwen3"])
+def test_each_token_is_shown_with_the_logits_row_plain_decoding_drew_it_from(name, request):
+    """on_logits (the server's logprobs) sees every emitted token once, just before on_token, with
+    the row plain decoding drew it from: the prompt's last row, a verify row that checked a kept
+    draft, or the row after the last kept one (rejections at every offset)."""
+    model = request.getfixturevalue(name)
+    ids = prompt(13)
+    seen_plain, seen_spec, order = [], [], []
+    ref, _ = generate(model, model.session(256), ids, N_GEN, GREEDY, stop_ids=set(),
+                      on_logits=lambda t, row: seen_plain.append((t, row.clone())))
+    spec = SpecConfig(n_max=3)
+    session = model.session(256, k_max=spec.k_max)
+    source = forced(model, ids, ref, corrupt=0.3)(session, spec)
+    out, stats = speculative_generate(model, session, ids, N_GEN, GREEDY, source, spec, stop_ids=set(),
+                                      on_token=lambda t: order.append(("token", t)),
+                                      on_logits=lambda t, row: (seen_spec.append((t, row.clone())),
+                                                                order.append(("row", t))))
+    assert out == ref and 0 < stats.spec.acceptance_rate < 1
+    assert [t for t, _ in seen_plain] == [t for t, _ in seen_spec] == ref
+    assert order == [x for t in ref for x in (("row", t), ("token", t))]
+    for (t, a), (_, b) in zip(seen_plain, seen_spec):
+        assert int(torch.argmax(b)) == t
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-4)

@@ -67,7 +67,7 @@ async def _wait(job: Job, request: Request) -> GenResult:
             raise payload
 
 
-async def _stream(job: Job, rid: str, created: int) -> AsyncIterator[str]:
+async def _stream(job: Job, rid: str, created: int, tokenizer) -> AsyncIterator[str]:
     req = job.request
     try:
         if req.kind == "chat":
@@ -75,7 +75,8 @@ async def _stream(job: Job, rid: str, created: int) -> AsyncIterator[str]:
         while True:
             kind, payload = await job.get()
             if kind == "text":
-                yield _sse(chunk_body(req, rid, created, text=payload))
+                text, entries = payload
+                yield _sse(chunk_body(req, rid, created, text=text, entries=entries, tokenizer=tokenizer))
             elif kind == "done":
                 yield _sse(chunk_body(req, rid, created, result=payload))
                 break
@@ -110,9 +111,9 @@ def create_app(model: Model, pool: SessionPool, card: ModelCard, metrics: Metric
             pool.submit(job)
             rid, created = new_id(req.kind), now()
             if req.stream:
-                return StreamingResponse(_stream(job, rid, created), media_type="text/event-stream",
+                return StreamingResponse(_stream(job, rid, created, model.tokenizer), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            return JSONResponse(completion_body(req, rid, created, await _wait(job, request)))
+            return JSONResponse(completion_body(req, rid, created, await _wait(job, request), model.tokenizer))
         return handler
 
     async def models(request: Request) -> Response:

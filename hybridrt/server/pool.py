@@ -18,16 +18,18 @@ import asyncio
 import queue
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 
 from ..errors import UserError
-from ..generate import generate
+from ..generate import GenerationStats, generate, score_prompt
 from ..models.base import Model
 from ..session import Session
 from ..speculative.loop import SpecConfig, speculative_generate
 from ..speculative.sources import build_source
 from .errors import bad_request, internal, queue_full
 from .metrics import Metrics
+from .logprobs import LogprobTrack, TokenLogprob, token_logprob
 from .schemas import GenRequest, GenResult
 from .stops import StopScanner
 
@@ -162,19 +164,73 @@ class SessionPool:
         decoder = model.tokenizer.stream()
         scanner = StopScanner(req.stop)
         pieces: list[str] = []
+        shown = 0                   # characters of text shown so far (the echoed prompt included)
+        track = None if req.n_logprobs is None else LogprobTrack()
+        released: list = []         # the logprob entries shown, for a non-streaming answer
 
-        def emit(text: str) -> None:
-            if text:
+        def emit(text: str, entries: list | None = None) -> None:
+            nonlocal shown
+            shown += len(text)
+            if track is not None and entries is None:
+                entries = track.shown(shown)
+            if entries:
+                released.extend(entries)
+            if text or entries:
                 pieces.append(text)
                 if req.stream:
-                    job.put("text", text)
+                    job.put("text", (text, entries or None))
+
+        t0 = time.perf_counter()
+        if req.echo:
+            # the prompt as its tokens decode (offsets of its logprobs index this text)
+            prompt_text, offsets = _decoded_offsets(model.tokenizer, req.prompt_ids)
+            entries = None
+            if track is not None:
+                scored = [TokenLogprob(req.prompt_ids[0], None, ())]
+                score_prompt(session, req.prompt_ids,
+                             lambda i, row: scored.append(token_logprob(row, req.prompt_ids[i], req.n_logprobs)))
+                entries = list(zip(scored, offsets))
+            emit(prompt_text, entries or [])
+            if track is not None:
+                track.text_len = shown
+        pending: list[TokenLogprob] = []
+
+        def on_logits(token: int, row) -> None:
+            pending.append(token_logprob(row, token, req.n_logprobs))
 
         def on_token(token: int) -> bool:
             if job.cancelled.is_set():
                 return True
-            emit(scanner.push(decoder.push(token)))
+            text = decoder.push(token)
+            if track is not None:
+                track.add(pending.pop(), len(text))
+            emit(scanner.push(text))
             return scanner.stopped
 
+        if req.max_tokens == 0:         # echo alone: the prompt is scored (or just shown), nothing generated
+            out, stats = [], GenerationStats(n_prompt=len(req.prompt_ids), prompt_s=time.perf_counter() - t0,
+                                             stopped_by="n_predict")
+        else:
+            out, stats = self._generate(session, req, on_token, on_logits if track is not None else None)
+        if not scanner.stopped:
+            tail = decoder.flush()
+            if track is not None and tail:
+                track.text_len += len(tail)
+            emit(scanner.push(tail))
+            emit(scanner.flush())
+        if track is not None:
+            # tokens that showed no text of their own (a stop string's, or bytes of a character
+            # never completed) go out with the end: all of them unless a stop string cut the text
+            rest = track.rest(scanner.stopped, shown)
+            if rest:
+                emit("", rest)
+        cancelled = job.cancelled.is_set()
+        self.metrics.generation(stats, len(out), cancelled)
+        finish = "stop" if scanner.stopped or stats.stopped_by == "eog" else "length"
+        return GenResult("".join(pieces), finish, stats, len(out), released if track is not None else None)
+
+    def _generate(self, session: Session, req: GenRequest, on_token, on_logits):
+        cfg, model = self.cfg, self.model
         # a fresh draft source per request: it follows one sequence (MTP and n-gram sources
         # allocate nothing; a draft model's source makes its own draft session)
         source = build_source(cfg.spec_type, session, req.sampler, cfg.spec, self.draft_model,
@@ -182,16 +238,20 @@ class SessionPool:
         ids = list(req.prompt_ids)
         stop_ids = set() if req.ignore_eos else None        # None: the tokenizer's end-of-generation ids
         if source is None:      # as `hybridrt run`: plain decoding without a source
-            out, stats = generate(model, session, ids, req.max_tokens, req.sampler, on_token=on_token,
-                                  stop_ids=stop_ids)
-        else:
-            out, stats = speculative_generate(model, session, ids, req.max_tokens, req.sampler, source,
-                                            cfg.spec, on_token=on_token, stop_ids=stop_ids)
-        if not scanner.stopped:
-            emit(scanner.push(decoder.flush()))
-            emit(scanner.flush())
-        cancelled = job.cancelled.is_set()
-        self.metrics.generation(stats, len(out), cancelled)
-        finish = "stop" if scanner.stopped or stats.stopped_by == "eog" else "length"
-        return GenResult("".join(pieces), finish, stats, len(out))
+            return generate(model, session, ids, req.max_tokens, req.sampler, on_token=on_token,
+                            stop_ids=stop_ids, on_logits=on_logits)
+        return speculative_generate(model, session, ids, req.max_tokens, req.sampler, source, cfg.spec,
+                                    on_token=on_token, stop_ids=stop_ids, on_logits=on_logits)
 
+
+def _decoded_offsets(tokenizer, ids: list[int]) -> tuple[str, list[int]]:
+    """The text `ids` decode to, and where each token's text starts in it."""
+    decoder = tokenizer.stream()
+    parts, offsets, n = [], [], 0
+    for t in ids:
+        offsets.append(n)
+        piece = decoder.push(t)
+        parts.append(piece)
+        n += len(piece)
+    parts.append(decoder.flush())
+    return "".join(parts), offsets

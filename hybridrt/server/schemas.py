@@ -17,6 +17,7 @@ from ..generate import GenerationStats
 from ..models.base import Model
 from ..sampling import SamplerConfig
 from .errors import bad_request, model_not_found
+from .logprobs import MAX_TOP_CHAT, MAX_TOP_COMPLETION, TokenLogprob, chat_logprobs, completion_logprobs
 
 MAX_STOPS = 16
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -52,6 +53,8 @@ class GenRequest:
     stop: tuple[str, ...]
     stream: bool
     ignore_eos: bool = False     # llama.cpp server's extension: end-of-generation tokens do not stop
+    n_logprobs: int | None = None   # None: no logprobs; else how many top alternatives per token
+    echo: bool = False           # completions: the prompt's text (and, with logprobs, its scores) first
 
 
 @dataclass
@@ -60,6 +63,7 @@ class GenResult:
     finish_reason: str           # "stop" or "length"
     stats: GenerationStats
     n_completion: int            # tokens generated, a stop string's tokens included
+    logprobs: list[tuple[TokenLogprob, int]] | None = None    # (entry, text offset) per shown token
 
 
 # ------------------------------------------------------------------------------- fields
@@ -115,8 +119,11 @@ def _common(body: dict, card: ModelCard, kind: Literal["chat", "text"], prompt_i
                           f"it leaves no room to generate (shorten the prompt or raise -c)",
                           prompt_param, code="context_length_exceeded")
     _integer(body, "n", 1, 1, 1)      # one choice per request
+    echo = kind == "text" and _boolean(body, "echo")
     max_tokens = _integer(body, "max_completion_tokens", None, 1) if kind == "chat" else None
-    max_tokens = max_tokens or _integer(body, "max_tokens", None, 1)
+    if max_tokens is None:
+        # 0 only with echo: score the prompt, generate nothing (OpenAI's legacy completions)
+        max_tokens = _integer(body, "max_tokens", None, 0 if echo else 1)
     stream, ignore_eos = _boolean(body, "stream"), _boolean(body, "ignore_eos")
     sampler = SamplerConfig(
         temp=_number(body, "temperature", 0.8, 0.0, 2.0),
@@ -125,7 +132,20 @@ def _common(body: dict, card: ModelCard, kind: Literal["chat", "text"], prompt_i
         min_p=_number(body, "min_p", 0.05, 0.0, 1.0),
         seed=_integer(body, "seed", -1, -1),
     )
-    return GenRequest(kind, card.check(body), prompt_ids, max_tokens or -1, sampler, _stops(body), stream, ignore_eos)
+    return GenRequest(kind, card.check(body), prompt_ids, -1 if max_tokens is None else max_tokens, sampler,
+                      _stops(body), stream, ignore_eos, _logprobs(body, kind), echo)
+
+
+def _logprobs(body: dict, kind: Literal["chat", "text"]) -> int | None:
+    """How many top alternatives per token the request wants, or None for no logprobs. Chat:
+    `logprobs` true, `top_logprobs` 0-20; completions: `logprobs` 0-5 (null: none)."""
+    if kind == "text":
+        return _integer(body, "logprobs", None, 0, MAX_TOP_COMPLETION)
+    wanted = _boolean(body, "logprobs")
+    top = _integer(body, "top_logprobs", None, 0, MAX_TOP_CHAT)
+    if top is not None and not wanted:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def _content(message: dict, i: int) -> str:
@@ -206,8 +226,17 @@ def _envelope(req: GenRequest, rid: str, created: int, chunk: bool) -> dict:
             "system_fingerprint": None}
 
 
-def completion_body(req: GenRequest, rid: str, created: int, result: GenResult) -> dict:
-    choice = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
+def logprobs_body(req: GenRequest, entries, tokenizer) -> dict | None:
+    """A choice's `logprobs` for these (entry, offset) pairs, in the request's kind's shape."""
+    if req.n_logprobs is None or entries is None:
+        return None
+    if req.kind == "chat":
+        return chat_logprobs(entries, tokenizer)
+    return completion_logprobs(entries, tokenizer, req.n_logprobs)
+
+
+def completion_body(req: GenRequest, rid: str, created: int, result: GenResult, tokenizer=None) -> dict:
+    choice = {"index": 0, "finish_reason": result.finish_reason, "logprobs": logprobs_body(req, result.logprobs, tokenizer)}
     if req.kind == "chat":
         choice["message"] = {"role": "assistant", "content": result.text}
     else:
@@ -218,17 +247,19 @@ def completion_body(req: GenRequest, rid: str, created: int, result: GenResult) 
 
 
 def chunk_body(req: GenRequest, rid: str, created: int, text: str | None = None, first: bool = False,
-               result: GenResult | None = None) -> dict:
+               result: GenResult | None = None, entries=None, tokenizer=None) -> dict:
     """One streamed chunk: the first carries the assistant role, the last (with `result`) the
-    finish reason, `usage` and `timings`."""
+    finish reason, `usage` and `timings`; `entries` the logprobs of the tokens whose text it shows
+    (the last chunk: those of tokens that showed no text of their own)."""
     finish = result.finish_reason if result is not None else None
+    logprobs = logprobs_body(req, entries, tokenizer) if entries else None
     if req.kind == "chat":
         delta = {"role": "assistant", "content": ""} if first else {}
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
     else:
-        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
     body = {**_envelope(req, rid, created, chunk=True), "choices": [choice]}
     if result is not None:
         body["usage"] = usage(len(req.prompt_ids), result.n_completion)

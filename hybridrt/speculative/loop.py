@@ -75,10 +75,12 @@ def prefill(session: Session, prompt_ids: list[int], source: DraftSource | None,
 def speculative_generate(model: Model, session: Session, prompt_ids: list[int], n_predict: int,
                          sampler: SamplerConfig, source: DraftSource | None, spec: SpecConfig = SpecConfig(),
                          on_token: Callable[[int], None] | None = None, stop_ids: set[int] | None = None,
-                         gen: torch.Generator | None = None, trace: Tracer | None = None) -> tuple[list[int], GenerationStats]:
+                         gen: torch.Generator | None = None, trace: Tracer | None = None,
+                         on_logits: Callable[[int, torch.Tensor], None] | None = None) -> tuple[list[int], GenerationStats]:
     """Generate up to n_predict tokens (< 0: until a stop token or a full context) with drafts
     from `source` (None: plain decoding through the same loop). Output and stopping rules are
-    those of `generate.generate` (a true return from `on_token` stops there too); at temp 0 the
+    those of `generate.generate` (a true return from `on_token` stops there too, and
+    `on_logits(token, row)` sees each token's target logits row just before it); at temp 0 the
     tokens are identical to it. `source` must be fresh (it follows this one sequence) and
     `session.k_max` at least spec.k_max."""
     stop_ids = model.tokenizer.eog_ids if stop_ids is None else stop_ids
@@ -99,7 +101,8 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
         picker.gate, policy.gating = policy.keep_draft, True
 
     t0 = time.perf_counter()
-    certain = sample_token(prefill(session, prompt_ids, source, logits_buf), sampler, gen)
+    certain_row = prefill(session, prompt_ids, source, logits_buf)    # the row `certain` came from
+    certain = sample_token(certain_row, sampler, gen)
     stats.prompt_s = time.perf_counter() - t0
 
     out: list[int] = []
@@ -112,6 +115,8 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
             stats.stopped_by = "eog"
             break
         out.append(certain)
+        if on_logits is not None:
+            on_logits(certain, certain_row)
         if on_token is not None and on_token(certain):
             stats.stopped_by = "callback"
             break
@@ -153,6 +158,8 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
                 stats.stopped_by = "eog"
                 break
             out.append(token)
+            if on_logits is not None:
+                on_logits(token, logits[n_emit])      # row i verified draft i + 1
             n_emit += 1
             if on_token is not None and on_token(token):
                 stats.stopped_by = "callback"
@@ -172,7 +179,7 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
         spec_stats.verify_s += t2 - t1
         if stats.stopped_by:
             break
-        certain = verdict.next_token
+        certain, certain_row = verdict.next_token, logits[verdict.n_accepted]
     stats.decode_s = time.perf_counter() - t_start
     spec_stats.other_s = max(0.0, stats.decode_s - spec_stats.draft_s - spec_stats.verify_s)
     stats.n_decode = max(0, len(out) - 1) if stats.stopped_by != "eog" else len(out)
