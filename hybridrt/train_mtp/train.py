@@ -38,8 +38,9 @@ from .torch_model import MTPHeadModule, TorchTeacher, initial_head_tensors, outp
 # AMX); emulated they would be slower than float32
 BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 # 1: temperatures cycled per continuation; 2: text_plan (sampled prefix, then greedy); 3: the held-out
-# continuations written by hybridrt's own greedy decoding
-TEXT_VERSION = 3
+# continuations written by hybridrt's own greedy decoding; 4: the teacher's batches sized by its KV
+# cache (256 sequences for the small models), which changes the sampled streams of a seed
+TEXT_VERSION = 4
 MAX_SEQ = 512                               # prompt + continuation (one hybridrt prefill chunk)
 
 
@@ -100,7 +101,7 @@ def text_plan(n_cont: int, n_prompts: int, n_new: int, seed: int) -> tuple[list[
 
 def write_text(model, teacher: TorchTeacher | None, prompts: list[list[int]], temps: list[float],
                greedy_after: list[int], n_new: int, seed: int, progress, label: str,
-               group: int = 128) -> list[tuple[list[int], torch.Tensor | None]]:
+               ) -> list[tuple[list[int], torch.Tensor | None]]:
     """Continuations of `prompts`, batched through the torch teacher where the architecture has one
     (with the teacher's final-normed hidden at every position); else hybridrt's own decoding, one
     sequence at a time, sampling throughout (greedy_after unused; hiddens come from teacher forcing)."""
@@ -109,6 +110,7 @@ def write_text(model, teacher: TorchTeacher | None, prompts: list[list[int]], te
     task = progress.add_task(label, total=len(prompts), info="")
     out: list[tuple[list[int], torch.Tensor | None]] = []
     if teacher is not None:
+        group = teacher.batch_size()
         for lo in range(0, len(prompts), group):
             out += teacher.generate(prompts[lo:lo + group], n_new, temps[lo:lo + group], gen, stop,
                                     greedy_after[lo:lo + group])
