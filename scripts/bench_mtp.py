@@ -31,6 +31,7 @@ from hybridrt.sampling import SamplerConfig  # noqa: E402
 from hybridrt.speculative.bench_prompts import ADVERSARIAL_PROMPT  # noqa: E402
 from hybridrt.speculative.loop import SpecConfig, speculative_generate  # noqa: E402
 from hybridrt.speculative.sources import build_source  # noqa: E402
+from hybridrt.train_mtp.config import TrainConfig  # noqa: E402
 from hybridrt.train_mtp.prompts import HELDOUT_PROMPTS  # noqa: E402
 from hybridrt.train_mtp.train import prompt_ids  # noqa: E402
 
@@ -173,8 +174,8 @@ def main() -> None:
     ap.add_argument("-n", "--n-gen", type=int, default=64)
     ap.add_argument("--n-max", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=131072)
-    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--tokens", type=int, default=TrainConfig.tokens)
+    ap.add_argument("--steps", type=int, default=TrainConfig.steps)
     ap.add_argument("--draft-vocab", type=int, default=4096)
     ap.add_argument("--limit", type=int, help="only the first LIMIT prompts (a quick check)")
     ap.add_argument("--costs-only", action="store_true", help="only the plain / verify-2 / draft step costs")
