@@ -19,6 +19,27 @@ DEFAULTS = SimpleNamespace(**{f.name: f.default for f in fields(TrainConfig)})
 MODEL_HELP = "GGUF path or a known name (gemma3-270m, smollm2-135m) of the target"
 
 
+def _reuse_freed_memory() -> None:
+    """Keep freed memory in this process for reuse (glibc only; elsewhere a no-op). Training makes
+    and drops tens-of-megabyte tensors every step (the loss's [batch, tokens, draft vocabulary]
+    terms, the teacher's bfloat16 logits), which glibc serves from fresh mmaps: every page of every
+    one faulted in anew (68 M minor faults in one Gemma 3 run). Served from the heap instead, a
+    training step took 0.53 s instead of 0.66 s and the teacher wrote 491 instead of 468 t/s. The
+    cost, a resident size that stays at its peak, suits a command that ends when training does."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_max = -1, -4
+        libc.mallopt(m_mmap_max, 0)                      # no mmap for large blocks
+        libc.mallopt(m_trim_threshold, 1 << 62)          # never give the heap's top back
+    except (OSError, AttributeError):                    # not glibc (musl has no mallopt)
+        pass
+
+
 def train_mtp(
     model: str = typer.Option(..., "-m", "--model", help=MODEL_HELP),
     out: Path = typer.Option(..., "-o", "--out", help="The head GGUF to write (HEAD.gguf.data.pt and HEAD.gguf.ckpt are kept beside it so a run resumes)."),
@@ -48,6 +69,7 @@ def train_mtp(
                       batch=batch, gen_len=gen_len, eval_every=eval_every, patience=patience, head_type=head_type)
     if not out.parent.exists():
         raise UserError(f"-o {out}: directory {out.parent} does not exist")
+    _reuse_freed_memory()
     m = load_model(model, threads=threads)
     torch.set_num_threads(threads or torch.get_num_threads() or 1)
     block_kind(m.arch)      # an unsupported target is one error line before any work

@@ -40,7 +40,7 @@ GREEDY = SamplerConfig(temp=0.0)
 
 
 def head_for(model: str, args) -> Path:
-    path = Path(args.head) if args.head else HEADS / f"{Path(str(model)).stem}.v2.mtp.gguf"
+    path = Path(args.head) if args.head else HEADS / f"{Path(str(model)).stem}.v3.mtp.gguf"
     if path.exists() and not args.retrain:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
