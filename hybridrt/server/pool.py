@@ -165,7 +165,8 @@ class SessionPool:
         scanner = StopScanner(req.stop)
         pieces: list[str] = []
         shown = 0                   # characters of text shown so far (the echoed prompt included)
-        track = None if req.n_logprobs is None else LogprobTrack()
+        want_logprobs = req.n_logprobs is not None
+        track: LogprobTrack | None = None      # the generated tokens' entries (made after the echo)
         released: list = []         # the logprob entries shown, for a non-streaming answer
 
         def emit(text: str, entries: list | None = None) -> None:
@@ -184,15 +185,15 @@ class SessionPool:
         if req.echo:
             # the prompt as its tokens decode (offsets of its logprobs index this text)
             prompt_text, offsets = _decoded_offsets(model.tokenizer, req.prompt_ids)
-            entries = None
-            if track is not None:
+            entries = []
+            if want_logprobs:
                 scored = [TokenLogprob(req.prompt_ids[0], None, ())]
                 score_prompt(session, req.prompt_ids,
                              lambda i, row: scored.append(token_logprob(row, req.prompt_ids[i], req.n_logprobs)))
                 entries = list(zip(scored, offsets))
-            emit(prompt_text, entries or [])
-            if track is not None:
-                track.text_len = shown
+            emit(prompt_text, entries)
+        if want_logprobs:
+            track = LogprobTrack(start=shown)   # generated text's offsets follow the echoed prompt's
         pending: list[TokenLogprob] = []
 
         def on_logits(token: int, row) -> None:
@@ -211,12 +212,9 @@ class SessionPool:
             out, stats = [], GenerationStats(n_prompt=len(req.prompt_ids), prompt_s=time.perf_counter() - t0,
                                              stopped_by="n_predict")
         else:
-            out, stats = self._generate(session, req, on_token, on_logits if track is not None else None)
+            out, stats = self._generate(session, req, on_token, on_logits if want_logprobs else None)
         if not scanner.stopped:
-            tail = decoder.flush()
-            if track is not None and tail:
-                track.text_len += len(tail)
-            emit(scanner.push(tail))
+            emit(scanner.push(decoder.flush()))
             emit(scanner.flush())
         if track is not None:
             # tokens that showed no text of their own (a stop string's, or bytes of a character
@@ -227,7 +225,7 @@ class SessionPool:
         cancelled = job.cancelled.is_set()
         self.metrics.generation(stats, len(out), cancelled)
         finish = "stop" if scanner.stopped or stats.stopped_by == "eog" else "length"
-        return GenResult("".join(pieces), finish, stats, len(out), released if track is not None else None)
+        return GenResult("".join(pieces), finish, stats, len(out), released if want_logprobs else None)
 
     def _generate(self, session: Session, req: GenRequest, on_token, on_logits):
         cfg, model = self.cfg, self.model

@@ -100,8 +100,8 @@ def text_plan(n_cont: int, n_prompts: int, n_new: int, seed: int) -> tuple[list[
 
 
 def write_text(model, teacher: TorchTeacher | None, prompts: list[list[int]], temps: list[float],
-               greedy_after: list[int], n_new: int, seed: int, progress, label: str,
-               ) -> list[tuple[list[int], torch.Tensor | None]]:
+               greedy_after: list[int], n_new: int, seed: int, progress,
+               label: str) -> list[tuple[list[int], torch.Tensor | None]]:
     """Continuations of `prompts`, batched through the torch teacher where the architecture has one
     (with the teacher's final-normed hidden at every position); else hybridrt's own decoding, one
     sequence at a time, sampling throughout (greedy_after unused; hiddens come from teacher forcing)."""
