@@ -47,6 +47,7 @@ class SampledAcceptor:
     def __call__(self, logits: torch.Tensor, draft: Draft) -> Verdict:
         n = len(draft)
         p_ids, p_probs = filtered_probs(logits[:n + 1], self.cfg)
+        self.last_p = (p_ids[n], p_probs[n])      # the last row's p, for `acceptance_chance`
         for i, x in enumerate(draft.tokens):
             p_x = float(p_probs[i][p_ids[i] == x].sum())
             q_x = 1.0 if draft.q_ids is None else float(draft.q_probs[i][draft.q_ids[i] == x].sum())
@@ -55,6 +56,15 @@ class SampledAcceptor:
                 continue
             return Verdict(i, self._sample_residual(p_ids[i], p_probs[i], draft, i, x))
         return Verdict(n, self._sample(p_ids[n], p_probs[n]))
+
+    def acceptance_chance(self, q_ids: torch.Tensor, q_probs: torch.Tensor) -> float:
+        """Chance that a draft drawn from q at the last call's last row would have been kept:
+        sum over x of q(x) min(1, p(x) / q(x)) = sum of min(p, q). Draws nothing."""
+        p_ids, p_probs = self.last_p
+        self._q_dense.index_copy_(0, q_ids, q_probs)
+        chance = float(torch.minimum(p_probs, self._q_dense[p_ids]).sum())
+        self._q_dense.index_fill_(0, q_ids, 0.0)
+        return chance
 
     def _sample(self, ids: torch.Tensor, probs: torch.Tensor) -> int:
         return int(ids[torch.multinomial(probs, 1, generator=self.gen)])

@@ -20,16 +20,20 @@ from ..sampling import SamplerConfig, argmax_rows, filtered_probs
 class Draft:
     """Proposed tokens and, for sampled drafts, the distribution each was drawn from (one row of
     `filtered_probs` per token: candidate ids [m] and probabilities [m]). q None means one-hot.
-    `conf`: the top-1 probability of each draft's row, where a picker gate asked for it; `gated`:
-    one more row was computed but the gate turned its token down."""
+    `conf`: the top-1 probability of each draft's row, where a picker gate asked for it; `refused`:
+    one more row was computed but the gate turned its token down (what it would have proposed)."""
     tokens: list[int] = field(default_factory=list)
     q_ids: list[torch.Tensor] | None = None
     q_probs: list[torch.Tensor] | None = None
     conf: list[float] = field(default_factory=list)
-    gated: bool = False
+    refused: "RefusedDraft | None" = None
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def gated(self) -> bool:
+        return self.refused is not None
 
     def truncated(self, n: int) -> "Draft":
         if n >= len(self.tokens):
@@ -37,6 +41,17 @@ class Draft:
         if self.q_ids is None:
             return Draft(self.tokens[:n])
         return Draft(self.tokens[:n], self.q_ids[:n], self.q_probs[:n])
+
+
+@dataclass
+class RefusedDraft:
+    """A draft the confidence gate turned down: its row's top-1 probability and the distribution q
+    it would have been drawn from (ids [m], probs [m]; at temp 0 the argmax with probability 1).
+    When every kept draft is accepted, the verify's last row is the target's row at its position,
+    so the loop can still judge it (adaptive.py learns the gate's calibration from these too)."""
+    conf: float
+    ids: torch.Tensor
+    probs: torch.Tensor
 
 
 class DraftSource(Protocol):
@@ -71,12 +86,12 @@ class DraftPicker:
                  gate: Callable[[int, float], bool] | None = None):
         self.cfg, self.gen, self.p_min, self.gate = cfg, gen, p_min, gate
 
-    def _admit(self, draft: Draft, top1: float) -> bool:
+    def _admit(self, draft: Draft, top1: float, ids: torch.Tensor, probs: torch.Tensor) -> bool:
         if top1 < self.p_min:
             return False
         if self.gate is not None:
             if not self.gate(len(draft.tokens), top1):
-                draft.gated = True
+                draft.refused = RefusedDraft(top1, ids, probs)
                 return False
             draft.conf.append(top1)
         return True
@@ -89,7 +104,7 @@ class DraftPicker:
         if self.cfg.greedy:
             if self.p_min > 0.0 or self.gate is not None:
                 top, best = torch.softmax(logits_row.float(), dim=-1).max(dim=-1)
-                if not self._admit(draft, float(top)):
+                if not self._admit(draft, float(top), best.view(1), torch.ones(1)):
                     return False
                 draft.tokens.append(int(best))
                 return True
@@ -97,7 +112,7 @@ class DraftPicker:
             return True
         ids, probs = filtered_probs(logits_row.unsqueeze(0), self.cfg)
         ids, probs = ids[0], probs[0]
-        if not self._admit(draft, float(probs[0])):      # rows are sorted: probs[0] is the top-1
+        if not self._admit(draft, float(probs[0]), ids, probs):      # rows are sorted: probs[0] is the top-1
             return False
         choice = torch.multinomial(probs, 1, generator=self.gen)
         draft.tokens.append(int(ids[choice]))

@@ -26,7 +26,8 @@ from ..errors import UserError
 from ..session import PROMPT_CHUNK, Session
 from .draft import Draft, DraftPicker
 
-EAGER_TOKENS = 64    # a prompt's MTP entries are written as it is observed (counted as prompt time)
+EAGER_TOKENS = 64    # observed tokens are written in batches this large (a prompt: as prompt time, with
+                     # the rest of it written by the loop's prefill through catch_up)
 
 
 class MTPSource:
@@ -89,8 +90,10 @@ class MTPSource:
 
     def add(self, draft: Draft, logits_row: torch.Tensor) -> bool:
         """Append the token the picker chooses from the head's logits row; with a draft vocabulary
-        the chosen row (and q's candidate rows) are renamed to token ids."""
+        the chosen row (and q's candidate rows, or a refused draft's) are renamed to token ids."""
         if not self.picker.add(draft, logits_row):
+            if draft.refused is not None and self.draft_ids is not None:
+                draft.refused.ids = self.draft_ids[draft.refused.ids]
             return False
         if self.draft_ids is not None:
             draft.tokens[-1] = int(self.draft_ids[draft.tokens[-1]])

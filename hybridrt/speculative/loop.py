@@ -57,8 +57,9 @@ class SpecConfig:
 
 def prefill(session: Session, prompt_ids: list[int], source: DraftSource | None,
             out: torch.Tensor) -> torch.Tensor:
-    """Evaluate the prompt chunk by chunk, showing each chunk's hiddens to the source; returns
-    the logits row of the last prompt token."""
+    """Evaluate the prompt chunk by chunk, showing each chunk's hiddens to the source, which then
+    processes the whole prompt (its share of prompt time, not of the first draft's); returns the
+    logits row of the last prompt token."""
     if not prompt_ids:
         raise UserError("empty prompt")
     if session.n_past:
@@ -69,6 +70,8 @@ def prefill(session: Session, prompt_ids: list[int], source: DraftSource | None,
         logits = session.eval(chunk, start_pos=lo, logits="last" if last else "none", out=out)
         if source is not None:
             source.observe(lo, chunk, session.hidden)
+    if source is not None:
+        source.catch_up()
     return logits[0]
 
 
@@ -142,13 +145,20 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
         with maybe_span(trace, "draft", "spec"):
             draft = source.propose(certain, pos, room) if source is not None and room > 0 else no_draft
         gated = draft.gated         # a row computed, its token turned down by the confidence gate
-        if len(draft) < max(spec.n_min, 1):
-            draft = no_draft
+        if 0 < len(draft) < spec.n_min:
+            draft = no_draft    # too short: a plain step (and a refused draft after it goes unjudged)
         t1 = time.perf_counter()
         with maybe_span(trace, f"verify {1 + len(draft)}", "spec"):
             logits = session.eval([certain] + draft.tokens, start_pos=pos, logits="all", out=logits_buf)
         t2 = time.perf_counter()
         verdict: Verdict = accept(logits, draft)
+        refused = None
+        if draft.refused is not None and verdict.n_accepted == len(draft):
+            # the last row is the target's at the refused draft's position: judge it for the gate
+            r = draft.refused
+            chance = float(verdict.next_token == int(r.ids[0])) if sampler.greedy \
+                else accept.acceptance_chance(r.ids, r.probs)
+            refused = (r.conf, chance)
 
         # emit the kept drafts up to a stop token or the cap; the rest of the window is undone
         kept = draft.tokens[:verdict.n_accepted]
@@ -174,7 +184,7 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
         plain_run = 0 if len(draft) else plain_run + 1
         spec_stats.record(len(draft), verdict.n_accepted, chosen)
         if policy is not None:
-            policy.observe(len(draft), verdict.n_accepted, t2 - t1, t1 - t0, draft.conf, gated)
+            policy.observe(len(draft), verdict.n_accepted, t2 - t1, t1 - t0, draft.conf, gated, refused)
         spec_stats.draft_s += t1 - t0
         spec_stats.verify_s += t2 - t1
         if stats.stopped_by:
