@@ -37,16 +37,14 @@ class GenerationStats:
         return self.n_decode / self.decode_s if self.decode_s else 0.0
 
 
-def prefill(session: Session, prompt_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
-    """Evaluate the prompt; returns the logits row of its last token."""
-    return session.eval(prompt_ids, start_pos=0, logits="last", out=out)[0]
-
-
-def score_prompt(session: Session, prompt_ids: list[int], visit: Callable[[int, torch.Tensor], None]) -> None:
-    """Evaluate the prompt and call visit(i, row) for i = 1 .. n-1 with the logits row that
-    predicts prompt token i (the logits of position i - 1): the prompt's own log-likelihood, as
-    an OpenAI `echo` + `logprobs` request asks. Chunk by chunk, so the rows of a long prompt are
-    never all held at once."""
+def prefill(session: Session, prompt_ids: list[int], out: torch.Tensor | None = None,
+            visit: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
+    """Evaluate the prompt; returns the logits row of its last token (in `out` when given).
+    `visit(i, row)`, if given, sees the row that predicts prompt token i (the logits of position
+    i - 1) for i = 1 .. n - 1: the prompt's own log-likelihood, as an OpenAI `echo` + `logprobs`
+    request asks; chunk by chunk, so the rows of a long prompt are never all held at once."""
+    if visit is None:
+        return session.eval(prompt_ids, start_pos=0, logits="last", out=out)[0]
     if session.n_past:
         session.truncate(0)
     for lo in range(0, len(prompt_ids), PROMPT_CHUNK):
@@ -54,24 +52,28 @@ def score_prompt(session: Session, prompt_ids: list[int], visit: Callable[[int, 
         for j in range(rows.shape[0]):
             if lo + j + 1 < len(prompt_ids):
                 visit(lo + j + 1, rows[j])
+    last = rows[-1]
+    return last if out is None else out[0].copy_(last)
 
 
 def generate(model: Model, session: Session, prompt_ids: list[int], n_predict: int,
              sampler: SamplerConfig, on_token: Callable[[int], None] | None = None,
              stop_ids: set[int] | None = None,
-             on_logits: Callable[[int, torch.Tensor], None] | None = None) -> tuple[list[int], GenerationStats]:
+             on_logits: Callable[[int, torch.Tensor], None] | None = None,
+             on_prompt_row: Callable[[int, torch.Tensor], None] | None = None) -> tuple[list[int], GenerationStats]:
     """Generate up to n_predict tokens (n_predict < 0: until an end-of-generation token or the
     context is full). Stop tokens are not included in the output. `on_token` sees each token as
     it is produced; a true return value stops generation there (a server's stop string or a
     client that went away). `on_logits(token, row)`, called just before `on_token`, sees the
-    target's logits row the token was drawn from (valid only during the call: the buffer is reused)."""
+    target's logits row the token was drawn from (valid only during the call: the buffer is reused);
+    `on_prompt_row(i, row)` the prompt's rows, as `prefill`'s `visit`."""
     stop_ids = model.tokenizer.eog_ids if stop_ids is None else stop_ids
     gen = make_generator(sampler.seed)
     stats = GenerationStats(n_prompt=len(prompt_ids))
     logits_buf = torch.empty(1, model.n_vocab)
 
     t0 = time.perf_counter()
-    logits = prefill(session, prompt_ids, out=logits_buf)
+    logits = prefill(session, prompt_ids, out=logits_buf, visit=on_prompt_row)
     stats.prompt_s = time.perf_counter() - t0
 
     out: list[int] = []

@@ -263,6 +263,16 @@ def test_completion_echo_scores_the_prompt(client, model):
     assert c.logprobs.text_offset[len(ids)] == len(PROMPT)
     for got, t, row in zip(c.logprobs.token_logprobs[len(ids):], out, rows):
         assert abs(got - float(row[t])) < 1e-3
+    # the prompt's scores now come from the decoder's own prefill (one evaluation of the prompt)
+    assert c.logprobs.token_logprobs[0] is None
+    for i in range(1, len(ids)):
+        assert abs(c.logprobs.token_logprobs[i] - float(lp[i - 1, ids[i]])) < 1e-3
+    # a one-token prompt: nothing to score, its entry still comes first
+    one = model.tokenizer.token_to_piece(ids[0]).decode()
+    r = client.completions.create(model=MODEL, prompt=[ids[0]], max_tokens=2, echo=True, logprobs=0, temperature=0)
+    c = r.choices[0]
+    assert c.text.startswith(one) and c.logprobs.token_logprobs[0] is None and c.logprobs.tokens[0] == one
+    assert len(c.logprobs.tokens) == 3 and c.logprobs.text_offset[1] == len(one)
 
 
 def test_completion_logprobs_stop_where_the_text_stops(client, model):

@@ -11,7 +11,7 @@ import make_model
 from hybridrt.generate import generate
 from hybridrt.loader import load_model
 from hybridrt.sampling import SamplerConfig
-from hybridrt.session import Session
+from hybridrt.session import PROMPT_CHUNK, Session
 from hybridrt.snapshot_ring import SnapshotRing
 from hybridrt.speculative import acceptance
 from hybridrt.speculative.draft_forced import ForcedSource
@@ -300,3 +300,29 @@ def test_each_token_is_shown_with_the_logits_row_plain_decoding_drew_it_from(nam
     for (t, a), (_, b) in zip(seen_plain, seen_spec):
         assert int(torch.argmax(b)) == t
         torch.testing.assert_close(b, a, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen35"])
+def test_prompt_rows_are_visited_once_in_each_decoder(name, request):
+    """on_prompt_row (the server's echo + logprobs) sees, inside the decoder's own prefill, the row
+    predicting each prompt token after the first (position i - 1's logits), across prompt chunks,
+    and decoding goes on as without it."""
+    model = request.getfixturevalue(name)
+    ids = prompt(14, n=PROMPT_CHUNK + 9)
+    n_ctx = len(ids) + N_GEN + 8
+    want = model.session(n_ctx).eval(ids, logits="all")
+    ref, _ = generate(model, model.session(n_ctx), ids, N_GEN, GREEDY, stop_ids=set())
+    for spec_n in (None, 2):
+        seen = []
+        visit = lambda i, row: seen.append((i, row.clone()))  # noqa: E731
+        if spec_n is None:
+            out, _ = generate(model, model.session(n_ctx), ids, N_GEN, GREEDY, stop_ids=set(), on_prompt_row=visit)
+        else:
+            spec = SpecConfig(n_max=spec_n)
+            session = model.session(n_ctx, k_max=spec.k_max)
+            source = forced(model, ids, ref, corrupt=0.3)(session, spec)
+            out, _ = speculative_generate(model, session, ids, N_GEN, GREEDY, source, spec, stop_ids=set(),
+                                          on_prompt_row=visit)
+        assert out == ref
+        assert [i for i, _ in seen] == list(range(1, len(ids)))
+        torch.testing.assert_close(torch.stack([r for _, r in seen]), want[:-1], rtol=0, atol=1e-4)

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import UserError
-from ..generate import GenerationStats, generate, score_prompt
+from ..generate import GenerationStats, generate, prefill
 from ..models.base import Model
 from ..session import Session
 from ..speculative.loop import SpecConfig, speculative_generate
@@ -182,18 +182,22 @@ class SessionPool:
                     job.put("text", (text, entries or None))
 
         t0 = time.perf_counter()
+        on_prompt_row = None    # scores the echoed prompt inside the decoder's own prefill
         if req.echo:
             # the prompt as its tokens decode (offsets of its logprobs index this text)
             prompt_text, offsets = _decoded_offsets(model.tokenizer, req.prompt_ids)
-            entries = []
-            if want_logprobs:
+            if want_logprobs and len(req.prompt_ids) > 1:
                 scored = [TokenLogprob(req.prompt_ids[0], None, ())]
-                score_prompt(session, req.prompt_ids,
-                             lambda i, row: scored.append(token_logprob(row, req.prompt_ids[i], req.n_logprobs)))
-                entries = list(zip(scored, offsets))
-            emit(prompt_text, entries)
+
+                def on_prompt_row(i: int, row) -> None:
+                    scored.append(token_logprob(row, req.prompt_ids[i], req.n_logprobs))
+                    if i == len(req.prompt_ids) - 1:        # scored: shown before any generated text
+                        emit(prompt_text, list(zip(scored, offsets)))
+            else:
+                emit(prompt_text, list(zip([TokenLogprob(req.prompt_ids[0], None, ())], offsets)) if want_logprobs else [])
         if want_logprobs:
-            track = LogprobTrack(start=shown)   # generated text's offsets follow the echoed prompt's
+            # generated text's offsets follow the echoed prompt's
+            track = LogprobTrack(start=len(prompt_text) if req.echo else 0)
         pending: list[TokenLogprob] = []
 
         def on_logits(token: int, row) -> None:
@@ -209,10 +213,12 @@ class SessionPool:
             return scanner.stopped
 
         if req.max_tokens == 0:         # echo alone: the prompt is scored (or just shown), nothing generated
+            if on_prompt_row is not None:
+                prefill(session, req.prompt_ids, visit=on_prompt_row)
             out, stats = [], GenerationStats(n_prompt=len(req.prompt_ids), prompt_s=time.perf_counter() - t0,
                                              stopped_by="n_predict")
         else:
-            out, stats = self._generate(session, req, on_token, on_logits if want_logprobs else None)
+            out, stats = self._generate(session, req, on_token, on_logits if want_logprobs else None, on_prompt_row)
         if not scanner.stopped:
             emit(scanner.push(decoder.flush()))
             emit(scanner.flush())
@@ -227,7 +233,7 @@ class SessionPool:
         finish = "stop" if scanner.stopped or stats.stopped_by == "eog" else "length"
         return GenResult("".join(pieces), finish, stats, len(out), released if want_logprobs else None)
 
-    def _generate(self, session: Session, req: GenRequest, on_token, on_logits):
+    def _generate(self, session: Session, req: GenRequest, on_token, on_logits, on_prompt_row):
         cfg, model = self.cfg, self.model
         # a fresh draft source per request: it follows one sequence (MTP and n-gram sources
         # allocate nothing; a draft model's source makes its own draft session)
@@ -237,9 +243,10 @@ class SessionPool:
         stop_ids = set() if req.ignore_eos else None        # None: the tokenizer's end-of-generation ids
         if source is None:      # as `hybridrt run`: plain decoding without a source
             return generate(model, session, ids, req.max_tokens, req.sampler, on_token=on_token,
-                            stop_ids=stop_ids, on_logits=on_logits)
+                            stop_ids=stop_ids, on_logits=on_logits, on_prompt_row=on_prompt_row)
         return speculative_generate(model, session, ids, req.max_tokens, req.sampler, source, cfg.spec,
-                                    on_token=on_token, stop_ids=stop_ids, on_logits=on_logits)
+                                    on_token=on_token, stop_ids=stop_ids, on_logits=on_logits,
+                                    on_prompt_row=on_prompt_row)
 
 
 def _decoded_offsets(tokenizer, ids: list[int]) -> tuple[str, list[int]]:

@@ -56,10 +56,10 @@ class SpecConfig:
 
 
 def prefill(session: Session, prompt_ids: list[int], source: DraftSource | None,
-            out: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor, visit: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
     """Evaluate the prompt chunk by chunk, showing each chunk's hiddens to the source, which then
     processes the whole prompt (its share of prompt time, not of the first draft's); returns the
-    logits row of the last prompt token."""
+    logits row of the last prompt token. `visit` as `generate.prefill`'s."""
     if not prompt_ids:
         raise UserError("empty prompt")
     if session.n_past:
@@ -67,7 +67,14 @@ def prefill(session: Session, prompt_ids: list[int], source: DraftSource | None,
     for lo in range(0, len(prompt_ids), PROMPT_CHUNK):
         chunk = prompt_ids[lo:lo + PROMPT_CHUNK]
         last = lo + PROMPT_CHUNK >= len(prompt_ids)
-        logits = session.eval(chunk, start_pos=lo, logits="last" if last else "none", out=out)
+        if visit is None:
+            logits = session.eval(chunk, start_pos=lo, logits="last" if last else "none", out=out)
+        else:
+            logits = session.eval(chunk, start_pos=lo, logits="all")
+            for j in range(len(chunk)):
+                if lo + j + 1 < len(prompt_ids):
+                    visit(lo + j + 1, logits[j])
+            logits = out[:1].copy_(logits[-1:])
         if source is not None:
             source.observe(lo, chunk, session.hidden)
     if source is not None:
@@ -79,11 +86,13 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
                          sampler: SamplerConfig, source: DraftSource | None, spec: SpecConfig = SpecConfig(),
                          on_token: Callable[[int], None] | None = None, stop_ids: set[int] | None = None,
                          gen: torch.Generator | None = None, trace: Tracer | None = None,
-                         on_logits: Callable[[int, torch.Tensor], None] | None = None) -> tuple[list[int], GenerationStats]:
+                         on_logits: Callable[[int, torch.Tensor], None] | None = None,
+                         on_prompt_row: Callable[[int, torch.Tensor], None] | None = None) -> tuple[list[int], GenerationStats]:
     """Generate up to n_predict tokens (< 0: until a stop token or a full context) with drafts
     from `source` (None: plain decoding through the same loop). Output and stopping rules are
     those of `generate.generate` (a true return from `on_token` stops there too, and
-    `on_logits(token, row)` sees each token's target logits row just before it); at temp 0 the
+    `on_logits(token, row)` sees each token's target logits row just before it, `on_prompt_row`
+    the prompt's rows as `generate.prefill`'s `visit`); at temp 0 the
     tokens are identical to it. `source` must be fresh (it follows this one sequence) and
     `session.k_max` at least spec.k_max."""
     stop_ids = model.tokenizer.eog_ids if stop_ids is None else stop_ids
@@ -104,7 +113,7 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
         picker.gate, policy.gating = policy.keep_draft, True
 
     t0 = time.perf_counter()
-    certain_row = prefill(session, prompt_ids, source, logits_buf)    # the row `certain` came from
+    certain_row = prefill(session, prompt_ids, source, logits_buf, on_prompt_row)    # the row `certain` came from
     certain = sample_token(certain_row, sampler, gen)
     stats.prompt_s = time.perf_counter() - t0
 
