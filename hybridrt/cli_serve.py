@@ -79,7 +79,7 @@ def serve(
     from .server.schemas import ModelCard
     from .speculative.loop import SpecConfig
     from .speculative.sources import build_source, default_spec_type
-    from .warmup import announce_and_compile
+    from .warmup import announce_and_compile, compile_head, compile_notice
 
     if parallel < 1 or max_queue < 0:
         raise UserError("--parallel must be >= 1 and --max-queue >= 0")
@@ -109,6 +109,9 @@ def serve(
     # a bad speculation setup is a start-up error, not a failure of every request
     build_source(spec_type, pool.sessions[0], SamplerConfig(), spec, draft_model, ngram_n_max=ngram_n,
                  cache_type=cache_type)
+    if spec_type == "draft-mtp":
+        with compile_notice():      # a trained head's quant types (cached: loaded once, ~1 s)
+            compile_head(m)
     names = {str(path), os.path.basename(path), Path(path).stem} | ({model} if model else set())
     served = model if model in KNOWN_MODELS else Path(path).stem
     card = ModelCard(id=served, aliases=frozenset(names - {served}), n_ctx=n_ctx, created=int(time.time()))

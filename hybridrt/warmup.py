@@ -99,6 +99,25 @@ def compile_kernels(model: "Model") -> None:
             continue
         for k in (1, 4, 8, 16, 40):
             session.eval([token] * k, logits="all" if k in (4, 8, 16) else "last")
+    compile_head(model)
+
+
+def compile_head(model: "Model") -> None:
+    """The model's MTP head (built in, or a trained one from `--mtp-head`), as drafting calls it:
+    one, two and four tokens (a proposal after a verify, and a prompt's catch-up) with their logits
+    rows. A trained head stores its matrices as Q8_0, which a target of other quant types has never
+    compiled: without this, a server's first draft stalled for seconds. Nothing without a head."""
+    import torch
+
+    mtp = getattr(model, "mtp", None)
+    if mtp is None:
+        return
+    token = model.tokenizer.bos_id if model.tokenizer.bos_id is not None else 0
+    session = model.session(n_ctx=64, k_max=4)
+    session.eval([token] * 5, logits="none")
+    hidden = session.hidden
+    for k in (1, 2, 4):
+        mtp.step(session.state, torch.full((k,), token, dtype=torch.int64), hidden[:k], 1, logits=True)
 
 
 def announce_and_compile(model: "Model | str | os.PathLike | None") -> bool:
@@ -126,13 +145,14 @@ def announce_and_compile(model: "Model | str | os.PathLike | None") -> bool:
 def warmup(
     model: Optional[str] = typer.Option(None, "-m", "--model",
                                         help="GGUF path or a known name (gemma3-270m, smollm2-135m); default gemma3-270m"),
+    mtp_head: Optional[str] = typer.Option(None, "--mtp-head", help="also the kernels of this MTP head (from `hybridrt train-mtp`)"),
 ):
     """Compile the CPU kernels a model needs ahead of its first run (cached on disk)."""
     from .loader import load_model
 
     t0 = time.perf_counter()
     with compile_notice() as notice:
-        m = load_model(model)
+        m = load_model(model, mtp_head=mtp_head)
         compile_kernels(m)
     took = time.perf_counter() - t0
     where = os.environ.get("NUMBA_CACHE_DIR") or "__pycache__ beside the kernels"

@@ -118,3 +118,39 @@ def test_after_warmup_no_run_compiles(tmp_path):
     for args in (SHORT, LONG, spec):
         r = _cli(args, tmp_path)
         assert r.returncode == 0 and MESSAGE not in r.stderr, (args, r.stderr)
+
+
+@pytest.mark.slow
+def test_warmup_with_a_trained_head_leaves_nothing_for_the_first_draft(tmp_path):
+    """A trained head's matrices are Q8_0, which SmolLM2's file has none of: `warmup --mtp-head`
+    compiles them too, so a draft-mtp run compiles nothing (before, its first draft stalled ~2.6 s)."""
+    import torch
+
+    from hybridrt.loader import load_model
+    from hybridrt.mtp_head import block_kind, write_head
+    from hybridrt.train_mtp.torch_model import initial_head_tensors
+
+    model = load_model(require(SMOLLM2))
+    draft_ids = torch.arange(256)
+    tensors = {name: t.numpy() for name, t in initial_head_tensors(model, draft_ids, block_kind(model.arch)).items()}
+    head = write_head(tmp_path / "head.gguf", {f"mtp.{n}.weight": a for n, a in tensors.items()}, model.gguf,
+                      model.n_vocab, draft_ids.numpy())
+    cache = tmp_path / "cache"
+    assert _cli(["warmup", "-m", "smollm2-135m", "--mtp-head", str(head)], cache).returncode == 0
+    r = _cli(SHORT + ["--mtp-head", str(head), "--spec-type", "draft-mtp"], cache)
+    assert r.returncode == 0 and "draft-mtp" in r.stderr and MESSAGE not in r.stderr, r.stderr
+
+
+def test_compile_head_runs_a_built_in_head_and_skips_a_model_without_one(tiny_qwen35_mtp, tiny_qwen3):
+    """qwen35's own MTP head (its KV in the hybrid state) is stepped as drafting steps it; a model
+    without a head is left alone."""
+    from hybridrt.loader import load_model
+    from hybridrt.warmup import compile_head
+
+    calls = []
+    model = load_model(tiny_qwen35_mtp)
+    real_step = model.mtp.step
+    model.mtp.step = lambda state, tokens, *a, **kw: calls.append(len(tokens)) or real_step(state, tokens, *a, **kw)
+    compile_head(model)
+    assert calls == [1, 2, 4]
+    compile_head(load_model(tiny_qwen3))        # no head: nothing to do, no error
