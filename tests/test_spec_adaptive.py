@@ -150,6 +150,18 @@ def test_gated_drafting_that_does_not_pay_turns_into_plain_steps():
     assert p.accept_given(0.75) < 0.3
 
 
+def test_gated_steps_that_lose_less_than_a_head_row_keep_drafting():
+    """Drafts at the break-even (top-1 0.25, right 20 %: a 2-token verify plus a row costs 1.21
+    plain steps) lose ~0.01 token a step: drafting goes on, as a plain stretch would last until a
+    probe; the same head right 0 % of the time loses more than a row's worth and goes plain."""
+    for right, drafting in ((lambda i: i % 5 == 0, True), (lambda i: False, False)):
+        p = DraftLengthPolicy(n_max=1, gating=True)
+        p.observe(0, 0, 0.0123, 0.0)
+        rows = iter([(0.25, right(i)) for i in range(400)])
+        chosen = run_gated(p, rows, 60)
+        assert (chosen[20:].count(0) <= 2) if drafting else (chosen[20:].count(0) >= 30), chosen
+
+
 def test_refused_drafts_teach_the_gate():
     """Drafts at top-1 0.1-0.2 that the target accepts 60 % of the time: the prior (15 %) refuses
     them, and only judging the refused ones shows the gate they pay."""

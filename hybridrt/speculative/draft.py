@@ -80,11 +80,17 @@ class DraftPicker:
     `p_min` ends the draft at the first position whose top-1 probability is below it. `gate`
     (set by the adaptive length policy): gate(i, top-1 probability) decides whether draft i is
     worth its place in the verify batch; a refusal ends the draft too. Neither changes which
-    token a kept draft is, so outputs stay exact."""
+    token a kept draft is, so outputs stay exact. `worth` (set with the gate): worth(i) decides,
+    before a source computes row i >= 1, whether it could pay even if the head were sure of it."""
 
     def __init__(self, cfg: SamplerConfig, gen: torch.Generator, p_min: float = 0.0,
                  gate: Callable[[int, float], bool] | None = None):
         self.cfg, self.gen, self.p_min, self.gate = cfg, gen, p_min, gate
+        self.worth: Callable[[int], bool] | None = None
+
+    def wants(self, i: int) -> bool:
+        """Whether to compute the row of draft i (i >= 1) at all."""
+        return self.worth is None or self.worth(i)
 
     def _admit(self, draft: Draft, top1: float, ids: torch.Tensor, probs: torch.Tensor) -> bool:
         if top1 < self.p_min:

@@ -83,7 +83,7 @@ class DraftModelSource:
         logits = self.session.eval(tokens, start_pos=start, logits="last", out=self.row)[0]
         self.synced = pos + 1
         for i in range(n_max):
-            if not self.picker.add(draft, logits) or i == n_max - 1:
+            if not self.picker.add(draft, logits) or i == n_max - 1 or not self.picker.wants(i + 1):
                 break
             logits = self.session.eval(draft.tokens[-1:], logits="last", out=self.row)[0]
             self.drafted.append(draft.tokens[-1])

@@ -83,7 +83,8 @@ class MTPSource:
         h = self._write(tokens, hiddens, start)
         self.synced, self.tokens, self.prev_hidden = pos + 1, [], []
         for i in range(n_max):
-            if not self.add(draft, self.mtp.head(h, out=self.row)[0]) or i == n_max - 1:
+            if not self.add(draft, self.mtp.head(h, out=self.row)[0]) or i == n_max - 1 \
+                    or not self.picker.wants(i + 1):
                 break
             _, h = self.mtp.step(self.state, torch.tensor(draft.tokens[-1:]), h, pos + 1 + i, logits=False)
         return draft
