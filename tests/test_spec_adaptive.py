@@ -263,3 +263,32 @@ def test_refused_sampled_drafts_are_judged_by_overlap(qwen3, monkeypatch):
     chances = [j[1] for j in judged]
     assert len(chances) >= 30 and min(chances) > 0.999
 
+
+
+def test_a_chain_stops_before_a_row_that_could_not_pay():
+    """SmolLM2-like costs (a row 13 % of a plain step, a 3-token verify 1.5x): after an unsure first
+    draft even a sure second one could not pay for its row and the longer verify, so the head is not
+    asked for it; after a sure first draft it is."""
+    p = DraftLengthPolicy(n_max=3, gating=True)
+    p.observe(0, 0, 0.0062, 0.0)
+    p.observe(1, 1, 0.0070, 0.0008, conf=[0.9])
+    p.observe(2, 1, 0.0093, 0.0016, conf=[0.9, 0.3])
+    assert p.keep_draft(0, 0.35) and not p.worth_row(1)
+    assert p.keep_draft(0, 0.97) and p.worth_row(1)
+
+
+def test_the_source_asks_before_computing_a_chained_row(qwen35):
+    """draft-mtp with a picker whose `worth` refuses row 1: every proposal stops after one draft."""
+    from hybridrt.speculative.loop import SpecConfig, speculative_generate
+    from tests.test_spec_loop import prompt as make_prompt
+    spec = SpecConfig(n_max=3)
+    session = qwen35.session(128, k_max=spec.k_max)
+    src = build_source("draft-mtp", session, GREEDY, spec)
+    asked = []
+    src.picker.worth = lambda i: asked.append(i) or False
+    ids = make_prompt(5)
+    out, stats = speculative_generate(qwen35, session, ids, 12, GREEDY, src, spec, stop_ids=set())
+    assert out == plain(qwen35, ids, n=12)
+    # asked once a proposal (the last may have room for one draft only: the -n cap, nothing to ask)
+    assert max(stats.spec.drafted) == 1 and set(asked) == {1}
+    assert sum(stats.spec.drafted) - 1 <= len(asked) <= sum(stats.spec.drafted)
