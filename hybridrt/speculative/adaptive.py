@@ -17,8 +17,8 @@ nearest measured one at the measured per-token slope (or 10 % of a token's cost 
 before two sizes are known: a memory-bound verify of k tokens reads the weights once). t_draft is
 the weighted mean per proposed draft. While n = 0 is chosen nothing about drafts is learned, so
 after `probe_every` plain steps one step proposes a single draft (then after twice as many, up to
-four times, while plain steps keep winning); and every `explore_every` drafting
-steps one tries a length next to the best, so the cost curve is measured around where it is used.
+four times, while plain steps keep winning); and every `explore_every` drafting steps one tries a
+length next to the best, so the cost curve is measured around where it is used.
 
 Confidence gate (`keep_draft`, installed as the draft picker's gate for model drafts): within a
 step, each draft whose row the head has computed is kept only if the step's expected tokens per
@@ -26,7 +26,9 @@ second rise with it, its chance of acceptance read from its top-1 probability th
 table learned online (acceptance per tenth of top-1 probability, from every judged draft, the
 turned-down ones included: the loop judges those against the verify's last row). A head that is
 right 25 % of the time on average is right far more often where it is confident: those steps draft,
-the rest verify one token. Whether to compute a first row at all is then the choice between plain
+the rest verify one token. A chained row is not even computed (`worth_row`, the picker's `worth`)
+when keeping it could not pay at the best calibrated acceptance. Whether to compute a first row at
+all is then the choice between plain
 and gated steps, made on the same model rather than on measured step rates: over the first rows'
 top-1 probabilities of recent steps, the expected gain of what the gate would do with each (keep:
 1 + p tokens for a 2-token verify; turn down: a plain step plus the row) against plain steps, which
