@@ -49,11 +49,17 @@ def prefill(session: Session, prompt_ids: list[int], out: torch.Tensor | None = 
         session.truncate(0)
     for lo in range(0, len(prompt_ids), PROMPT_CHUNK):
         rows = session.eval(prompt_ids[lo:lo + PROMPT_CHUNK], start_pos=lo, logits="all")
-        for j in range(rows.shape[0]):
-            if lo + j + 1 < len(prompt_ids):
-                visit(lo + j + 1, rows[j])
+        visit_prompt_rows(visit, lo, rows, len(prompt_ids))
     last = rows[-1]
     return last if out is None else out[0].copy_(last)
+
+
+def visit_prompt_rows(visit: Callable[[int, torch.Tensor], None], lo: int, rows: torch.Tensor, n_prompt: int) -> None:
+    """visit(i, row) for the rows of a prompt chunk starting at `lo`, i the prompt token each row
+    predicts (the last prompt token's row predicts no prompt token)."""
+    for j in range(rows.shape[0]):
+        if lo + j + 1 < n_prompt:
+            visit(lo + j + 1, rows[j])
 
 
 def generate(model: Model, session: Session, prompt_ids: list[int], n_predict: int,

@@ -186,15 +186,15 @@ class SessionPool:
         if req.echo:
             # the prompt as its tokens decode (offsets of its logprobs index this text)
             prompt_text, offsets = _decoded_offsets(model.tokenizer, req.prompt_ids)
+            scored = [TokenLogprob(req.prompt_ids[0], None, ())]      # the first token has no score
             if want_logprobs and len(req.prompt_ids) > 1:
-                scored = [TokenLogprob(req.prompt_ids[0], None, ())]
 
                 def on_prompt_row(i: int, row) -> None:
                     scored.append(token_logprob(row, req.prompt_ids[i], req.n_logprobs))
                     if i == len(req.prompt_ids) - 1:        # scored: shown before any generated text
                         emit(prompt_text, list(zip(scored, offsets)))
             else:
-                emit(prompt_text, list(zip([TokenLogprob(req.prompt_ids[0], None, ())], offsets)) if want_logprobs else [])
+                emit(prompt_text, list(zip(scored, offsets)) if want_logprobs else [])
         if want_logprobs:
             # generated text's offsets follow the echoed prompt's
             track = LogprobTrack(start=len(prompt_text) if req.echo else 0)

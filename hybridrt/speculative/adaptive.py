@@ -123,11 +123,13 @@ class DraftLengthPolicy:
     def _draft_cost(self) -> float:
         return self.draft_s if self.draft_s is not None else 0.02 * self.verify_cost(1)
 
-    def _pays(self, i: int, prob: float, step_tokens: float) -> bool:
+    def _pays(self, i: int, prob: float, step_tokens: float, row_sunk: bool = True) -> bool:
         """Does keeping draft i (reached with chance `prob`) raise the step's expected tokens per
-        second? Its row and those before it are already computed, so only the verify grows."""
-        sunk = (i + 1) * self._draft_cost()
-        return (step_tokens + prob) / (self.verify_cost(i + 2) + sunk) > step_tokens / (self.verify_cost(i + 1) + sunk)
+        second? The rows before it are computed; its own too when row_sunk (then only the verify
+        grows), else its row counts against it."""
+        d = self._draft_cost()
+        before = step_tokens / (self.verify_cost(i + 1) + (i + row_sunk) * d)
+        return (step_tokens + prob) / (self.verify_cost(i + 2) + (i + 1) * d) > before
 
     def keep_draft(self, i: int, top1: float) -> bool:
         """Gate for draft i (0-based) of this step: keep it iff the expected tokens per second of the
@@ -146,10 +148,7 @@ class DraftLengthPolicy:
         it pay, its own row's cost included, even at the best calibrated acceptance? Without this a
         chain computed rows the gate could only refuse (SmolLM2: a row is 12-14 % of a plain step,
         a 3-token verify 1.4-1.55x one)."""
-        best = self.step_prob * self.accept_given(1.0)
-        d = self._draft_cost()
-        return (self.step_tokens + best) / (self.verify_cost(i + 2) + (i + 1) * d) \
-            > self.step_tokens / (self.verify_cost(i + 1) + i * d)
+        return self._pays(i, self.step_prob * self.accept_given(1.0), self.step_tokens, row_sunk=False)
 
     def gated_gain(self) -> float:
         """Expected tokens a gated step gains over the plain steps of the same time, over the recent

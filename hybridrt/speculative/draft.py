@@ -43,6 +43,9 @@ class Draft:
         return Draft(self.tokens[:n], self.q_ids[:n], self.q_probs[:n])
 
 
+ONE = torch.ones(1)     # a greedy draft's q: its argmax with probability 1 (never written)
+
+
 @dataclass
 class RefusedDraft:
     """A draft the confidence gate turned down: its row's top-1 probability and the distribution q
@@ -110,7 +113,7 @@ class DraftPicker:
         if self.cfg.greedy:
             if self.p_min > 0.0 or self.gate is not None:
                 top, best = torch.softmax(logits_row.float(), dim=-1).max(dim=-1)
-                if not self._admit(draft, float(top), best.view(1), torch.ones(1)):
+                if not self._admit(draft, float(top), best.view(1), ONE):
                     return False
                 draft.tokens.append(int(best))
                 return True

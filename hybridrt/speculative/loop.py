@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from ..errors import UserError
-from ..generate import GenerationStats
+from ..generate import GenerationStats, visit_prompt_rows
 from ..models.base import Model
 from ..sampling import SamplerConfig, make_generator, sample_token
 from ..session import PROMPT_CHUNK, Session
@@ -70,11 +70,10 @@ def prefill(session: Session, prompt_ids: list[int], source: DraftSource | None,
         if visit is None:
             logits = session.eval(chunk, start_pos=lo, logits="last" if last else "none", out=out)
         else:
-            logits = session.eval(chunk, start_pos=lo, logits="all")
-            for j in range(len(chunk)):
-                if lo + j + 1 < len(prompt_ids):
-                    visit(lo + j + 1, logits[j])
-            logits = out[:1].copy_(logits[-1:])
+            rows = session.eval(chunk, start_pos=lo, logits="all")
+            visit_prompt_rows(visit, lo, rows, len(prompt_ids))
+            if last:
+                logits = out[:1].copy_(rows[-1:])
         if source is not None:
             source.observe(lo, chunk, session.hidden)
     if source is not None:
