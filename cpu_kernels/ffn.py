@@ -22,6 +22,7 @@ import numpy as np
 from numba import njit, prange
 
 from .matvec import CHUNK, TOKEN_TILE, check_operands, matvec, n_groups_for, tile_products, use_int
+from .matvec_amx import matvec_amx_into, uses_amx
 from .matvec_int import (act_block, block_dots, n_row_groups, quantize_for, quantize_tiled, tile_sums,
                          tiled_min_k, tiling, type_tag)
 from .matvec_simd import TILE_ROWS
@@ -51,6 +52,13 @@ def _act_times(g, u, act):
     else:
         a = 0.5 * g * (1.0 + math.tanh(_SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)))
     return np.float32(a * np.float64(u))
+
+
+@njit(cache=True, nogil=True)
+def _act_times_rows(gate, up, hidden, act):
+    for t in range(gate.shape[0]):
+        for i in range(gate.shape[1]):
+            hidden[t, i] = _act_times(gate[t, i], up[t, i], act)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -132,6 +140,12 @@ def ffn_glu(x: np.ndarray, w_gate: np.ndarray, t_gate: int, w_up: np.ndarray, t_
     if k > 0 and n_ff > 0:
         if x.shape[1] == 0:
             hidden.fill(0.0)
+        elif use_int(t_gate, exact) and use_int(t_up, exact) and uses_amx(t_gate, k, n_ff, x.shape[1]) \
+                and uses_amx(t_up, k, n_ff, x.shape[1]):
+            # verify batches on AMX tiles: gate and up each in one call (the same bits as below)
+            gate = matvec_amx_into(w_gate, t_gate, x, np.empty((k, n_ff), np.float32))
+            _act_times_rows(gate, matvec_amx_into(w_up, t_up, x, np.empty((k, n_ff), np.float32)), hidden,
+                            ACTIVATIONS[act])
         elif use_int(t_gate, exact) and use_int(t_up, exact) and act_block(t_gate) == act_block(t_up) \
                 and k >= max(tiled_min_k(t_gate), tiled_min_k(t_up)):
             xa, xb, xc, k_pad = quantize_tiled(t_gate, x)

@@ -34,6 +34,7 @@ from .matvec_kquants import (decode_chunk_iq4_xs, decode_chunk_q2_k, decode_chun
                              decode_chunk_q5_k, decode_chunk_q6_k)
 from .matvec_legacy import (decode_chunk_iq4_nl, decode_chunk_q4_0, decode_chunk_q4_1, decode_chunk_q5_0,
                             decode_chunk_q5_1, decode_chunk_q8_0)
+from .matvec_amx import matvec_amx_into, uses_amx
 from .matvec_int import INT_TYPES, matvec_int_into
 from .matvec_simd import LANES, TILE_ROWS, dot_tile_1, dot_tile_2, dot_tile_3, dot_tile_4
 
@@ -190,8 +191,8 @@ def matvec(w: np.ndarray, qtype: int, x: np.ndarray, out: np.ndarray | None = No
     w: raw bytes (rows, row_bytes) as in the file (a zero-copy mmap view is fine); row r holds output
     row r. x: (k, n_in) float32, any k >= 1, one pass over w. out: optional (k, rows) float32
     C-contiguous buffer to write into. Releases the GIL; runs on numba's threads.
-    exact: False runs the integer kernel on int8-quantized x (matvec_int; relative error ~5e-3,
-    llama.cpp's numerics), True the float32 kernel (float32 rounding only); None: EXACT_DEFAULT.
+    exact: False runs the integer kernel on int8-quantized x (matvec_int, or matvec_amx's tile
+    kernels for verify batches on CPUs with AMX; relative error ~5e-3, llama.cpp's numerics), True the float32 kernel (float32 rounding only); None: EXACT_DEFAULT.
     Either way a token's result does not depend on k or on the other tokens.
     """
     w, block_elems, x, out = check_operands(w, qtype, x, out)
@@ -201,6 +202,8 @@ def matvec(w: np.ndarray, qtype: int, x: np.ndarray, out: np.ndarray | None = No
         out.fill(0.0)
         return out
     if use_int(qtype, exact):
+        if uses_amx(qtype, x.shape[0], w.shape[0], x.shape[1]):     # verify batches on AMX tiles: the same bits
+            return matvec_amx_into(w, qtype, x, out)
         return matvec_int_into(w, qtype, x, out)
     _matvec_kernel(w, int(qtype), block_elems, x, out, n_groups_for(w.shape[0]))
     return out
