@@ -34,7 +34,7 @@ from .matvec_kquants import (decode_chunk_iq4_xs, decode_chunk_q2_k, decode_chun
                              decode_chunk_q5_k, decode_chunk_q6_k)
 from .matvec_legacy import (decode_chunk_iq4_nl, decode_chunk_q4_0, decode_chunk_q4_1, decode_chunk_q5_0,
                             decode_chunk_q5_1, decode_chunk_q8_0)
-from .matvec_amx import matvec_amx_into, uses_amx
+from .matvec_amx import AMX, AMX_REFUSAL, matvec_amx_into, uses_amx
 from .matvec_int import INT_TYPES, matvec_int_into
 from .matvec_simd import LANES, TILE_ROWS, dot_tile_1, dot_tile_2, dot_tile_3, dot_tile_4
 
@@ -177,6 +177,17 @@ def check_operands(w: np.ndarray, qtype: int, x: np.ndarray, out: np.ndarray | N
 # The process-wide default of `exact` (HYBRIDRT_EXACT_ACTIVATIONS=1: float activations everywhere,
 # e.g. for a whole test session compared with a float64 reference).
 EXACT_DEFAULT = os.environ.get("HYBRIDRT_EXACT_ACTIVATIONS", "") not in ("", "0")
+
+
+def kernel_summary(exact: bool | None = None) -> str:
+    """Which kernels run the mmap'd matrices in this process, in one line (bench reports it, as
+    llama.cpp prints its system info)."""
+    if EXACT_DEFAULT if exact is None else exact:
+        return "float32 activations (exact)"
+    from .simd_int import ISA
+
+    tiles = "AMX tiles for verify batches" if AMX else f"no AMX tiles ({AMX_REFUSAL})"
+    return f"int8 activations, {ISA} integer dot products, {tiles}"
 
 
 def use_int(qtype: int, exact: bool | None) -> bool:

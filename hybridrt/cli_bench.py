@@ -31,6 +31,7 @@ class BenchResult:
     predicted_tps: float         # the plan's bandwidth model (all-mmap: CPU bytes per token / bandwidth)
     prediction: str              # where predicted_tps comes from
     placement: dict | None       # the executed plan's summary (None: everything in the mmap)
+    cpu_kernels: str             # the CPU matvec path: activations, integer lowering, AMX tiles
 
 
 def bench_plain(m, n_prompt: int, n_gen: int, reps: int, seed: int = 0,
@@ -200,10 +201,13 @@ def _bench_plain(m, n_prompt: int, n_gen: int, reps: int, as_json: bool, cpu_bw:
     t0 = time.perf_counter()
     pp, tg = bench_plain(m, n_prompt, n_gen, reps, cache_type=cache_type)
     predicted, source = predicted_speed(m, cpu_bw)
+    from cpu_kernels.matvec import kernel_summary
+
     result = BenchResult(model=m.gguf.path, n_prompt=n_prompt, n_gen=n_gen, threads=threads,
                          pp_tps=pp, tg_tps=tg, weight_bytes_per_token=m.weight_bytes_per_token,
                          weight_gbps=m.weight_bytes_per_token * tg / 1e9, measured_tps=tg,
-                         predicted_tps=predicted, prediction=source, placement=placement_summary(m.plan))
+                         predicted_tps=predicted, prediction=source, placement=placement_summary(m.plan),
+                         cpu_kernels=kernel_summary(m.binder.exact))
     if as_json:
         print(json.dumps(asdict(result), indent=2))
         return
@@ -217,6 +221,7 @@ def _bench_plain(m, n_prompt: int, n_gen: int, reps: int, as_json: bool, cpu_bw:
     table.add_row(name, str(result.threads), f"tg{n_gen}", f"{tg:.1f}", f"{result.weight_gbps:.1f}", f"{predicted:.1f}")
     Console().print(table)
     print(f"prediction: {source}")
+    print(f"CPU kernels: {result.cpu_kernels}")
 
 
 def _bench_spec(m, spec_type, n_max, model_draft, prompt_file, spec_prompt, force, n_prompt, n_gen, reps, as_json,

@@ -94,6 +94,7 @@ def test_bench_json_has_predicted_and_measured_speed():
     plain = json.loads(run_cli("bench", "-m", str(require(SMOLLM2)), "-p", "8", "-n", "4", "-r", "1", "--json",
                                "--cpu-bw", "20").stdout)
     assert plain["placement"] is None and plain["predicted_tps"] == pytest.approx(20e9 / plain["weight_bytes_per_token"])
+    assert plain["cpu_kernels"].startswith("int8 activations, ") and "AMX tiles" in plain["cpu_kernels"]
 
 
 def test_bench_decodes_on_the_cache_run_uses(tiny_qwen3, monkeypatch):
