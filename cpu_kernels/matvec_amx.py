@@ -62,7 +62,7 @@ MAX_TOKENS = 16
 # (measured, BENCHMARKS.md "AMX tiles"): a row tile's first decode and its writes are not
 # overlapped with anything, which short rows (Gemma 3's 640-wide output layer: 1.5x slower at
 # k = 4) cannot pay for
-MIN_TOKENS = {"k": 8, "pair": 4}
+MIN_TOKENS = {"k": 5, "pair": 3}
 MIN_COLS = 4096
 PREFETCH_FROM = 256     # each row stream is prefetched from this many bytes (and >= 2 steps) ahead
 
