@@ -1,11 +1,12 @@
-"""Verify batches on AMX tiles: the k-input integer matvec for 2 <= k <= 16 tokens with matvec_int's bits.
+"""Verify batches on AMX tiles: the k-input integer matvec for up to 16 tokens with matvec_int's bits.
 
 Why: a verify batch of k tokens costs the AVX-512 integer kernels (matvec_int) k times the
 multiply-adds in vector instructions, so time(k) grows with k (1.4x at k = 4, 2.4x at k = 8 on the
 27B shapes) although the weights are read once. CPUs with AMX-INT8 (Sapphire Rapids and later Xeons)
-multiply a 16-row x 64-byte tile by a 64 x 16 tile in one instruction (tdpbusd / tdpbssd, exact
-int32 sums) on a unit beside the vector ports, so the multiply-adds of 16 rows x up to 16 tokens
-cost about what one token's do.
+multiply a 16-row x 64-byte tile by a 64 x 16 tile in one instruction (tdpbusd: unsigned weight
+bytes by signed activation bytes, exact int32 sums) on a unit beside the vector ports, so the
+multiply-adds of 16 rows x up to 16 tokens cost about what one token's do. uses_amx says which
+calls take the tiles (where they measured faster than matvec_int: BENCHMARKS.md, "AMX tiles").
 
 Per 16 weight rows and one step (a K super-block, or two legacy block pairs):
     decode   each row's step to unsigned bytes in element order (matvec_int's own decoders) in a
@@ -41,8 +42,8 @@ from numba.extending import intrinsic
 from gguf.constants import GGMLQuantizationType as _T
 
 from .formats import type_tag
-from .matvec_int import SPECS, _k_scales_mins16, block_dots, quantize_for
-from .matvec_simd import _fma, _load_vec, _splat
+from .matvec_int import SPECS, _k_scales_mins16, block_dots
+from .matvec_simd import _fma, _load_vec
 from .quantize_act import QK_K, QK_LEGACY, quantize_rows
 from .simd_int import CACHE, F32, I32, I64, ISA, ISA_FORCED, IntBlockIR, _host_features, prefetch
 
