@@ -35,9 +35,10 @@ from numba import njit, prange, types
 from numba.extending import overload
 from numba.core.errors import NumbaPerformanceWarning
 
-from .ffn import _act_times
+from .ffn import _act_times, _act_times_rows
 from .formats import format_of
-from .matvec import tile_products
+from .matvec import matvec, tile_products
+from .matvec_amx import matvec_amx_into, uses_amx
 from .matvec_int import act_block, block_dots, types_tag
 from .matvec_simd import TILE_ROWS, dot_f32, f16_bits_to_f32, f32_to_f16_bits, load_f16
 from .quantize_act import PAD_LEGACY, QK_K, QK_LEGACY, _quantize_rows
@@ -454,4 +455,28 @@ def ffn_block(h, n_threads, int_types, float_path, ffn_norm, post_norm, has_post
     y = np.empty((k, n_embd), np.float32)
     _project(n_threads, int_types, float_path, wd, td, ed, i_d, n_embd, wd, td, ed, i_d, NONE, wd, td, ed, i_d, NONE,
              hidden, y)
+    return _residual(h, y, post_norm, has_post, eps)
+
+
+def ffn_takes_tiles(k: int, gate: tuple, up: tuple) -> bool:
+    """Whether ffn_block_tiles serves a batch of k tokens: gate and up (matrix_operands tuples) both
+    on the integer path and both taken by the AMX tiles at this k and width (matvec_amx.uses_amx)."""
+    (wg, tg, _, ig), (wu, tu, _, iu) = gate, up
+    n_in = wg.shape[1] * format_of(tg).block_elems // format_of(tg).block_bytes
+    return bool(ig and iu and uses_amx(tg, k, wg.shape[0], n_in) and uses_amx(tu, k, wu.shape[0], n_in))
+
+
+def ffn_block_tiles(h, ffn_norm, post_norm, has_post, eps, gate, up, down, act):
+    """ffn_block's result bit for bit, its gate and up projections on AMX tiles (verify batches of a
+    wide model, where ffn_takes_tiles): the same row norm, the tiles' products (matvec_int's bits),
+    the same activation and residual code, down through `matvec` (tiles or matvec_int, or the float
+    kernel as _project's float path). Separate calls from Python: the tile kernels are parallel
+    regions of their own."""
+    k, n_ff = h.shape[0], gate[0].shape[0]
+    x = _rms_norm_rows(h, ffn_norm, eps)
+    g = matvec_amx_into(gate[0], gate[1], x, np.empty((k, n_ff), np.float32))
+    u = matvec_amx_into(up[0], up[1], x, np.empty((k, n_ff), np.float32))
+    hidden = np.empty((k, n_ff), np.float32)
+    _act_times_rows(g, u, hidden, act)
+    y = matvec(down[0], down[1], hidden, exact=not down[3])
     return _residual(h, y, post_norm, has_post, eps)

@@ -236,6 +236,10 @@ class FusedFfnBlock:
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         if h.shape[0] > ROWWISE_MAX:
             return self.block(h)
+        if layer_fused.ffn_takes_tiles(h.shape[0], self.gate, self.up):     # a wide model's verify batch
+            return torch.from_numpy(layer_fused.ffn_block_tiles(
+                _rows_f32(h), self.norm, self.post_norm, self.block.post_norm is not None, self.block.eps,
+                self.gate, self.up, self.down, self.act))
         return torch.from_numpy(layer_fused.ffn_block(_rows_f32(h), numba.get_num_threads(), *self.args))
 
 

@@ -88,3 +88,29 @@ def test_refusal_keeps_matvec_int():
     env = dict(os.environ, HYBRIDRT_AMX="0")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.split() == ["False", "HYBRIDRT_AMX=0", "False"]
+
+
+@needs_amx
+def test_fused_ffn_half_on_tiles_has_the_fused_kernels_bits():
+    """A wide model's verify batch through layer_fused.ffn_block_tiles (gate and up on the tiles)
+    gives ffn_block's bits (the all-Numba fused FFN half), token by token."""
+    from cpu_kernels import layer_fused
+    from cpu_kernels.ffn import ACTIVATIONS
+    rng = np.random.default_rng(11)
+    n_embd, n_ff = matvec_amx.MIN_COLS, 96       # down: 3 blocks a row (short rows: matvec_int)
+    for types_, act, post in (((T.Q4_0, T.Q4_0, T.Q8_0), "silu", False), ((T.Q5_K, T.Q5_K, T.Q4_1), "gelu_tanh", True),
+                            ((T.Q8_0, T.Q4_1, T.Q5_0), "silu", True), ((T.Q4_0, T.Q4_0, T.F32), "silu", False)):
+        ops = [layer_fused.matrix_operands(random_weights(t, r, c, rng) if t != T.F32 else
+                                           (0.05 * rng.standard_normal((r, c))).astype(np.float32).view(np.uint8),
+                                           t, t != T.F32)         # an F32 down: the float path
+               for t, (r, c) in zip(types_, [(n_ff, n_embd), (n_ff, n_embd), (n_embd, n_ff)])]
+        int_types, float_path = layer_fused.kernel_types((op[1], op[3]) for op in ops)
+        norm, post_w = (rng.uniform(0.5, 1.5, n_embd).astype(np.float32) for _ in range(2))
+        h = rng.standard_normal((8, n_embd)).astype(np.float32)
+        fused = layer_fused.ffn_block(h, 2, int_types, float_path, norm, post_w, post, 1e-6, *ops[0], *ops[1], *ops[2],
+                                      ACTIVATIONS[act])
+        k = 8
+        assert layer_fused.ffn_takes_tiles(k, ops[0], ops[1])
+        tiles = layer_fused.ffn_block_tiles(h, norm, post_w, post, 1e-6, ops[0], ops[1], ops[2], ACTIVATIONS[act])
+        assert np.array_equal(tiles, fused), f"{types_[0].name}: tiles differ from the fused kernel"
+        assert not layer_fused.ffn_takes_tiles(2, ops[0], ops[1])
