@@ -19,7 +19,9 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 from .matvec import CHUNK, TOKEN_TILE, check_operands, matvec, n_groups_for, tile_products, use_int
 from .matvec_amx import matvec_amx_into, uses_amx
@@ -43,14 +45,57 @@ class FfnScratch:
         return cls(np.empty((k_max, n_ff), np.float32), np.empty((k_max, n_embd), np.float32))
 
 
+@intrinsic
+def _f64_from_bits(typingctx, bits):
+    """The float64 whose bits are the int64 `bits` (a bitcast LLVM vectorizes)."""
+    if bits != types.int64:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.DoubleType())
+    return types.float64(bits), codegen
+
+
+_LN2_HI, _LN2_LO = 6.93147180369123816490e-01, 1.90821492927058770002e-10   # ln 2 split: n * hi exact
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _exp(x):
+    """e^x in float64 from arithmetic alone (a loop of these vectorizes; libm's exp is a call per
+    value): n = round(x / ln 2), r = x - n ln 2 (Cody-Waite), e^r by its Taylor series to r^13
+    (|r| <= ln2 / 2: error < 1e-17), times 2^n from the exponent bits. Within an ulp or two of
+    libm; x clamped to +-708 (e^708 ~ 3e307, far past where the activations saturate)."""
+    x = min(max(x, -708.0), 708.0)
+    n = np.floor(x * 1.4426950408889634 + 0.5)
+    r = (x - n * _LN2_HI) - n * _LN2_LO
+    p = 1.6059043836821613e-10
+    p = p * r + 2.08767569878681e-09
+    p = p * r + 2.505210838544172e-08
+    p = p * r + 2.755731922398589e-07
+    p = p * r + 2.7557319223985893e-06
+    p = p * r + 2.48015873015873e-05
+    p = p * r + 0.0001984126984126984
+    p = p * r + 0.001388888888888889
+    p = p * r + 0.008333333333333333
+    p = p * r + 0.041666666666666664
+    p = p * r + 0.16666666666666666
+    p = p * r + 0.5
+    p = p * r + 1.0
+    p = p * r + 1.0
+    return p * _f64_from_bits((np.int64(n) + 1023) << 52)
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _act_times(g, u, act):
-    """act(g) * u in float64 (scalar libm calls: the same result in any loop shape)."""
+    """act(g) * u in float64: SiLU g / (1 + e^-g); GELU-tanh 0.5 g (1 + tanh z) = g / (1 + e^-2z),
+    z = sqrt(2 / pi) (g + 0.044715 g^3) (no cancellation where tanh z is near -1). _exp is plain
+    arithmetic and np.divide has no zero check (Python's `/` would branch to raise), so a row's
+    loop vectorizes, and any loop shape gives the same bits."""
     g = np.float64(g)
     if act == 0:
-        a = g / (1.0 + math.exp(-g))
+        a = np.divide(g, 1.0 + _exp(-g))
     else:
-        a = 0.5 * g * (1.0 + math.tanh(_SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)))
+        a = np.divide(g, 1.0 + _exp(-2.0 * _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)))
     return np.float32(a * np.float64(u))
 
 
