@@ -515,7 +515,7 @@ PALETTES = {n: palette(n) for n in (4, 8, 16)}
 
 
 def matvec_amx_into(w: np.ndarray, qtype: int, x: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """out = W x on int8 activations for k = x.shape[0] <= 16 tokens (uses_amx(qtype, k, rows)):
+    """out = W x on int8 activations for k = x.shape[0] <= 16 tokens (where uses_amx):
     matvec_int's result bit for bit. Operands already checked (matvec.check_operands)."""
     k, cols = x.shape
     rows = w.shape[0]
