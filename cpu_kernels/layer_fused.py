@@ -38,7 +38,7 @@ from numba.core.errors import NumbaPerformanceWarning
 from .ffn import _act_times, _act_times_rows
 from .formats import format_of
 from .matvec import matvec, tile_products
-from .matvec_amx import matvec_amx_into, uses_amx
+from .matvec_amx import MAX_TOKENS, matvec_amx_into, uses_amx
 from .matvec_int import act_block, block_dots, types_tag
 from .matvec_simd import TILE_ROWS, dot_f32, f16_bits_to_f32, f32_to_f16_bits, load_f16
 from .quantize_act import PAD_LEGACY, QK_K, QK_LEGACY, _quantize_rows
@@ -458,17 +458,20 @@ def ffn_block(h, n_threads, int_types, float_path, ffn_norm, post_norm, has_post
     return _residual(h, y, post_norm, has_post, eps)
 
 
-def ffn_takes_tiles(k: int, gate: tuple, up: tuple) -> bool:
-    """Whether ffn_block_tiles serves a batch of k tokens: gate and up (matrix_operands tuples) both
-    on the integer path and both taken by the AMX tiles at this k and width (matvec_amx.uses_amx)."""
+def ffn_tile_tokens(gate: tuple, up: tuple) -> range:
+    """The batch sizes ffn_block_tiles serves for these gate and up (matrix_operands tuples): those
+    at which both are on the integer path and taken by the AMX tiles (matvec_amx.uses_amx); an
+    empty range without AMX or for narrow rows. Worked out once per layer, not per call."""
     (wg, tg, _, ig), (wu, tu, _, iu) = gate, up
     n_in = wg.shape[1] * format_of(tg).block_elems // format_of(tg).block_bytes
-    return bool(ig and iu and uses_amx(tg, k, wg.shape[0], n_in) and uses_amx(tu, k, wu.shape[0], n_in))
+    ks = [k for k in range(1, MAX_TOKENS + 1)
+          if ig and iu and uses_amx(tg, k, wg.shape[0], n_in) and uses_amx(tu, k, wu.shape[0], n_in)]
+    return range(ks[0], ks[-1] + 1) if ks else range(0)
 
 
 def ffn_block_tiles(h, ffn_norm, post_norm, has_post, eps, gate, up, down, act):
     """ffn_block's result bit for bit, its gate and up projections on AMX tiles (verify batches of a
-    wide model, where ffn_takes_tiles): the same row norm, the tiles' products (matvec_int's bits),
+    wide model, k in ffn_tile_tokens): the same row norm, the tiles' products (matvec_int's bits),
     the same activation and residual code, down through `matvec` (tiles or matvec_int, or the float
     kernel as _project's float path). Separate calls from Python: the tile kernels are parallel
     regions of their own."""

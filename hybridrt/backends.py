@@ -230,13 +230,14 @@ class FusedFfnBlock:
         self.norm = block.norm.numpy()
         self.post_norm = block.post_norm.numpy() if block.post_norm is not None else self.norm
         self.nbytes = ffn.nbytes
+        self.tile_tokens = layer_fused.ffn_tile_tokens(self.gate, self.up)
         self.args = (*_covering(kernel_types, [self.gate, self.up, self.down]), self.norm, self.post_norm,
                      block.post_norm is not None, block.eps, *self.gate, *self.up, *self.down, self.act)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         if h.shape[0] > ROWWISE_MAX:
             return self.block(h)
-        if layer_fused.ffn_takes_tiles(h.shape[0], self.gate, self.up):     # a wide model's verify batch
+        if h.shape[0] in self.tile_tokens:      # a wide model's verify batch: gate and up on AMX tiles
             return torch.from_numpy(layer_fused.ffn_block_tiles(
                 _rows_f32(h), self.norm, self.post_norm, self.block.post_norm is not None, self.block.eps,
                 self.gate, self.up, self.down, self.act))

@@ -110,7 +110,7 @@ def test_fused_ffn_half_on_tiles_has_the_fused_kernels_bits():
         fused = layer_fused.ffn_block(h, 2, int_types, float_path, norm, post_w, post, 1e-6, *ops[0], *ops[1], *ops[2],
                                       ACTIVATIONS[act])
         k = 8
-        assert layer_fused.ffn_takes_tiles(k, ops[0], ops[1])
+        assert k in layer_fused.ffn_tile_tokens(ops[0], ops[1])
         tiles = layer_fused.ffn_block_tiles(h, norm, post_w, post, 1e-6, ops[0], ops[1], ops[2], ACTIVATIONS[act])
         assert np.array_equal(tiles, fused), f"{types_[0].name}: tiles differ from the fused kernel"
-        assert not layer_fused.ffn_takes_tiles(2, ops[0], ops[1])
+        assert 2 not in layer_fused.ffn_tile_tokens(ops[0], ops[1])
