@@ -35,10 +35,10 @@ from numba import njit, prange, types
 from numba.extending import overload
 from numba.core.errors import NumbaPerformanceWarning
 
-from .ffn import _act_times, _act_times_rows
+from .ffn import _act_times, ffn_glu
 from .formats import format_of
-from .matvec import matvec, tile_products
-from .matvec_amx import MAX_TOKENS, matvec_amx_into, uses_amx
+from .matvec import tile_products
+from .matvec_amx import MAX_TOKENS, uses_amx
 from .matvec_int import act_block, block_dots, types_tag
 from .matvec_simd import TILE_ROWS, dot_f32, f16_bits_to_f32, f32_to_f16_bits, load_f16
 from .quantize_act import PAD_LEGACY, QK_K, QK_LEGACY, _quantize_rows
@@ -469,17 +469,12 @@ def ffn_tile_tokens(gate: tuple, up: tuple) -> range:
     return range(ks[0], ks[-1] + 1) if ks else range(0)
 
 
-def ffn_block_tiles(h, ffn_norm, post_norm, has_post, eps, gate, up, down, act):
-    """ffn_block's result bit for bit, its gate and up projections on AMX tiles (verify batches of a
-    wide model, k in ffn_tile_tokens): the same row norm, the tiles' products (matvec_int's bits),
-    the same activation and residual code, down through `matvec` (tiles or matvec_int, or the float
-    kernel as _project's float path). Separate calls from Python: the tile kernels are parallel
+def ffn_block_tiles(h, ffn_norm, post_norm, has_post, eps, gate, up, down, act: str):
+    """ffn_block's result bit for bit for a wide model's verify batch (k in ffn_tile_tokens): the same
+    row norm and residual code around ffn.ffn_glu, whose gate and up then run on the AMX tiles
+    (matvec_int's bits) with the same activation code, and down through `matvec`. act: the
+    activation's name (ffn.ACTIVATIONS). Separate calls from Python: the tile kernels are parallel
     regions of their own."""
-    k, n_ff = h.shape[0], gate[0].shape[0]
     x = _rms_norm_rows(h, ffn_norm, eps)
-    g = matvec_amx_into(gate[0], gate[1], x, np.empty((k, n_ff), np.float32))
-    u = matvec_amx_into(up[0], up[1], x, np.empty((k, n_ff), np.float32))
-    hidden = np.empty((k, n_ff), np.float32)
-    _act_times_rows(g, u, hidden, act)
-    y = matvec(down[0], down[1], hidden, exact=not down[3])
+    y = ffn_glu(x, gate[0], gate[1], up[0], up[1], down[0], down[1], act, exact=False)
     return _residual(h, y, post_norm, has_post, eps)

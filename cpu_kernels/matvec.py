@@ -203,7 +203,8 @@ def matvec(w: np.ndarray, qtype: int, x: np.ndarray, out: np.ndarray | None = No
     row r. x: (k, n_in) float32, any k >= 1, one pass over w. out: optional (k, rows) float32
     C-contiguous buffer to write into. Releases the GIL; runs on numba's threads.
     exact: False runs the integer kernel on int8-quantized x (matvec_int, or matvec_amx's tile
-    kernels for verify batches on CPUs with AMX; relative error ~5e-3, llama.cpp's numerics), True the float32 kernel (float32 rounding only); None: EXACT_DEFAULT.
+    kernels for verify batches on CPUs with AMX; relative error ~5e-3, llama.cpp's numerics), True
+    the float32 kernel (float32 rounding only); None: EXACT_DEFAULT.
     Either way a token's result does not depend on k or on the other tokens.
     """
     w, block_elems, x, out = check_operands(w, qtype, x, out)

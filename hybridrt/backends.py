@@ -240,7 +240,7 @@ class FusedFfnBlock:
         if h.shape[0] in self.tile_tokens:      # a wide model's verify batch: gate and up on AMX tiles
             return torch.from_numpy(layer_fused.ffn_block_tiles(
                 _rows_f32(h), self.norm, self.post_norm, self.block.post_norm is not None, self.block.eps,
-                self.gate, self.up, self.down, self.act))
+                self.gate, self.up, self.down, self.block.ffn.act))
         return torch.from_numpy(layer_fused.ffn_block(_rows_f32(h), numba.get_num_threads(), *self.args))
 
 

@@ -111,6 +111,6 @@ def test_fused_ffn_half_on_tiles_has_the_fused_kernels_bits():
                                       ACTIVATIONS[act])
         k = 8
         assert k in layer_fused.ffn_tile_tokens(ops[0], ops[1])
-        tiles = layer_fused.ffn_block_tiles(h, norm, post_w, post, 1e-6, ops[0], ops[1], ops[2], ACTIVATIONS[act])
+        tiles = layer_fused.ffn_block_tiles(h, norm, post_w, post, 1e-6, ops[0], ops[1], ops[2], act)
         assert np.array_equal(tiles, fused), f"{types_[0].name}: tiles differ from the fused kernel"
         assert 2 not in layer_fused.ffn_tile_tokens(ops[0], ops[1])
