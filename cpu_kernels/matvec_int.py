@@ -5,7 +5,8 @@ half an instruction per weight, so the float kernel is decode-bound at 15-25 % o
 Here the activations are quantized once per call (quantize_act: int8 blocks with a float scale)
 and a weight block only has to become bytes: nibbles masked and shifted into 64-byte vectors in
 element order, then multiplied with the activation bytes 64 at a time (simd_int: vpdpbusd), the
-K-quant sub-block scales applied to the raw sums (two chunks' packed to int16, one vpdpwssd).
+K-quant sub-block scales applied to the raw sums (two chunks' packed to int16, one vpdpwssd; IQ4_XS,
+whose looked-up level bytes reach 241, in int32). IQ4_NL / IQ4_XS levels come from one vpshufb.
 Every weight stream is prefetched a kilobyte ahead (the rows are short, side by side streams).
 
 Per (token, row) every path computes the same exact integers and applies the same float steps in
@@ -48,7 +49,7 @@ from .formats import type_tag
 from .matvec_kquants import q3_k_scales
 from .matvec_simd import _array, _fma, _load_vec, _splat
 from .quantize_act import QK_K, QK_LEGACY, quantize_rows
-from .simd_int import (CACHE, F32, I8, I16, I32, I64, IntBlockIR, _concat, dpbusd, dpwssd, packs, pmaddwd,
+from .simd_int import (CACHE, F32, I8, I16, I32, I64, IntBlockIR, _concat, dpbusd, dpwssd, lut16, packs, pmaddwd,
                        prefetch)
 
 GROUPS_PER_THREAD = 4
@@ -68,8 +69,17 @@ def _f32x2(b, x, y):
 # per-pair-lane scale vectors (i16 x 32) of each chunk, and the integer bsum coefficients.
 
 class KBlock:
-    def __init__(self, chunks, sc16, d, off16=None, min16=None, negdmin=None):
+    """wide: weight bytes up to 255 (IQ4_XS's offset levels): raw sums of 4 products can exceed
+    int16, so the kernels scale them in int32 (one multiply per chunk) instead of packing them for
+    vpdpwssd, and avx2's dpbusd splits the bytes (as for Q8_0)."""
+
+    def __init__(self, chunks, sc16, d, off16=None, min16=None, negdmin=None, wide=False):
         self.chunks, self.sc16, self.d, self.off16, self.min16, self.negdmin = chunks, sc16, d, off16, min16, negdmin
+        self.wide = wide
+
+    def sc32(self, v, c):
+        """Chunk c's scales as i32 x 16, lane j that of raw-sum lane j (elements 4j .. 4j + 3)."""
+        return v.b.sext(v.shuf(self.sc16[c], [2 * j for j in range(16)]), ir.VectorType(I32, 16))
 
 
 def _sc16_per_16(v, sc16):
@@ -162,6 +172,26 @@ def _q2_k(v):
                   negdmin=v.fneg(v.f16(82)))
 
 
+# IQ4_NL / IQ4_XS: 4-bit indices into 16 non-linear signed levels, looked up (vpshufb) as the level
+# + 128, an unsigned byte for vpdpbusd; the 128 is taken off with the activation block sums.
+IQ4_OFFSET_LEVELS = [x + 128 for x in (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)]
+
+
+def _iq4_xs(v):
+    # d @0, scales_h (u16) @2, scales_l[4] @4, qs[128] @8. Sub-block j (32 weights): scale
+    # (low nibble j of scales_l | bits 2j of scales_h << 4) - 32; its 16 bytes at 8 + 16 j hold
+    # elements 32j + l (low nibble) and 32j + 16 + l (high).
+    low = v.and_(v.shr(v.shuf(v.u8(4, 4), [0, 0, 1, 1, 2, 2, 3, 3]), [0, 4] * 4), 15)
+    high = v.and_(v.shr(v.splat(v.b.zext(v.b.load(v.b.bitcast(v.b.gep(v.base, [ir.Constant(I64, 2)]),
+                                                              I16.as_pointer()), align=1), I32), 8),
+                        [2 * j for j in range(8)]), 3)
+    sc8 = v.i16(v.add(v.b.or_(low, v.shl(high, 4)), -32))
+    chunks = [lut16(v.b, v.concat(_nibbles32(v, 8 + 32 * c), _nibbles32(v, 24 + 32 * c)), IQ4_OFFSET_LEVELS)
+              for c in range(4)]
+    return KBlock(chunks, [v.shuf(sc8, [2 * c] * 16 + [2 * c + 1] * 16) for c in range(4)], v.f16(0),
+                  off16=v.bmul(v.shuf(sc8, [g // 2 for g in range(16)]), -128), wide=True)
+
+
 # --------------------------------------------------------------------------- legacy decoders
 # Each takes n_blk = 2 (a pair of blocks) or 1 (the odd last block: the second half is zeros)
 # and returns 64 unsigned weight bytes, the block scales per lane, the integer offset and the
@@ -220,6 +250,11 @@ def _q5_1(v, n_blk):
                  with_min=True)
 
 
+def _iq4_nl(v, n_blk):
+    return _pair(v, n_blk, 18, lambda v, o: (lut16(v.b, _nibbles32(v, o + 2), IQ4_OFFSET_LEVELS), v.f16(o), None),
+                 off=-128, wide=True)
+
+
 def _q8_0(v, n_blk):
     # int8 weights as offset bytes w + 128 (vpdpbusd's unsigned side), the 128 taken off with bs32
     return _pair(v, n_blk, 34, lambda v, o: (v.bxor(v.bytes(o + 2, 32), 0x80), v.f16(o), None), off=-128, wide=True)
@@ -233,6 +268,7 @@ SPECS = {
     int(_T.Q3_K): ("k", _q3_k, 110), int(_T.Q2_K): ("k", _q2_k, 84),
     int(_T.Q4_0): ("pair", _q4_0, 18), int(_T.Q4_1): ("pair", _q4_1, 20), int(_T.Q5_0): ("pair", _q5_0, 22),
     int(_T.Q5_1): ("pair", _q5_1, 24), int(_T.Q8_0): ("pair", _q8_0, 34),
+    int(_T.IQ4_NL): ("pair", _iq4_nl, 18), int(_T.IQ4_XS): ("k", _iq4_xs, 136),
 }
 INT_TYPES = frozenset(SPECS)
 
@@ -274,7 +310,8 @@ K_FOLD = ((16, range(8), range(8, 16)), (8, range(4), range(4, 8)), (4, [0, 1], 
 PAIR_FOLD = ((16, [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]), (8, [0, 1, 4, 5], [2, 3, 6, 7]),
              (4, [0, 2], [1, 3]))
 # K-quant sub-block (weights sharing one scale): 32 for Q4_K / Q5_K, 16 for the others
-K_SUB = {int(_T.Q4_K): 32, int(_T.Q5_K): 32, int(_T.Q6_K): 16, int(_T.Q3_K): 16, int(_T.Q2_K): 16}
+K_SUB = {int(_T.Q4_K): 32, int(_T.Q5_K): 32, int(_T.Q6_K): 16, int(_T.Q3_K): 16, int(_T.Q2_K): 16,
+         int(_T.IQ4_XS): 32}
 
 
 def _fold(b, vecs, per, lo, hi):
@@ -339,10 +376,13 @@ def _k_group(b, entries, i, facc):
         # raw sums of 4 products per lane (vpdpbusd), two chunks' packed to int16 (exact: at most
         # 4 x 63 x 127) and scaled with one vpdpwssd: lane 4L + j of chunk c holds elements of
         # 128-bit lane L, whose scale is sc16[c]'s pair lane 8 L (16 elements: 8 pair lanes)
-        raws = [dpbusd(b, v.zeros(I32, 16), blk.chunks[c], _load_vec(b, b.gep(a_ptr, [_c64(64 * c)]), I8, 64, 1))
-                for c in range(4)]
+        raws = [dpbusd(b, v.zeros(I32, 16), blk.chunks[c], _load_vec(b, b.gep(a_ptr, [_c64(64 * c)]), I8, 64, 1),
+                       blk.wide) for c in range(4)]
         acc = v.zeros(I32, 16)
-        for c in (0, 2):
+        if blk.wide:
+            for c in range(4):
+                acc = b.add(acc, b.mul(raws[c], blk.sc32(v, c)))
+        for c in (0, 2) if not blk.wide else ():
             scw = v.shuf(blk.sc16[c], [x for L in range(4) for x in [8 * L] * 4 + [32 + 8 * L] * 4], blk.sc16[c + 1])
             acc = dpwssd(b, acc, packs(b, raws[c], raws[c + 1]), scw)
         bs = _load_vec(b, b.gep(s, [b.mul(i, _c64(16))]), I16, 16, 2)
@@ -452,6 +492,13 @@ class _QuadStep:
             g = m * self.per_raw
             return g // 4, (g % 4) * 8
         self.scw = []
+        if blk.wide:        # each raw sum times its sub-block's scale in int32 (KBlock.wide)
+            self.scm = []
+            for m in range(n_raw):
+                c, lane = scale_lane(m)
+                sc = b.sext(b.extract_element(blk.sc16[c], ir.Constant(I32, lane)), I32)
+                self.scm.append(_splat(b, sc, 16))
+            return
         for p in range(n_raw // 2):
             (c, lo), (_, hi) = scale_lane(2 * p), scale_lane(2 * p + 1)
             self.scw.append(v.shuf(blk.sc16[c], ([lo] * 4 + [hi] * 4) * 4))
@@ -484,11 +531,14 @@ def _k_quad(v, st, i, rows, facc):
         acc = v.zeros(I32, 16)
         for g in range(m * st.per_raw, (m + 1) * st.per_raw):
             a = _load_vec(b, b.gep(step_q, [_c64(64 * g)]), I8, 64, 1)
-            acc = dpbusd(b, acc, _bcast16(b, st.wbuf, 16 * g), a)
+            acc = dpbusd(b, acc, _bcast16(b, st.wbuf, 16 * g), a, blk.wide)
         raws.append(acc)
     isum = v.zeros(I32, 16)
     for p, scw in enumerate(st.scw):
         isum = dpwssd(b, isum, packs(b, raws[2 * p], raws[2 * p + 1]), scw)
+    if blk.wide:
+        for raw, sc in zip(raws, st.scm):
+            isum = b.add(isum, b.mul(raw, sc))
     if blk.off16 is not None or blk.min16 is not None:
         step_s = b.gep(s, [b.mul(i, _c64(64))])                  # 16 sums of 4 tokens
         bs01 = _load_vec(b, step_s, I16, 32, 2)
@@ -569,7 +619,7 @@ def _k_lanes(v, blk, i, vecs, faccs, bufs, sub):
         for j in range(e0 // 4, (e0 + sub) // 4):
             wj = _bcast32(b, wbuf, j)
             for n, p in enumerate(step_q):
-                raw[n] = dpbusd(b, raw[n], wj, _load_vec(b, b.gep(p, [_c64(64 * j)]), I8, 64, 1))
+                raw[n] = dpbusd(b, raw[n], wj, _load_vec(b, b.gep(p, [_c64(64 * j)]), I8, 64, 1), blk.wide)
         sc_ptr = b.bitcast(b.gep(sbuf, [_c64(64 * (e0 // 64) + 2 * ((e0 % 64) // 2))]), I16.as_pointer())
         sc = _splat(b, b.sext(b.load(sc_ptr, align=2), I32), 16)
         isum = [b.add(x, b.mul(r, sc)) for x, r in zip(isum, raw)]

@@ -191,6 +191,25 @@ def packs(b, x, y):
     return b.trunc(b.shuffle_vector(x, y, ir.Constant(_vec(I32, 32), idx)), _vec(I16, 32))
 
 
+def lut16(b, idx, table):
+    """Lane i: table[idx[i]] for byte lanes idx in 0..15 (32 or 64 of them) and 16 constant bytes:
+    vpshufb, the table in every 128-bit lane (IQ4's non-linear levels: one instruction per 32 or
+    64 weights). portable: a compare-and-select per table entry."""
+    n = idx.type.count
+    if ISA != "portable":
+        tab = ir.Constant(_vec(I8, n), [int(table[j % 16]) & 0xFF for j in range(n)])
+        if ISA == "avx512vnni" and n == 64:
+            return _intrinsic(b, "llvm.x86.avx512.pshuf.b.512", _vec(I8, 64), [tab, idx])
+        if n == 32:
+            return _intrinsic(b, "llvm.x86.avx2.pshuf.b", _vec(I8, 32), [tab, idx])
+        return _split_call(b, lambda t, x: _intrinsic(b, "llvm.x86.avx2.pshuf.b", _vec(I8, 32), [t, x]), tab, idx)
+    out = ir.Constant(_vec(I8, n), [0] * n)
+    for j in range(16):
+        hit = b.icmp_unsigned("==", idx, ir.Constant(_vec(I8, n), [j] * n))
+        out = b.select(hit, ir.Constant(_vec(I8, n), [int(table[j]) & 0xFF] * n), out)
+    return out
+
+
 def prefetch(b, ptr):
     """Ask for the cache line at ptr (an i8*) ahead of its use: a hint, never a fault (prefetcht0).
     The row kernels stream short weight rows side by side; the hardware prefetcher loses time

@@ -28,7 +28,7 @@ N_EMBD, N_HEAD, N_KV, HEAD, N_ROT, N_FF, N_CTX = 512, 4, 2, 128, 64, 1024, 64
 EPS = 1e-6
 # the kernels' compile-time type set: every integer type below, so all cases share a compilation (two:
 # with and without the float path)
-TYPES = types_tag((T.Q4_1, T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K))
+TYPES = types_tag((T.Q4_1, T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K, T.IQ4_XS, T.IQ4_NL))
 
 
 def _float_path(ops):
@@ -248,6 +248,7 @@ FFN_CASES = {   # gate, up, down types; activation; post-norm
     "llama-q4_1": ((T.Q4_1,) * 3, "silu", False),
     "gemma3-q5_0-q6_k": ((T.Q5_0, T.Q5_0, T.Q6_K), "gelu_tanh", True),
     "k-quants": ((T.Q4_K, T.Q4_K, T.Q8_0), "silu", True),
+    "iq4": ((T.IQ4_XS, T.IQ4_XS, T.IQ4_NL), "silu", False),
 }
 
 
