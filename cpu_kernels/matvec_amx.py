@@ -52,11 +52,12 @@ _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA, _SYS_ARCH_PRCTL = 0x1023, 18, 158
 
 # qtype -> (family, offset of the decoded bytes, has a min): the types with an AMX kernel. K: 32-weight
 # sub-blocks with 6-bit scales and mins (Q4_K, Q5_K); the 16-weight sub-block K types (Q6_K, Q3_K,
-# Q2_K) would need twice the tile products per weight and stay on matvec_int.
+# Q2_K) would need twice the tile products per weight and stay on matvec_int, as does IQ4_XS (its
+# scales are not Q4_K's).
 AMX_TYPES = {
     int(_T.Q4_K): ("k", 0, True), int(_T.Q5_K): ("k", 0, True),
     int(_T.Q4_0): ("pair", -8, False), int(_T.Q5_0): ("pair", -16, False), int(_T.Q8_0): ("pair", -128, False),
-    int(_T.Q4_1): ("pair", 0, True), int(_T.Q5_1): ("pair", 0, True),
+    int(_T.Q4_1): ("pair", 0, True), int(_T.Q5_1): ("pair", 0, True), int(_T.IQ4_NL): ("pair", -128, False),
 }
 MAX_TOKENS = 16
 # Fewest tokens and columns for which the tiles beat matvec_int's register groups / token quads
