@@ -40,7 +40,7 @@ GREEDY = SamplerConfig(temp=0.0)
 
 
 def head_for(model: str, args) -> Path:
-    path = Path(args.head) if args.head else HEADS / f"{Path(str(model)).stem}.v3.mtp.gguf"
+    path = Path(args.head) if args.head else HEADS / f"{Path(str(model)).stem}.v4.mtp.gguf"
     if path.exists() and not args.retrain:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -95,7 +95,7 @@ def step_costs(m, reps: int = 30, k_max: int = 4) -> dict:
             s.eval(list(range(100, 100 + k)), start_pos=pos, logits="all")
             times[f"verify{k}"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        _, out = m.mtp.step(s.state, torch.tensor([100]), h, pos)
+        _, out = m.mtp.step(s.state, torch.tensor([100]), h, pos, logits=False)   # as a draft: step, then head
         m.mtp.head(out)
         times["draft"].append(time.perf_counter() - t0)
     ms = {k: 1e3 * sorted(v)[len(v) // 2] for k, v in times.items()}

@@ -3,7 +3,7 @@
 draft proposed, on bench_mtp's held-out and adversarial prompts; acceptance per tenth of the
 draft row's top-1 probability (what the adaptive policy's confidence gate reads, adaptive.py).
 
-    python3 scripts/mtp_calibration.py -m gemma3-270m --head ~/.cache/hybridrt/heads/gemma3-270m.v3.mtp.gguf
+    python3 scripts/mtp_calibration.py -m gemma3-270m --head ~/.cache/hybridrt/heads/gemma3-270m.v4.mtp.gguf
 """
 from __future__ import annotations
 

@@ -299,7 +299,7 @@ def test_train_mtp_cli(tiny_llama, tmp_path):
 def test_real_model_greedy_parity_with_trained_head(name):
     """Greedy draft-mtp with the cached trained head (scripts/bench_mtp.py trains it) equals plain
     decoding, at fixed N and adaptive."""
-    head = Path.home() / f".cache/hybridrt/heads/{name}.v3.mtp.gguf"
+    head = Path.home() / f".cache/hybridrt/heads/{name}.v4.mtp.gguf"
     if not head.exists():
         pytest.skip(f"no trained head at {head}: python3 scripts/bench_mtp.py -m {name}")
     m = load_model(name, mtp_head=head)
