@@ -382,9 +382,10 @@ def _k_group(b, entries, i, facc):
         if blk.wide:
             for c in range(4):
                 acc = b.add(acc, b.mul(raws[c], blk.sc32(v, c)))
-        for c in (0, 2) if not blk.wide else ():
-            scw = v.shuf(blk.sc16[c], [x for L in range(4) for x in [8 * L] * 4 + [32 + 8 * L] * 4], blk.sc16[c + 1])
-            acc = dpwssd(b, acc, packs(b, raws[c], raws[c + 1]), scw)
+        else:
+            for c in (0, 2):
+                scw = v.shuf(blk.sc16[c], [x for L in range(4) for x in [8 * L] * 4 + [32 + 8 * L] * 4], blk.sc16[c + 1])
+                acc = dpwssd(b, acc, packs(b, raws[c], raws[c + 1]), scw)
         bs = _load_vec(b, b.gep(s, [b.mul(i, _c64(16))]), I16, 16, 2)
         if blk.off16 is not None:
             acc = b.add(acc, v.concat(pmaddwd(b, blk.off16, bs), v.zeros(I32, 8)))
