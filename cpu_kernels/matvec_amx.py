@@ -52,12 +52,13 @@ _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA, _SYS_ARCH_PRCTL = 0x1023, 18, 158
 
 # qtype -> (family, offset of the decoded bytes, has a min): the types with an AMX kernel. K: 32-weight
 # sub-blocks with 6-bit scales and mins (Q4_K, Q5_K); the 16-weight sub-block K types (Q6_K, Q3_K,
-# Q2_K) would need twice the tile products per weight and stay on matvec_int, as does IQ4_XS (its
-# scales are not Q4_K's).
+# Q2_K) would need twice the tile products per weight and stay on matvec_int. IQ4_XS (offset bytes,
+# scales without mins) takes the K path with -128 sc_j where Q4_K has its mins, folded into isum.
 AMX_TYPES = {
     int(_T.Q4_K): ("k", 0, True), int(_T.Q5_K): ("k", 0, True),
     int(_T.Q4_0): ("pair", -8, False), int(_T.Q5_0): ("pair", -16, False), int(_T.Q8_0): ("pair", -128, False),
     int(_T.Q4_1): ("pair", 0, True), int(_T.Q5_1): ("pair", 0, True), int(_T.IQ4_NL): ("pair", -128, False),
+    int(_T.IQ4_XS): ("k", -128, False),
 }
 MAX_TOKENS = 16
 # Fewest tokens and columns for which the tiles beat matvec_int's register groups / token quads
@@ -202,7 +203,12 @@ def k_row_to_tiles(typingctx, qtype, w, r, base, abuf, a_off, scm, s_off, dw, mw
         row, _ = _row_ptr(context, builder, sig.args[1], args[1], args[2], args[3])
         _prefetch_row(builder, row, step_bytes)
         v = IntBlockIR(builder, row, None)
-        blk, scm16 = decoder(v), _k_scales_mins16(v)
+        blk = decoder(v)
+        if blk.wide:        # IQ4_XS: lanes 8-15 the offset coefficients -128 sc_j (finish_k adds them to isum)
+            scm16 = v.concat(blk.sc8, v.bmul(blk.sc8, -128))
+            negdmin = ir.Constant(F32, 0.0)
+        else:
+            scm16, negdmin = _k_scales_mins16(v), blk.negdmin
         pa = _data(context, builder, sig.args[4], args[4])
         for c in range(4):
             at = builder.gep(pa, [builder.add(args[5], ir.Constant(I64, 1024 * c))])
@@ -210,7 +216,7 @@ def k_row_to_tiles(typingctx, qtype, w, r, base, abuf, a_off, scm, s_off, dw, mw
         at = builder.gep(_data(context, builder, sig.args[6], args[6]), [args[7]])
         builder.store(builder.sext(scm16, V16I), builder.bitcast(at, V16I.as_pointer()), align=4)
         builder.store(blk.d, builder.gep(_data(context, builder, sig.args[8], args[8]), [args[10]]))
-        builder.store(blk.negdmin, builder.gep(_data(context, builder, sig.args[9], args[9]), [args[10]]))
+        builder.store(negdmin, builder.gep(_data(context, builder, sig.args[9], args[9]), [args[10]]))
         return context.get_dummy_value()
     return (types.void(qtype, w, types.intp, types.intp, abuf, types.intp, scm, types.intp, dw, mw, types.intp),
             codegen)
@@ -275,16 +281,19 @@ def _add(builder, off, k):
 
 
 @intrinsic(prefer_literal=True)
-def finish_k(typingctx, n_tok, y, cbuf, scm, s_off, bs, bs_off, dw, mw, d_off, dx, dx_off):
+def finish_k(typingctx, qtype, n_tok, y, cbuf, scm, s_off, bs, bs_off, dw, mw, d_off, dx, dx_off):
     """matvec_int's K step for 16 rows x N tokens (vectors of 16 / N rows by N tokens; y and the C
     tiles in cbuf [row][token]): isum = sum_j sc_j C_j, msum = sum_j m_j bs_j (bs: 8 vectors of the
-    tokens' 32-weight sums), y = fma(float(isum), d dx, y), then y = fma(float(msum), -dmin dx, y)."""
+    tokens' 32-weight sums), y = fma(float(isum), d dx, y), then y = fma(float(msum), -dmin dx, y);
+    for a type with an offset (IQ4_XS: m_j = -128 sc_j) msum is part of isum, one fma."""
     n = n_tok.literal_value
+    fold = AMX_TYPES[qtype.count][1] != 0
     per = 16 // n                       # rows per vector
 
     def codegen(context, builder, sig, args):
-        py, pc, ps = [_data(context, builder, sig.args[j], args[j]) for j in (1, 2, 3)]
-        pb, pd, pw, px = [_data(context, builder, sig.args[j], args[j]) for j in (5, 7, 8, 10)]
+        args = args[1:]     # the qtype is a compile-time choice
+        py, pc, ps = [_data(context, builder, sig.args[j + 1], args[j]) for j in (1, 2, 3)]
+        pb, pd, pw, px = [_data(context, builder, sig.args[j + 1], args[j]) for j in (5, 7, 8, 10)]
         tok = [j % n for j in range(16)]
         dxv = _lanes(builder, _vec(builder, px, args[11], F32), tok)
         bsv = [_lanes(builder, _vec(builder, pb, _add(builder, args[6], 16 * j)), tok) for j in range(8)]
@@ -300,11 +309,14 @@ def finish_k(typingctx, n_tok, y, cbuf, scm, s_off, bs, bs_off, dw, mw, d_off, d
                 msum = p if msum is None else builder.add(msum, p)
             yp = builder.bitcast(builder.gep(py, [ir.Constant(I64, 16 * v)]), V16F.as_pointer())
             yv = builder.load(yp, align=4)
+            if fold:
+                isum = builder.add(isum, msum)
             yv = _fma(builder, builder.sitofp(isum, V16F), builder.fmul(_lanes(builder, dwv, rows), dxv), yv)
-            yv = _fma(builder, builder.sitofp(msum, V16F), builder.fmul(_lanes(builder, mwv, rows), dxv), yv)
+            if not fold:
+                yv = _fma(builder, builder.sitofp(msum, V16F), builder.fmul(_lanes(builder, mwv, rows), dxv), yv)
             builder.store(yv, yp, align=4)
         return context.get_dummy_value()
-    return (types.void(n_tok, y, cbuf, scm, types.intp, bs, types.intp, dw, mw, types.intp, dx, types.intp),
+    return (types.void(qtype, n_tok, y, cbuf, scm, types.intp, bs, types.intp, dw, mw, types.intp, dx, types.intp),
             codegen)
 
 
@@ -347,18 +359,18 @@ def finish_pair(typingctx, qtype, n_tok, n_blk, y, cbuf, bs, bs_off, dw, mw, d_o
 # --------------------------------------------------------------------------- kernels
 
 @njit(cache=CACHE, nogil=True, inline="always")
-def _finish_k(n, y, cbuf, scm, s_off, bsp, bs_off, dw, mw, d_off, dxp, dx_off):
+def _finish_k(qtype, n, y, cbuf, scm, s_off, bsp, bs_off, dw, mw, d_off, dxp, dx_off):
     if n == 4:
-        finish_k(4, y, cbuf, scm, s_off, bsp, bs_off, dw, mw, d_off, dxp, dx_off)
+        finish_k(qtype, 4, y, cbuf, scm, s_off, bsp, bs_off, dw, mw, d_off, dxp, dx_off)
     elif n == 8:
-        finish_k(8, y, cbuf, scm, s_off, bsp, bs_off, dw, mw, d_off, dxp, dx_off)
+        finish_k(qtype, 8, y, cbuf, scm, s_off, bsp, bs_off, dw, mw, d_off, dxp, dx_off)
     else:
-        finish_k(16, y, cbuf, scm, s_off, bsp, bs_off, dw, mw, d_off, dxp, dx_off)
+        finish_k(qtype, 16, y, cbuf, scm, s_off, bsp, bs_off, dw, mw, d_off, dxp, dx_off)
 
 
 @njit(cache=CACHE, nogil=True)
 def _k_tiles(qtype, w, sb_bytes, xb, dxp, bsp, out, cfg, n, g, n_groups):
-    """Rows of 16-row tiles g * n_tiles / n_groups .. of a Q4_K / Q5_K matrix (see the module
+    """Rows of 16-row tiles g * n_tiles / n_groups .. of a Q4_K / Q5_K / IQ4_XS matrix (see the module
     docstring): step i's tile products, then step i + 1's decode, then step i's finish."""
     k, nsb, n_tiles = out.shape[0], w.shape[1] // sb_bytes, w.shape[0] // 16
     cb = 4 * n
@@ -403,7 +415,7 @@ def _k_tiles(qtype, w, sb_bytes, xb, dxp, bsp, out, cfg, n, g, n_groups):
                 tile_store(1, cbuf, 16 * n * (j0 + 1), cb)
                 tile_store(2, cbuf, 16 * n * (j0 + 2), cb)
                 tile_store(3, cbuf, 16 * n * (j0 + 3), cb)
-            _finish_k(n, y, cbuf, scm, 256 * o, bsp, 128 * i, dw, mw, 16 * o, dxp, 16 * i)
+            _finish_k(qtype, n, y, cbuf, scm, 256 * o, bsp, 128 * i, dw, mw, 16 * o, dxp, 16 * i)
         for t in range(k):
             for r in range(16):
                 out[t, r0 + r] = y[n * r + t]

@@ -73,9 +73,9 @@ class KBlock:
     int16, so the kernels scale them in int32 (one multiply per chunk) instead of packing them for
     vpdpwssd, and avx2's dpbusd splits the bytes (as for Q8_0)."""
 
-    def __init__(self, chunks, sc16, d, off16=None, min16=None, negdmin=None, wide=False):
+    def __init__(self, chunks, sc16, d, off16=None, min16=None, negdmin=None, wide=False, sc8=None):
         self.chunks, self.sc16, self.d, self.off16, self.min16, self.negdmin = chunks, sc16, d, off16, min16, negdmin
-        self.wide = wide
+        self.wide, self.sc8 = wide, sc8      # sc8: the 8 sub-block scales (i16 x 8) of a wide block
 
     def sc32(self, v, c):
         """Chunk c's scales as i32 x 16, lane j that of raw-sum lane j (elements 4j .. 4j + 3)."""
@@ -189,7 +189,7 @@ def _iq4_xs(v):
     chunks = [lut16(v.b, v.concat(_nibbles32(v, 8 + 32 * c), _nibbles32(v, 24 + 32 * c)), IQ4_OFFSET_LEVELS)
               for c in range(4)]
     return KBlock(chunks, [v.shuf(sc8, [2 * c] * 16 + [2 * c + 1] * 16) for c in range(4)], v.f16(0),
-                  off16=v.bmul(v.shuf(sc8, [g // 2 for g in range(16)]), -128), wide=True)
+                  off16=v.bmul(v.shuf(sc8, [g // 2 for g in range(16)]), -128), wide=True, sc8=sc8)
 
 
 # --------------------------------------------------------------------------- legacy decoders
