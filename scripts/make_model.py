@@ -5,7 +5,7 @@ Real Qwen3.5/3.6 GDN-hybrid MTP models cannot be downloaded here, so tests and t
 use files built by this script:
 
 * tiny models with random weights (``qwen35`` and ``qwen35moe`` with optional MTP block,
-  ``qwen3``, ``llama``, ``gemma3``, ``qwen3next``), f32 / q8_0 / q4_k_m mixes, deterministic for
+  ``qwen3``, ``llama``, ``gemma3``, ``qwen3next``), f32 / q8_0 / q4_k_m / iq4_xs mixes, deterministic for
   a seed, loadable by llama.cpp and by hybridrt;
 * full-size *sparse* files (``--preset qwen3.6-27b-mtp --sparse``,
   ``--preset qwen3.6-35b-a3b --sparse``): the complete header, metadata, tokenizer and tensor
@@ -78,9 +78,9 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 ARCHS = ("qwen35", "qwen35moe", "qwen3", "llama", "gemma3", "qwen3next")
 HYBRID_ARCHS = ("qwen35", "qwen35moe", "qwen3next")     # Gated DeltaNet + gated full attention
 MTP_ARCHS = ("qwen35", "qwen35moe")
-MIXES = ("f32", "q8_0", "q4_k_m")
+MIXES = ("f32", "q8_0", "q4_k_m", "iq4_xs")
 # llama_ftype values written as general.file_type
-FILE_TYPE = {"f32": 0, "q8_0": 7, "q4_k_m": 15}
+FILE_TYPE = {"f32": 0, "q8_0": 7, "q4_k_m": 15, "iq4_xs": 30}
 
 
 @dataclass(frozen=True)
@@ -298,6 +298,9 @@ def assign_types(specs: list[TensorSpec], mix: str, d: ModelDims) -> list[QT]:
             continue
         if mix == "q8_0":
             types.append(_fit_row(QT.Q8_0, s.ne[0]))
+            continue
+        if mix == "iq4_xs":     # every matrix IQ4_XS, IQ4_NL where a row is not a 256-multiple
+            types.append(QT.IQ4_XS if s.ne[0] % 256 == 0 else QT.IQ4_NL)
             continue
         qtype = QT.Q4_K
         is_head = s.name == "output.weight" or (d.tied and s.name == "token_embd.weight")
@@ -546,10 +549,13 @@ def write_sparse_preset(path: str | Path, preset: str = "qwen3.6-27b-mtp") -> Pa
 # ---------------------------------------------------------------- tiny models with weights
 
 def tiny_dims(arch: str, mtp: bool = False, mix: str = "f32", overrides: dict | None = None) -> ModelDims:
-    """Default tiny dims for an arch; the q4_k_m mix widens rows to 256 so K-quants apply."""
+    """Default tiny dims for an arch; the q4_k_m mix widens rows to 256 so K-quants apply, the
+    iq4_xs mix the FFN's (so both IQ4 types occur)."""
     if arch not in TINY_DEFAULTS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
     d = TINY_DEFAULTS[arch]
+    if mix == "iq4_xs":     # ffn_down's rows become 256-multiples: IQ4_XS there, IQ4_NL elsewhere
+        d = dataclasses.replace(d, n_ff=256, n_ff_exp=256 if d.n_expert else 0, n_ff_shexp=256 if d.n_expert else 0)
     if mix == "q4_k_m":
         d = dataclasses.replace(d, n_embd=256, n_ff=512, n_ff_exp=256 if d.n_expert else 0,
                                 n_ff_shexp=512 if d.n_expert else 0)

@@ -4,7 +4,7 @@
   top-1 agreement >= 94 % and mean KL(llama.cpp || hybridrt) <= 0.01. What separates the two there
   is llama.cpp quantizing activations to 8 bits for its quantized matmuls; hybridrt keeps float32.
 * Tiny qwen35 files (trunk; with and without the MTP block): F32 within 1e-3 of llama.cpp with
-  top-1 >= 99 %; q8_0 and q4_k_m mixes within 5e-2. The other tiny archs (llama, qwen3, gemma3,
+  top-1 >= 99 %; q8_0, q4_k_m and iq4_xs mixes within 5e-2. The other tiny archs (llama, qwen3, gemma3,
   qwen3next) are held to the same F32 bound.
 * The float64 references of gemma3 and qwen3next (tests/reference) against llama.cpp, F32 1e-3,
   so that test_models_tiny.py's 1e-4 comparisons stand on a checked reference.
@@ -123,7 +123,7 @@ def test_tiny_f32_logits_match_llamacpp(tmp_path, arch, mtp):
     assert rel <= 1e-3 and agree >= 0.99, (rel, agree)
 
 
-@pytest.mark.parametrize("mix", ["q8_0", "q4_k_m"])
+@pytest.mark.parametrize("mix", ["q8_0", "q4_k_m", "iq4_xs"])
 @pytest.mark.parametrize("mtp", [False, True])
 def test_tiny_qwen35_quantized_logits_match_llamacpp(tmp_path, mix, mtp):
     path = make_model.write_model(tmp_path / f"qwen35-{mix}.gguf", "qwen35", mtp=mtp, mix=mix, seed=3)
