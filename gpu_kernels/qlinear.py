@@ -42,9 +42,10 @@ def fused_kernel_fits(qtype: int, n_in: int) -> bool:
 
 # The activation block the CPU's integer kernel of each type reads (cpu_kernels.matvec_int.act_block,
 # restated: gpu_kernels does not import cpu_kernels; tests/test_qlinear.py checks the two agree):
-# Q8_K-style 256-value blocks for the K-quants, Q8_0-style 32-value blocks for the legacy types.
-ACT_BLOCK = {**{int(t): 256 for t in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)},
-             **{int(t): 32 for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)}}
+# Q8_K-style 256-value blocks for the K-quants and IQ4_XS, Q8_0-style 32-value blocks for the
+# 32-weight types (IQ4_NL among them).
+ACT_BLOCK = {**{int(t): 256 for t in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS)},
+             **{int(t): 32 for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL)}}
 
 
 def int8_round_trip(x: torch.Tensor, block: int) -> torch.Tensor:
