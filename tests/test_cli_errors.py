@@ -87,6 +87,19 @@ def test_unknown_tensor_type(tmp_path):
     assert_one_line_error(run_cli("info", str(p)), "token_embd.weight", "unknown tensor type 77")
 
 
+def test_zero_dimension(tmp_path):
+    data = bytearray(write_gguf(tmp_path / "good.gguf").read_bytes())
+    # the tensor record: name, n_dims (u32), dims (u64 each: 32, 4), type, offset; the row count -> 0
+    name = b"token_embd.weight"
+    at = data.index(name) + len(name) + 4 + 8
+    assert struct.unpack_from("<Q", data, at)[0] == 4
+    struct.pack_into("<Q", data, at, 0)
+    p = tmp_path / "zero.gguf"
+    p.write_bytes(bytes(data))
+    for cmd in (("info", str(p)), ("run", "-m", str(p), "-p", "hi")):
+        assert_one_line_error(run_cli(*cmd), "token_embd.weight", "0 dimension")
+
+
 def test_unknown_architecture(tmp_path):
     p = write_gguf(tmp_path / "arch.gguf", arch="mamba9")
     assert_one_line_error(run_cli("info", str(p)), "unsupported architecture 'mamba9'", "llama")
