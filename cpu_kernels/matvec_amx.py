@@ -70,6 +70,12 @@ MIN_COLS = 4096
 PREFETCH_FROM = 256     # each row stream is prefetched from this many bytes (and >= 2 steps) ahead
 
 
+def _offset_in_mins(qtype_count: int) -> bool:
+    """Whether a K type's mins' lanes hold its offset coefficients (IQ4_XS: off sc_j, off = -128):
+    k_row_to_tiles writes them there and finish_k adds their sum to isum (no -dmin term)."""
+    return AMX_TYPES[qtype_count][1] != 0
+
+
 def _amx_refusal() -> str | None:
     """None when this process can run the tile kernels, else why not."""
     if os.environ.get("HYBRIDRT_AMX", "1") in ("", "0"):
@@ -198,14 +204,15 @@ def k_row_to_tiles(typingctx, qtype, w, r, base, abuf, a_off, scm, s_off, dw, mw
     stride 64), scales (0-7) and mins (8-15) as int32 -> scm[s_off:], d -> dw[d_off], -dmin ->
     mw[d_off]."""
     _, decoder, step_bytes = SPECS[qtype.count]
+    off, offset_in_mins = AMX_TYPES[qtype.count][1], _offset_in_mins(qtype.count)
 
     def codegen(context, builder, sig, args):
         row, _ = _row_ptr(context, builder, sig.args[1], args[1], args[2], args[3])
         _prefetch_row(builder, row, step_bytes)
         v = IntBlockIR(builder, row, None)
         blk = decoder(v)
-        if blk.wide:        # IQ4_XS: lanes 8-15 the offset coefficients -128 sc_j (finish_k adds them to isum)
-            scm16 = v.concat(blk.sc8, v.bmul(blk.sc8, -128))
+        if offset_in_mins:      # IQ4_XS: lanes 8-15 the offset coefficients off * sc_j
+            scm16 = v.concat(blk.sc8, v.bmul(blk.sc8, off))
             negdmin = ir.Constant(F32, 0.0)
         else:
             scm16, negdmin = _k_scales_mins16(v), blk.negdmin
@@ -287,7 +294,7 @@ def finish_k(typingctx, qtype, n_tok, y, cbuf, scm, s_off, bs, bs_off, dw, mw, d
     tokens' 32-weight sums), y = fma(float(isum), d dx, y), then y = fma(float(msum), -dmin dx, y);
     for a type with an offset (IQ4_XS: m_j = -128 sc_j) msum is part of isum, one fma."""
     n = n_tok.literal_value
-    fold = AMX_TYPES[qtype.count][1] != 0
+    fold = _offset_in_mins(qtype.count)
     per = 16 // n                       # rows per vector
 
     def codegen(context, builder, sig, args):

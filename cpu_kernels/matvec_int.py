@@ -182,9 +182,7 @@ def _iq4_xs(v):
     # (low nibble j of scales_l | bits 2j of scales_h << 4) - 32; its 16 bytes at 8 + 16 j hold
     # elements 32j + l (low nibble) and 32j + 16 + l (high).
     low = v.and_(v.shr(v.shuf(v.u8(4, 4), [0, 0, 1, 1, 2, 2, 3, 3]), [0, 4] * 4), 15)
-    high = v.and_(v.shr(v.splat(v.b.zext(v.b.load(v.b.bitcast(v.b.gep(v.base, [ir.Constant(I64, 2)]),
-                                                              I16.as_pointer()), align=1), I32), 8),
-                        [2 * j for j in range(8)]), 3)
+    high = v.and_(v.shr(v.splat(v.u32(2), 8), [2 * j for j in range(8)]), 3)     # bits 0-15: scales_h
     sc8 = v.i16(v.add(v.b.or_(low, v.shl(high, 4)), -32))
     chunks = [lut16(v.b, v.concat(_nibbles32(v, 8 + 32 * c), _nibbles32(v, 24 + 32 * c)), IQ4_OFFSET_LEVELS)
               for c in range(4)]
