@@ -185,7 +185,7 @@ class GGUFFile:
                 block_elems, block_bytes = GGML_QUANT_SIZES[gtype]
             except (ValueError, KeyError):
                 raise GGUFError(f"{self.path}: tensor {name} has unknown tensor type {qtype}") from None
-            if 0 in shape:      # ggml never writes one; every row count and size below divides by it
+            if 0 in shape:      # ggml never writes one, and TensorInfo.n_rows / row_bytes divide by it
                 raise GGUFError(f"{self.path}: corrupt tensor table ({name}: shape {list(shape)} has a 0 dimension)")
             n_elem = int(np.prod(shape, dtype=np.int64)) if shape else 1
             if shape and shape[0] % block_elems:
