@@ -176,8 +176,9 @@ def _project_group(g, n_groups, int_types, float_path, w0, t0, e0, i0, n0, w1, t
             w, qt, be, is_int, rows, off, r_lo = w2, t2, e2, i2, n2, n0 + n1, (u - u0 - u1) * ROWS_PER_UNIT
         r_hi = min(rows, r_lo + ROWS_PER_UNIT)
         if is_int:
-            # block_dots: one token (decode) 4 rows a pass; verify batches in groups of rows by
-            # tokens (the same bits as row by row, less float and fold work per (row, token))
+            # block_dots: one token (decode) 4 rows a pass (or one, per matvec_int.SINGLE_ROWS);
+            # verify batches in groups of rows by tokens (the same bits as row by row, less float
+            # and fold work per (row, token))
             q, d, s = (q256, d256, s256) if be == QK_K else (q32, d32, s32)
             block_dots((qt,) + int_types, w, r_lo, r_hi - r_lo, q, d, s, out, off + r_lo)
         else:

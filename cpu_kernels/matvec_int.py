@@ -15,7 +15,8 @@ bit-identical whatever k is, where the token sits in the batch, how many threads
 of the kernels below computed it (tested for every type):
 
     k <= 5      block_dots, register groups: a group of rows by tokens (4 rows x 1 token for
-                decode, 4 x 2 or 2 x 4 for verify batches), each row's step decoded into
+                decode, 4 x 2 or 2 x 4 for verify batches; a single row where SINGLE_ROWS says
+                this CPU streams short rows faster one at a time), each row's step decoded into
                 registers once and dotted with each token in 64-byte vectors (integers over 16
                 lanes), the group's lanes folded (exactly) and packed into one vector: one sitofp
                 + fma per term for the whole group, so the float steps cost little per (row, token).
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import numpy as np
 import numba
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -1081,6 +1083,46 @@ def tile_sums(qtype, w, r0, n_rows, xa, xb, xc, n_steps, chunk, acc):
 
 GRID_TOKENS = 4      # most tokens a grid_dot pass takes (2 rows by 4 tokens: 8 lanes)
 
+# Single-row groups. On AMD Zen (LLVM's host CPU "znver*"), with both cores streaming from memory,
+# rows shorter than SINGLE_ROW_BYTES read faster one row at a time than in groups of 4 side by
+# side: Zen 4, 2 threads, k = 1, GB/s of 33.8 (BENCHMARKS.md "Single-row groups on AMD Zen"):
+# Q8_0 262144 x 640 (Gemma 3's output layer) 18.7 -> 31.0, Q6_K 17408 x 5120 18 -> 33, Q4_K 25 ->
+# 34, while the 17408-input rows (9.8-18 KB) keep their speed in groups of 4 and the light legacy
+# types (Q4_0 .. Q5_1, IQ4_NL), whose single rows are bound by their folds, run slower alone. At
+# k = 2 single rows win for Q6_K and Q8_0 only. The Xeon measured in sessions 6-8 (and where no
+# measurement says otherwise) keeps the groups of 4. The bits are the same either way.
+SINGLE_ROW_BYTES = 8192
+SINGLE_ROW_CPUS = ("znver",)
+SINGLE_ROW_MAX_K = {int(_T.Q4_K): 1, int(_T.Q5_K): 1, int(_T.Q6_K): 2, int(_T.Q8_0): 2}
+
+
+def single_row_table(cpu_name: str) -> dict[int, int]:
+    """qtype -> the largest k (1 or 2) read a row at a time on this CPU; absent: groups of rows."""
+    return dict(SINGLE_ROW_MAX_K) if cpu_name.startswith(SINGLE_ROW_CPUS) else {}
+
+
+# this host's, fixed at import: it enters the compiled kernels (whose on-disk cache is per CPU)
+SINGLE_ROWS = single_row_table(llvm.get_host_cpu_name())
+
+
+@intrinsic
+def single_row_max_k(typingctx, qtype):
+    """SINGLE_ROWS[qtype] (0 where absent): a constant for one type's tag, a select chain for a
+    set or a plain int."""
+    qt_type, only = _qtype_arg(qtype)
+    sig = types.intp(qt_type)
+
+    def codegen(context, builder, signature, args):
+        if isinstance(only, int):
+            return _c64(SINGLE_ROWS.get(only, 0))
+        q = args[0] if only is None else builder.extract_value(args[0], 0)
+        out = _c64(0)
+        for qt, k in SINGLE_ROWS.items():
+            if only is None or qt in only:
+                out = builder.select(builder.icmp_signed("==", q, _c64(qt)), _c64(k), out)
+        return out
+    return sig, codegen
+
 
 @njit(cache=CACHE, nogil=True)
 def block_dots(qtype, w, r0, n_rows, xq, xd, xs, out, oc0):
@@ -1099,6 +1141,8 @@ def block_dots(qtype, w, r0, n_rows, xq, xd, xs, out, oc0):
         nt = min(k - t0, GRID_TOKENS)
         j = 0
         rstep = 4 if nt == 2 else 2
+        if nt == 2 and single_row_max_k(qtype) >= 2 and w.shape[1] < SINGLE_ROW_BYTES:
+            rstep = n_rows + 1      # a row at a time (row_dot below)
         while n_rows - j >= rstep:
             grid_dot(qtype, nt, w, r0 + j, xq, xd, xs, t0, out, oc0 + j)
             j += rstep
@@ -1111,10 +1155,12 @@ def block_dots(qtype, w, r0, n_rows, xq, xd, xs, out, oc0):
 @njit(cache=CACHE, nogil=True, inline="always")
 def rows_dots(qtype, w, r0, n_rows, xq, xd, xs, t, out, oc0):
     """out[t, oc0 + j] for j < n_rows: rows r0 .. r0 + n_rows - 1 for token t, in passes of 4, 2, 1
-    rows (faster than a row at a time for one token; the same bits)."""
+    rows (less float and fold work per row than a row at a time; the same bits), or a row at a
+    time where SINGLE_ROWS says this CPU streams short rows faster so."""
+    group = 1 if single_row_max_k(qtype) >= 1 and w.shape[1] < SINGLE_ROW_BYTES else 4
     j = 0
     while j < n_rows:
-        n = 4 if n_rows - j >= 4 else (2 if n_rows - j >= 2 else 1)
+        n = 4 if n_rows - j >= 4 and group == 4 else (2 if n_rows - j >= 2 and group == 4 else 1)
         rows_dot(qtype, n, w, r0 + j, xq, xd, xs, t, out, oc0 + j)
         j += n
 

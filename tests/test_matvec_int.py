@@ -28,7 +28,8 @@ from gguf.quants import dequantize
 
 from cpu_kernels.matvec import matvec
 from cpu_kernels.formats import type_tag
-from cpu_kernels.matvec_int import INT_TYPES, act_block, block_dots, quantize_for, rows_dots
+from cpu_kernels.matvec_int import (INT_TYPES, act_block, block_dots, grid_dot, quantize_for, row_dot, rows_dot,
+                                    rows_dots, single_row_table)
 from cpu_kernels.matvec_testdata import random_weights
 from cpu_kernels.quantize_act import dequantize_rows, quantize_rows
 from cpu_kernels.simd_int import ISA, _host_features
@@ -210,6 +211,46 @@ def test_register_groups_give_each_token_its_own_bits(qtype):
             assert np.array_equal(out[:, 1:1 + n_rows].view(np.uint32), alone[:k, r0:r0 + n_rows]), \
                 f"{qtype.name}: k = {k}, rows {r0} .. {r0 + n_rows - 1}"
             assert np.isnan(out[:, 0]).all() and np.isnan(out[:, -1]).all()     # nothing outside the range
+
+
+@numba.njit
+def _in_groups(qtype, w, xq, xd, xs, out, rows_per_group):
+    """Every row for every token in fixed groups, whatever SINGLE_ROWS picks on this host: k = 1
+    by rows_dot groups of 1, 2 or 4 rows; k = 2 by grid_dot (4 rows x 2 tokens) or row_dot (1 x 2)."""
+    for r in range(0, w.shape[0], rows_per_group):
+        if xq.shape[0] == 1:
+            rows_dot(qtype, rows_per_group, w, r, xq, xd, xs, 0, out, r)
+        elif rows_per_group == 4:
+            grid_dot(qtype, 2, w, r, xq, xd, xs, 0, out, r)
+        else:
+            for j in range(rows_per_group):
+                row_dot(qtype, 2, w, r + j, xq, xd, xs, 0, out, r + j)
+
+
+@pytest.mark.parametrize("qtype", INT, ids=lambda t: t.name)
+def test_single_row_and_grouped_rows_give_the_same_bits(qtype):
+    """SINGLE_ROWS (a row at a time on CPUs that stream short rows faster so) changes only the
+    order of work: one row, two or four side by side give each (row, token) the same bits."""
+    rng = np.random.default_rng(900 + int(qtype))
+    rows, cols = 24, 32 * 21 if act_block(qtype) == 32 else 256 * 3
+    w = random_weights(qtype, rows, cols, rng)
+    for k in (1, 2):
+        x = _x(rng, k, cols)
+        q, d, s = quantize_for(qtype, x)
+        res = {}
+        for per in ((1, 2, 4) if k == 1 else (1, 4)):
+            out = np.full((k, rows), np.nan, np.float32)
+            _in_groups(type_tag(qtype), w, q, d, s, out, per)
+            res[per] = out.view(np.uint32)
+        for per, got in res.items():
+            assert np.array_equal(got, res[1]), f"{qtype.name}: k = {k}, {per} rows a group"
+
+
+def test_single_rows_only_where_measured():
+    zen = single_row_table("znver4")
+    assert zen[int(T.Q8_0)] == 2 and zen[int(T.Q6_K)] == 2 and zen[int(T.Q4_K)] == 1
+    assert int(T.Q4_0) not in zen and int(T.Q4_1) not in zen       # fold-bound alone: kept in groups
+    assert single_row_table("sapphirerapids") == {} and single_row_table("generic") == {}
 
 
 @pytest.mark.parametrize("qtype", INT, ids=lambda t: t.name)
