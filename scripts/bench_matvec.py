@@ -2,7 +2,8 @@
 """Benchmark cpu_kernels.matvec against this machine's memory read bandwidth and a torch baseline.
 
     python scripts/bench_matvec.py [--quick] [--json PATH] [--threads N] [--kernel int|float|both] [--cpu-time]
-                                   [--ks 1,2,3,4,8] [--types Q4_K,Q8_0] [--baseline DIR] [--pool-mib 2048]
+                                   [--ks 1,2,3,4,8] [--types Q4_K,Q8_0] [--shapes LABELS] [--baseline DIR]
+                                   [--pool-mib 2048]
 
 1. Read bandwidth: a parallel Numba streaming sum over a --pool-mib float32 array, best of 3.
 2. For each type, FFN shape and k in {1, 2, 3, 4, 8}: median time of `matvec` on random valid
@@ -23,6 +24,7 @@
 
 --quick: Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 on the Qwen3.6-27B FFN shapes only (< 3 minutes on 2 threads).
 --ks: the token counts (default 1,2,3,4,8; e.g. 1,4,8,16,64 for prompt batches); --types: a subset.
+--shapes: shape labels, e.g. "gemma3-270m output,qwen3.6-27b up" (the output layer only when named).
 --baseline DIR: also time DIR/cpu_kernels (an older copy, e.g. `git archive REV cpu_kernels | tar -x
 -C DIR`) imported under another name, each row right after the current kernel's: before/after side
 by side in one run (kernel "int-base" / "float-base").
@@ -61,6 +63,8 @@ SHAPES = [
     ("smollm2-135m up", 1536, 576), ("smollm2-135m down", 576, 1536),
     ("gemma3-270m up", 2048, 640), ("gemma3-270m down", 640, 2048),
 ]
+# only with --shapes: the vocabulary projection, Gemma 3's largest matrix (~2/3 of a decode step)
+EXTRA_SHAPES = [("gemma3-270m output", 262144, 640)]
 QUICK_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q4_0)
 KS = (1, 2, 3, 4, 8)
 POOL_MIB = 2048     # > 4x the last-level cache of the machines this runs on (480 MiB L3 the largest)
@@ -211,6 +215,8 @@ def main() -> None:
                     help="time with the thread's CPU time (use with --threads 1 on a busy machine)")
     ap.add_argument("--ks", default=",".join(map(str, KS)), help="token counts, comma-separated (first: the base)")
     ap.add_argument("--types", help="quant types, comma-separated (default: --quick's or all)")
+    ap.add_argument("--shapes", help="shape labels, comma-separated (default: --quick's or all but "
+                    + ", ".join(x[0] for x in EXTRA_SHAPES) + ")")
     ap.add_argument("--baseline", help="a directory holding an older cpu_kernels to time side by side")
     ap.add_argument("--tiled-from", type=int, help="override matvec_int.tiled_min_k (this tree only): "
                     "the k from which the tiled kernels run instead of the row kernels")
@@ -236,6 +242,13 @@ def main() -> None:
     if args.types:
         types = [T[name] for name in args.types.split(",")]
     shapes = SHAPES[:2] if args.quick else SHAPES
+    if args.shapes:
+        known = {x[0]: x for x in SHAPES + EXTRA_SHAPES}
+        wanted = [x.strip() for x in args.shapes.split(",")]
+        unknown = [x for x in wanted if x not in known]
+        if unknown:
+            ap.error(f"--shapes: unknown {', '.join(unknown)}; known: {', '.join(known)}")
+        shapes = [known[x] for x in wanted]
     repeats = 5 if args.quick else 9
     rng = np.random.default_rng(0)
 
@@ -258,6 +271,9 @@ def main() -> None:
     print(hdr)
     for qtype in types:
         for label, rows, cols in shapes:
+            if cols % format_of(qtype).block_elems:      # e.g. a K type on Gemma 3's 640 inputs
+                print(f"{qtype.name:7} {label:18} skipped: {cols} inputs are not whole {qtype.name} blocks")
+                continue
             mats = pool.matrices(qtype, rows, cols)
             w_hot = mats[0]
             w_f32 = torch.from_numpy(dequantize(w_hot, qtype).astype(np.float32))

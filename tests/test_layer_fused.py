@@ -266,8 +266,9 @@ def _ffn(rng, case, integer):
         h64 = h.astype(np.float64)
         x = _rms(h64, norm)
         g, u = x @ w[0].T, x @ w[1].T
-        a = g / (1 + np.exp(-g)) if act == "silu" else \
-            0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3)))
+        with np.errstate(over="ignore"):        # exp(-g) = inf for g << 0: silu's limit, -0.0
+            a = g / (1 + np.exp(-g)) if act == "silu" else \
+                0.5 * g * (1 + np.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3)))
         y = (a * u) @ w[2].T
         return h64 + (_rms(y, post_w) if post else y)
     return run, ref
