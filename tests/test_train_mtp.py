@@ -328,3 +328,15 @@ def test_cli_defaults_are_train_config_and_cost_no_torch():
     shared = set(options) & set(cfg)
     assert shared >= set(cfg) - {"heldout_len"}     # every knob but the held-out length is an option
     assert {k: options[k] for k in shared} == {k: cfg[k] for k in shared}
+
+
+def test_teacher_kv_cache_is_float32_without_amx(monkeypatch):
+    """bfloat16 attention is ~5x slower than float32 on CPUs without AMX (Zen 4): there the
+    teacher's KV cache is float32 while its matrices stay bfloat16; with AMX it stays bfloat16."""
+    from hybridrt.train_mtp import torch_model
+
+    monkeypatch.setattr(torch_model, "_host_features", lambda: {"avx512f", "avx512bf16"})
+    assert torch_model.kv_dtype_for(torch.bfloat16) == torch.float32
+    monkeypatch.setattr(torch_model, "_host_features", lambda: {"avx512f", "amx-tile", "amx-bf16"})
+    assert torch_model.kv_dtype_for(torch.bfloat16) == torch.bfloat16
+    assert torch_model.kv_dtype_for(torch.float32) == torch.float32

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpu_kernels.dequant import dequantize, gather_rows
+from cpu_kernels.simd_int import _host_features
 from gpu_kernels.norms import rms_norm
 from gpu_kernels.rotary import RotaryRows, apply_rotary, rotary_table
 
@@ -179,17 +180,29 @@ def output_rows(model, ids: torch.Tensor | None) -> torch.Tensor:
     return torch.from_numpy(gather_rows(model.gguf.tensor_bytes(name), info.qtype, info.shape[0], rows))
 
 
+def kv_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """The teacher's KV cache (and attention) dtype for matrices in `dtype`. Without AMX, CPU
+    scaled_dot_product_attention is much slower in bfloat16 than in float32 (Zen 4, a decode step's
+    [256 x 4 x 1 x 256] queries over 200 keys: 45 ms against 9.6, 2 threads; it was 40 % of
+    writing Gemma 3's training text), so there the cache is float32; with AMX it stays bfloat16,
+    as the Xeon measurements chose."""
+    if dtype == torch.bfloat16 and "amx-bf16" not in _host_features():
+        return torch.float32
+    return dtype
+
+
 class TorchTeacher:
     """The target (llama / qwen3 / gemma3) in torch, decoding a batch of prompts at once with a
     preallocated KV cache; prompts are left-padded, each sequence keeping its own positions.
-    `dtype`: the matrices' (and the KV cache's) storage and matmul dtype; bfloat16 writes training
-    text ~5x faster than float32 here, the residual stream and norms stay float32 either way."""
+    `dtype`: the matrices' storage and matmul dtype (the KV cache's: kv_dtype_for); bfloat16 writes
+    training text ~5x faster than float32 on the AMX Xeon, the residual stream and norms stay
+    float32 either way."""
 
     SUPPORTED = ("llama", "qwen3", "gemma3")
 
     def __init__(self, model, kind: BlockKind, n_ctx: int, dtype: torch.dtype = torch.float32):
         g = model.gguf
-        self.model, self.n_ctx, self.dtype = model, n_ctx, dtype
+        self.model, self.n_ctx, self.dtype, self.kv_dtype = model, n_ctx, dtype, kv_dtype_for(dtype)
         self.embed_rows = read_f32(g, "token_embd.weight")
         self.output = (read_f32(g, "output.weight") if "output.weight" in g.tensors else self.embed_rows).to(dtype)
         self.embed_scale = float(getattr(model, "embed_scale", 1.0))
@@ -210,6 +223,8 @@ class TorchTeacher:
         in batches of 256 against 403 t/s in batches of 128 (one core, bfloat16); SmolLM2's (49k rows)
         came at the same speed either way."""
         per_seq = sum(b.spec.n_kv * self.n_ctx * (b.spec.head_dim + b.spec.head_dim_v) for b in self.blocks)
+        # counted at the matrices' dtype: a float32 cache (kv_dtype_for) takes up to twice the
+        # budget but keeps the batches, and so a seed's sampled streams, those of an AMX machine
         per_seq *= torch.finfo(self.dtype).bits // 8
         return max(1, min(most, kv_budget // per_seq))
 
@@ -217,8 +232,8 @@ class TorchTeacher:
         caches = []
         for block in self.blocks:
             s = block.spec
-            caches.append({"n": 0, "k": torch.zeros(batch, s.n_kv, self.n_ctx, s.head_dim, dtype=self.dtype),
-                           "v": torch.zeros(batch, s.n_kv, self.n_ctx, s.head_dim_v, dtype=self.dtype)})
+            caches.append({"n": 0, "k": torch.zeros(batch, s.n_kv, self.n_ctx, s.head_dim, dtype=self.kv_dtype),
+                           "v": torch.zeros(batch, s.n_kv, self.n_ctx, s.head_dim_v, dtype=self.kv_dtype)})
         return caches
 
     @torch.no_grad()
