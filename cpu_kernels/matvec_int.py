@@ -1085,7 +1085,7 @@ GRID_TOKENS = 4      # most tokens a grid_dot pass takes (2 rows by 4 tokens: 8 
 
 # Single-row groups. On AMD Zen (LLVM's host CPU "znver*"), with both cores streaming from memory,
 # rows shorter than SINGLE_ROW_BYTES read faster one row at a time than in groups of 4 side by
-# side: Zen 4, 2 threads, k = 1, GB/s of 33.8 (BENCHMARKS.md "Single-row groups on AMD Zen"):
+# side: Zen 4, 2 threads, k = 1, GB/s of 33.8 (BENCHMARKS.md "A Zen 4 machine: single-row groups"):
 # Q8_0 262144 x 640 (Gemma 3's output layer) 18.7 -> 31.0, Q6_K 17408 x 5120 18 -> 33, Q4_K 25 ->
 # 34, while the 17408-input rows (9.8-18 KB) keep their speed in groups of 4 and the light legacy
 # types (Q4_0 .. Q5_1, IQ4_NL), whose single rows are bound by their folds, run slower alone. At
@@ -1157,10 +1157,10 @@ def rows_dots(qtype, w, r0, n_rows, xq, xd, xs, t, out, oc0):
     """out[t, oc0 + j] for j < n_rows: rows r0 .. r0 + n_rows - 1 for token t, in passes of 4, 2, 1
     rows (less float and fold work per row than a row at a time; the same bits), or a row at a
     time where SINGLE_ROWS says this CPU streams short rows faster so."""
-    group = 1 if single_row_max_k(qtype) >= 1 and w.shape[1] < SINGLE_ROW_BYTES else 4
+    single = single_row_max_k(qtype) >= 1 and w.shape[1] < SINGLE_ROW_BYTES
     j = 0
     while j < n_rows:
-        n = 4 if n_rows - j >= 4 and group == 4 else (2 if n_rows - j >= 2 and group == 4 else 1)
+        n = 1 if single else (4 if n_rows - j >= 4 else (2 if n_rows - j >= 2 else 1))
         rows_dot(qtype, n, w, r0 + j, xq, xd, xs, t, out, oc0 + j)
         j += n
 
