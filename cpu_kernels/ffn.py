@@ -164,13 +164,15 @@ def _gate_up_tiled_kernel(w_gate, t_gate, w_up, t_up, xa, xb, xc, k_pad, hidden,
 
 def ffn_glu(x: np.ndarray, w_gate: np.ndarray, t_gate: int, w_up: np.ndarray, t_up: int,
             w_down: np.ndarray, t_down: int, act: str = "silu",
-            scratch: FfnScratch | None = None, *, exact: bool | None = None) -> np.ndarray:
+            scratch: FfnScratch | None = None, *, exact: bool | None = None,
+            down_residual: bool = False) -> np.ndarray:
     """(k, n_embd) float32 = W_down (act(W_gate x) * W_up x) for x of shape (k, n_embd).
 
     Weights are raw (rows, row_bytes) byte matrices in ggml layout (gate/up: n_ff rows, down:
     n_embd rows) with their ggml type ids. act: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma).
     With `scratch`, no allocation: the result is a view of scratch.out, valid until the next call.
     exact: as for `matvec` (False: int8 activations, True: float32, None: the process default).
+    down_residual: the down projection takes `matvec`'s second int8 pass (residual=True).
     """
     if act not in ACTIVATIONS:
         raise ValueError(f"unknown FFN activation {act!r} (expected one of {', '.join(ACTIVATIONS)})")
@@ -203,4 +205,4 @@ def ffn_glu(x: np.ndarray, w_gate: np.ndarray, t_gate: int, w_up: np.ndarray, t_
         else:
             _gate_up_kernel(w_gate, int(t_gate), be_gate, w_up, int(t_up), be_up, x, hidden,
                             ACTIVATIONS[act], n_groups_for(n_ff))
-    return matvec(w_down, t_down, hidden, out, exact=exact)
+    return matvec(w_down, t_down, hidden, out, exact=exact, residual=down_residual)

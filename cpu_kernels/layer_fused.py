@@ -41,7 +41,7 @@ from .matvec import tile_products
 from .matvec_amx import MAX_TOKENS, uses_amx
 from .matvec_int import act_block, block_dots, types_tag
 from .matvec_simd import TILE_ROWS, dot_f32, f16_bits_to_f32, f32_to_f16_bits, load_f16
-from .quantize_act import PAD_LEGACY, QK_K, QK_LEGACY, _quantize_rows
+from .quantize_act import PAD_LEGACY, QK_K, QK_LEGACY, RESIDUAL_MAX_TOKENS, _quantize_rows, _with_residual_rows
 from .simd_int import CACHE
 
 # Whether a CPU trunk binds these kernels (hybridrt.backends.WeightBinder): HYBRIDRT_FUSED_LAYERS=0
@@ -63,15 +63,16 @@ warnings.filterwarnings("ignore", message="(?s).*The keyword argument 'parallel=
 NONE = np.intp(0)
 
 
-def matrix_operands(raw: np.ndarray, qtype: int, integer: bool) -> tuple:
-    """(raw rows, type, block, integer) as the kernels below take a matrix: integer selects
-    block_dots on int8 activations (the type must have an integer kernel) over the float kernel;
-    block is the activation block on the integer path, the weight block on the float path.
+def matrix_operands(raw: np.ndarray, qtype: int, integer: bool, residual: bool = False) -> tuple:
+    """(raw rows, type, block, path) as the kernels below take a matrix. path: 0 the float kernel, 1
+    block_dots on int8 activations (the type must have an integer kernel), 2 the same with a second
+    int8 pass on the first one's rounding (quantize_act.with_residual_rows; `residual`); block is the
+    activation block on the integer path, the weight block on the float path.
     Every matrix goes in as a read-only view, so all of them are one Numba type (one compilation)."""
     raw = raw.view(np.uint8).view()
     raw.flags.writeable = False
     block = act_block(qtype) if integer else format_of(qtype).block_elems
-    return raw, int(qtype), block, bool(integer)
+    return raw, int(qtype), block, (2 if residual else 1) if integer else 0
 
 
 def kernel_types(type_paths) -> tuple:
@@ -113,17 +114,22 @@ def _rms_norm_rows(x, w, eps):
 
 
 @njit(cache=CACHE, nogil=True)
-def _quantized(x, block):
-    """x's rows as matvec_int reads them (quantize_act.quantize_rows's layout and padding)."""
+def _quantized(x, block, residual):
+    """x's rows as matvec_int reads them (quantize_act.quantize_rows's layout and padding); with
+    `residual`, 2k rows: x's, then their int8 rounding residuals (quantize_act.with_residual_rows)."""
     k, n = x.shape
     if block == QK_K:
         group, n_pad = 16, n
     else:
         group, n_pad = QK_LEGACY, (n + PAD_LEGACY - 1) // PAD_LEGACY * PAD_LEGACY
-    q = np.zeros((k, n_pad), np.int8)
-    d = np.zeros((k, n_pad // block), np.float32)
-    s = np.zeros((k, n_pad // group), np.int16)
-    _quantize_rows(x, block, group, q, d, s)
+    rows = x
+    if residual:
+        rows = np.empty((2 * k, n), np.float32)
+        _with_residual_rows(x, block, rows)
+    q = np.zeros((rows.shape[0], n_pad), np.int8)
+    d = np.zeros((rows.shape[0], n_pad // block), np.float32)
+    s = np.zeros((rows.shape[0], n_pad // group), np.int16)
+    _quantize_rows(rows, block, group, q, d, s)
     return q, d, s
 
 
@@ -178,9 +184,11 @@ def _project_group(g, n_groups, int_types, float_path, w0, t0, e0, i0, n0, w1, t
         if is_int:
             # block_dots: one token (decode) 4 rows a pass (or one, per matvec_int.SINGLE_ROWS);
             # verify batches in groups of rows by tokens (the same bits as row by row, less float
-            # and fold work per (row, token))
+            # and fold work per (row, token)). Residual matrices take all 2k rows (_project sums
+            # them), the others the first k, x's own
             q, d, s = (q256, d256, s256) if be == QK_K else (q32, d32, s32)
-            block_dots((qt,) + int_types, w, r_lo, r_hi - r_lo, q, d, s, out, off + r_lo)
+            kr = 2 * k if is_int == 2 else k
+            block_dots((qt,) + int_types, w, r_lo, r_hi - r_lo, q[:kr], d[:kr], s[:kr], out, off + r_lo)
         else:
             _float_rows(float_path, w, qt, be, r_lo, r_hi, x, buf, part, acc, out, off)
 
@@ -205,24 +213,37 @@ def _project_serial(int_types, float_path, w0, t0, e0, i0, n0, w1, t1, e1, i1, n
 @njit(cache=CACHE, nogil=True)
 def _project(n_threads, int_types, float_path, w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, e2, i2, n2, x, out):
     """out[:, off_m + r] = (W_m x)[r] for the three matrices (n_m = 0: absent). e_m: the matrix's
-    activation block when i_m (integer path: 32 or 256), else its weight block size (float path)."""
+    activation block when i_m > 0 (integer path: 32 or 256), else its weight block size (float
+    path); i_m as matrix_operands' path (2: the residual pass too)."""
     k, n_in = x.shape
+    if k > RESIDUAL_MAX_TOKENS:     # a prompt-sized batch: one int8 pass (quantize_act's docstring)
+        i0, i1, i2 = min(i0, 1), min(i1, 1), min(i2, 1)
     q32, d32, s32 = np.zeros((k, 0), np.int8), np.zeros((k, 0), np.float32), np.zeros((k, 0), np.int16)
     q256, d256, s256 = q32, d32, s32          # empty unless some matrix reads them
+    r32 = (i0 == 2 and n0 and e0 == QK_LEGACY) or (i1 == 2 and n1 and e1 == QK_LEGACY) or (i2 == 2 and n2 and e2 == QK_LEGACY)
+    r256 = (i0 == 2 and n0 and e0 == QK_K) or (i1 == 2 and n1 and e1 == QK_K) or (i2 == 2 and n2 and e2 == QK_K)
     if (i0 and n0 and e0 == QK_LEGACY) or (i1 and n1 and e1 == QK_LEGACY) or (i2 and n2 and e2 == QK_LEGACY):
-        q32, d32, s32 = _quantized(x, QK_LEGACY)
+        q32, d32, s32 = _quantized(x, QK_LEGACY, r32)
     if (i0 and n0 and e0 == QK_K) or (i1 and n1 and e1 == QK_K) or (i2 and n2 and e2 == QK_K):
-        q256, d256, s256 = _quantized(x, QK_K)
+        q256, d256, s256 = _quantized(x, QK_K, r256)
+    residual = r32 or r256
+    # residual matrices write both halves of their 2k output rows here, summed into `out` below
+    wide = np.empty((2 * k, out.shape[1]), np.float32) if residual else out
     units = ((n0 + ROWS_PER_UNIT - 1) // ROWS_PER_UNIT + (n1 + ROWS_PER_UNIT - 1) // ROWS_PER_UNIT
              + (n2 + ROWS_PER_UNIT - 1) // ROWS_PER_UNIT)
     # Always through the parallel kernel: LLVM makes the row loop ~2x faster inside a parfor than
     # in a plain loop here (measured); too small a product runs it on this thread alone.
     if n_threads > 1 and (n0 + n1 + n2) * n_in >= PARALLEL_MIN_WEIGHTS:
         _project_parallel(min(units, GROUPS_PER_THREAD * n_threads), int_types, float_path, w0, t0, e0, i0, n0,
-                          w1, t1, e1, i1, n1, w2, t2, e2, i2, n2, x, q32, d32, s32, q256, d256, s256, out)
+                          w1, t1, e1, i1, n1, w2, t2, e2, i2, n2, x, q32, d32, s32, q256, d256, s256, wide)
     else:
         _project_serial(int_types, float_path, w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, e2, i2, n2,
-                        x, q32, d32, s32, q256, d256, s256, out)
+                        x, q32, d32, s32, q256, d256, s256, wide)
+    if residual:
+        for t in range(k):
+            for c in range(n0 + n1 + n2):
+                im = i0 if c < n0 else (i1 if c < n0 + n1 else i2)
+                out[t, c] = wide[t, c] + wide[k + t, c] if im == 2 else wide[t, c]
 
 
 # --------------------------------------------------------------------------- attention
@@ -477,5 +498,6 @@ def ffn_block_tiles(h, ffn_norm, post_norm, has_post, eps, gate, up, down, act: 
     activation's name (ffn.ACTIVATIONS). Separate calls from Python: the tile kernels are parallel
     regions of their own."""
     x = _rms_norm_rows(h, ffn_norm, eps)
-    y = ffn_glu(x, gate[0], gate[1], up[0], up[1], down[0], down[1], act, exact=False)
+    y = ffn_glu(x, gate[0], gate[1], up[0], up[1], down[0], down[1], act, exact=False,
+                down_residual=down[3] == 2)
     return _residual(h, y, post_norm, has_post, eps)

@@ -35,7 +35,8 @@ from .matvec_kquants import (decode_chunk_iq4_xs, decode_chunk_q2_k, decode_chun
 from .matvec_legacy import (decode_chunk_iq4_nl, decode_chunk_q4_0, decode_chunk_q4_1, decode_chunk_q5_0,
                             decode_chunk_q5_1, decode_chunk_q8_0)
 from .matvec_amx import AMX, AMX_REFUSAL, matvec_amx_into, uses_amx
-from .matvec_int import INT_TYPES, matvec_int_into
+from .matvec_int import INT_TYPES, act_block, matvec_int_into
+from .quantize_act import RESIDUAL_MAX_TOKENS, with_residual_rows
 from .matvec_simd import LANES, TILE_ROWS, dot_tile_1, dot_tile_2, dot_tile_3, dot_tile_4
 
 CHUNK = 1024        # columns decoded per step: 4 rows x 4 KiB of float32 stay in L1 with x's chunk
@@ -179,15 +180,16 @@ def check_operands(w: np.ndarray, qtype: int, x: np.ndarray, out: np.ndarray | N
 EXACT_DEFAULT = os.environ.get("HYBRIDRT_EXACT_ACTIVATIONS", "") not in ("", "0")
 
 
-def kernel_summary(exact: bool | None = None) -> str:
+def kernel_summary(exact: bool | None = None, residual: bool = False) -> str:
     """Which kernels run the mmap'd matrices in this process, in one line (bench reports it, as
-    llama.cpp prints its system info)."""
+    llama.cpp prints its system info). residual: whether some matrices take the second int8 pass."""
     if EXACT_DEFAULT if exact is None else exact:
         return "float32 activations (exact)"
     from .simd_int import ISA
 
     tiles = "AMX tiles for verify batches" if AMX else f"no AMX tiles ({AMX_REFUSAL})"
-    return f"int8 activations, {ISA} integer dot products, {tiles}"
+    second = ", a second int8 pass on attention / FFN-down inputs of decode steps" if residual else ""
+    return f"int8 activations{second}, {ISA} integer dot products, {tiles}"
 
 
 def use_int(qtype: int, exact: bool | None) -> bool:
@@ -196,7 +198,7 @@ def use_int(qtype: int, exact: bool | None) -> bool:
 
 
 def matvec(w: np.ndarray, qtype: int, x: np.ndarray, out: np.ndarray | None = None, *,
-           exact: bool | None = None) -> np.ndarray:
+           exact: bool | None = None, residual: bool = False) -> np.ndarray:
     """out[t, r] = sum_i W[r, i] * x[t, i] for W stored as ggml type `qtype`.
 
     w: raw bytes (rows, row_bytes) as in the file (a zero-copy mmap view is fine); row r holds output
@@ -205,6 +207,9 @@ def matvec(w: np.ndarray, qtype: int, x: np.ndarray, out: np.ndarray | None = No
     exact: False runs the integer kernel on int8-quantized x (matvec_int, or matvec_amx's tile
     kernels for verify batches on CPUs with AMX; relative error ~5e-3, llama.cpp's numerics), True
     the float32 kernel (float32 rounding only); None: EXACT_DEFAULT.
+    residual: on the integer path, a second int8 pass on what the first one rounds off
+    (quantize_act.with_residual_rows: 2k rows, each token's two outputs summed; ~2^-16 relative),
+    for batches of up to RESIDUAL_MAX_TOKENS rows (prompt batches keep one pass).
     Either way a token's result does not depend on k or on the other tokens.
     """
     w, block_elems, x, out = check_operands(w, qtype, x, out)
@@ -212,6 +217,11 @@ def matvec(w: np.ndarray, qtype: int, x: np.ndarray, out: np.ndarray | None = No
         return out
     if x.shape[1] == 0:
         out.fill(0.0)
+        return out
+    if residual and x.shape[0] <= RESIDUAL_MAX_TOKENS and use_int(qtype, exact):
+        k = x.shape[0]
+        both = matvec(w, qtype, with_residual_rows(x, act_block(qtype)), exact=False)
+        np.add(both[:k], both[k:], out=out)
         return out
     if use_int(qtype, exact):
         if uses_amx(qtype, x.shape[0], w.shape[0], x.shape[1]):     # verify batches on AMX tiles: the same bits

@@ -20,6 +20,15 @@ The scales are ggml's, value for value, so the integer path multiplies what llam
 Rows are quantized independently, so a token's q, d, s are the same whatever else is in the batch.
 Rows of the legacy layout are padded to a multiple of 64 values (zeros, d = 0, s = 0) so the kernel
 can always take two blocks at a time.
+
+Residual rows (`with_residual_rows`): one int8 pass carries ~2^-8 relative error per value, and over
+a whole model that is llama.cpp's distance from the float32 forward (mean KL ~2-3e-3 on SmolLM2 /
+Gemma 3). A second pass on what the first one rounded off, x = d1 q1 + d2 q2, leaves ~2^-16: the
+matrices given it (hybridrt.backends.residual_activations) multiply 2k activation rows, [x; x - d1
+q1], through the same integer kernels, and a token's output is the sum of its two rows' outputs,
+still independent of k. Only batches of up to RESIDUAL_MAX_TOKENS rows take it: decode and verify
+steps read weights from memory and pay ~8 % a step for it; a prompt batch is compute-bound, where
+it would cost 1.6x (BENCHMARKS "A second int8 pass"), so prompts keep llama.cpp's one pass.
 """
 from __future__ import annotations
 
@@ -29,6 +38,7 @@ from numba import njit, prange
 QK_K = 256          # K-quant super-block
 QK_LEGACY = 32      # Q4_0 .. Q8_0 block
 PAD_LEGACY = 64     # legacy rows padded to pairs of blocks
+RESIDUAL_MAX_TOKENS = 32    # the largest batch that takes the residual pass (= the fused path's batches)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -107,6 +117,33 @@ def quantize_rows(x: np.ndarray, block: int, pad_rows: int = 0) -> tuple[np.ndar
     s = np.zeros((k + pad_rows, n_pad // group), np.int16)
     (_quantize_rows_parallel if k >= PARALLEL_MIN_ROWS else _quantize_rows)(x, block, group, q, d, s)
     return q, d, s
+
+
+@njit(cache=True, nogil=True)
+def _with_residual_rows(x, block, out):
+    k, n = x.shape
+    group = 16 if block == QK_K else QK_LEGACY
+    q = np.empty(n, np.int8)
+    d = np.empty(n // block, np.float32)
+    s = np.empty(n // group, np.int16)
+    for t in range(k):
+        _quantize_row(x[t], block, group, q, d, s)
+        for i in range(n):
+            out[t, i] = x[t, i]
+            out[k + t, i] = x[t, i] - np.float32(q[i]) * d[i // block]
+
+
+def with_residual_rows(x: np.ndarray, block: int) -> np.ndarray:
+    """(2k, n) float32: x's k rows, then what quantizing each of them to int8 in `block`-value
+    blocks (quantize_rows) rounds off, x - d q. The integer kernels on these rows, output rows t and
+    k + t summed, give W x to ~2^-16 (module docstring)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    k, n = x.shape
+    if n % block:
+        raise ValueError(f"{n} activations are not a whole number of {block}-value blocks")
+    out = np.empty((2 * k, n), np.float32)
+    _with_residual_rows(x, block, out)
+    return out
 
 
 def dequantize_rows(q: np.ndarray, d: np.ndarray, n: int) -> np.ndarray:

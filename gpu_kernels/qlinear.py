@@ -46,6 +46,9 @@ def fused_kernel_fits(qtype: int, n_in: int) -> bool:
 # 32-weight types (IQ4_NL among them).
 ACT_BLOCK = {**{int(t): 256 for t in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS)},
              **{int(t): 32 for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL)}}
+# The largest batch whose activations take the second int8 pass (cpu_kernels.quantize_act's
+# RESIDUAL_MAX_TOKENS, restated likewise)
+RESIDUAL_MAX_TOKENS = 32
 
 
 def int8_round_trip(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -111,7 +114,7 @@ class QuantLinear:
     def __init__(self, raw: torch.Tensor, qtype: int, n_in: int, n_out: int,
                  compute_dtype: torch.dtype = torch.float32, name: str = "",
                  scratch: TileScratch | None = None, tile_rows: int | None = None, kernel: str = "auto",
-                 int8_activations: bool = False):
+                 int8_activations: bool = False, residual: bool = False):
         if int(qtype) not in QUANTIZED_TYPES:
             raise ValueError(f"{name or 'QuantLinear'}: {type_name(qtype)} is not a quantized type")
         if kernel not in KERNELS:
@@ -147,6 +150,7 @@ class QuantLinear:
         # the CPU's integer kernels multiply int8-quantized activations; doing the same quantization
         # here keeps a placed model's device layers on the numerics of its mmap'd layers
         self.act_block = ACT_BLOCK.get(self.qtype) if int8_activations else None
+        self.residual = residual     # and the second pass on the first one's rounding, as there
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [k, n_in] -> float32 [k, n_out] on the weights' device (written into `out` if given)."""
@@ -154,7 +158,11 @@ class QuantLinear:
         direct = out is not None and out.dtype == torch.float32 and out.device == self.device and out.is_contiguous()
         y = out if direct else torch.empty(n_tok, self.n_out, dtype=torch.float32, device=self.device)
         if self.act_block is not None:
-            x = int8_round_trip(x.to(self.device, torch.float32), self.act_block)
+            x = x.to(self.device, torch.float32)
+            first = int8_round_trip(x, self.act_block)
+            # the CPU sums W q1 d1 + W q2 d2 in float32; here W (q1 d1 + q2 d2): equal up to rounding
+            again = self.residual and n_tok <= RESIDUAL_MAX_TOKENS
+            x = first + int8_round_trip(x - first, self.act_block) if again else first
         if n_tok <= self.fused_max:
             self._fused(x.to(self.device, torch.float32), y)
         else:

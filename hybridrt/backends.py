@@ -8,6 +8,8 @@ Moving a tensor between the two is a placement decision, not a change to model c
 """
 from __future__ import annotations
 
+import os
+
 import numba
 import numpy as np
 import torch
@@ -35,14 +37,32 @@ def _cpu_f32(x: torch.Tensor) -> torch.Tensor:
     return x.to(device="cpu", dtype=torch.float32).contiguous()
 
 
+# Which matrices take the second int8 pass on their activations (quantize_act.with_residual_rows,
+# matvec's `residual`): all but the FFN's gate / up and the output head. One int8 pass everywhere is
+# llama.cpp's numerics, mean KL 1.9e-3 (SmolLM2) / 2.8e-3 (Gemma 3) from the float32 forward; the
+# second pass on attention and FFN-down inputs takes that to 0.5-0.9e-3 (issue 11 item 4's <= 1e-3)
+# for 2 activation rows per token on ~25-40 % of the weights. Gate / up (the widest matrices of a
+# layer) and the output head add least per byte (BENCHMARKS "A second int8 pass").
+RESIDUAL_SKIP_ROLES = ("ffn_gate", "ffn_up", "output.", "token_embd.")
+RESIDUAL_DEFAULT = os.environ.get("HYBRIDRT_ACT_RESIDUAL", "1") not in ("", "0")
+
+
+def residual_activations(name: str) -> bool:
+    """Whether matrix `name` (a GGUF tensor name; "+"-joined for stacked q/k/v, "[...]"-suffixed
+    for a slice or an expert) takes the second int8 pass."""
+    role = name.split(".", 2)[-1] if name.startswith("blk.") else name
+    return bool(name) and not role.startswith(RESIDUAL_SKIP_ROLES)
+
+
 class CpuQuantLinear:
     """y = W x for k rows of x, W quantized in the mmap (ggml layout: one output row per row)."""
 
     def __init__(self, raw: np.ndarray, qtype: int, n_in: int, n_out: int, name: str = "",
-                 exact: bool | None = None):
+                 exact: bool | None = None, residual: bool = False):
         format_of(qtype)    # fail at load time, naming the type, not at the first token
         self.raw, self.qtype, self.n_in, self.n_out, self.name = raw, qtype, n_in, n_out, name
         self.exact = exact  # float32 activations (True), int8 (False), the process default (None)
+        self.residual = residual   # int8 activations take the second pass (residual_activations)
         self.nbytes = raw.nbytes
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -51,7 +71,7 @@ class CpuQuantLinear:
             y = torch.empty(xc.shape[0], self.n_out, dtype=torch.float32)
         else:
             y = out
-        matvec(self.raw, self.qtype, xc.numpy(), y.numpy(), exact=self.exact)
+        matvec(self.raw, self.qtype, xc.numpy(), y.numpy(), exact=self.exact, residual=self.residual)
         if out is not None and y is not out:
             out.copy_(y)
             return out
@@ -84,7 +104,8 @@ class CpuGluFFN:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         xc = _cpu_f32(x)
         y = ffn_glu(xc.numpy(), self.gate.raw, self.gate.qtype, self.up.raw, self.up.qtype,
-                    self.down.raw, self.down.qtype, act=self.act, exact=self.gate.exact)
+                    self.down.raw, self.down.qtype, act=self.act, exact=self.gate.exact,
+                    down_residual=self.down.residual)
         y = torch.from_numpy(y)
         return y.to(x.device) if x.device.type != "cpu" else y
 
@@ -128,7 +149,8 @@ class RoutedExperts:
 
 
 def _fused_operands(linear: CpuQuantLinear, rows: slice = slice(None)) -> tuple:
-    return layer_fused.matrix_operands(linear.raw[rows], linear.qtype, use_int(linear.qtype, linear.exact))
+    return layer_fused.matrix_operands(linear.raw[rows], linear.qtype, use_int(linear.qtype, linear.exact),
+                                       linear.residual)
 
 
 def _fused_cache_view(rows) -> np.ndarray | None:
@@ -287,8 +309,11 @@ class WeightBinder:
     def __init__(self, gguf: GGUFFile, device: torch.device, tensor_devices: dict[str, str] | None = None,
                  default: str = "cpu", device_dtype: torch.dtype = torch.float32,
                  executor: Executor | None = None, split: tuple[int, int] | None = None,
-                 exact: bool | None = None, fused: bool | None = None, fused_qtypes: list[int] | None = None):
+                 exact: bool | None = None, fused: bool | None = None, fused_qtypes: list[int] | None = None,
+                 act_residual: bool | None = None):
         self.gguf, self.device = gguf, device
+        # the second int8 pass where residual_activations says (None: RESIDUAL_DEFAULT)
+        self.act_residual = RESIDUAL_DEFAULT if act_residual is None else act_residual
         # False: the torch trunk ops even where the fused kernels could run (None: FUSED_DEFAULT)
         self.fused = FUSED_DEFAULT if fused is None else fused
         self.tensor_devices = tensor_devices or {}
@@ -300,7 +325,8 @@ class WeightBinder:
         self._fused_qtypes = fused_qtypes   # the types those cover (None: layer_qtypes())
 
     def _cpu(self, raw: np.ndarray, qtype: int, n_in: int, n_out: int, name: str = "") -> CpuQuantLinear:
-        return CpuQuantLinear(raw, qtype, n_in, n_out, name, exact=self.exact)
+        return CpuQuantLinear(raw, qtype, n_in, n_out, name, exact=self.exact,
+                              residual=self.act_residual and residual_activations(name))
 
     def _exact(self) -> bool:
         from cpu_kernels.matvec import EXACT_DEFAULT
@@ -333,7 +359,8 @@ class WeightBinder:
         if qtype in QUANTIZED_TYPES:
             on_device = torch.from_numpy(np.array(raw)).to(self.device)    # a copy: the mmap is read-only
             linear = QuantLinear(on_device, qtype, n_in, n_out, self.device_dtype, name, self.scratch,
-                                 int8_activations=not self._exact())
+                                 int8_activations=not self._exact(),
+                                 residual=self.act_residual and residual_activations(name))
         else:
             weight = torch.from_numpy(dequantize(raw, qtype, n_in))
             linear = DeviceLinear(weight.to(self.device, self.device_dtype), name)

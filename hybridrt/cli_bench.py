@@ -155,6 +155,7 @@ def bench(
     cpu_bw: Optional[float] = typer.Option(None, "--cpu-bw", help="CPU memory bandwidth in GB/s for the prediction (default: measured)."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome/Perfetto trace of the bench to this file."),
     exact_activations: bool = typer.Option(False, "--exact-activations", help="Run the mmap'd matrices on float32 activations (exact; slower) instead of int8 activations with integer dot products (llama.cpp's numerics)."),
+    act_residual: Optional[bool] = typer.Option(None, "--act-residual/--no-act-residual", help="On int8 activations, a second int8 pass on the rounding of the attention and FFN-down inputs of decode and verify steps (near-float32 accuracy, ~8 % a step; default on, HYBRIDRT_ACT_RESIDUAL); --no-act-residual is llama.cpp's numerics exactly."),
     adaptive: Optional[bool] = typer.Option(None, "--adaptive/--no-adaptive", help="Adaptive draft length (default: on for draft-mtp and draft-simple)."),
     mtp_head: Optional[Path] = typer.Option(None, "--mtp-head", help="MTP head from `hybridrt train-mtp` for --spec-type draft-mtp (replaces a built-in head)."),
 ):
@@ -179,7 +180,8 @@ def bench(
         request = dataclasses.replace(request, cpu_bw=cbw)
     cache_type = kv_cache_type(cache_type_k, cache_type_v)      # what `run` decodes on
     m = load_model(model, device=device, threads=threads, placement=request, trace=trace is not None,
-                   exact_activations=True if exact_activations else None, mtp_head=mtp_head)
+                   exact_activations=True if exact_activations else None, mtp_head=mtp_head,
+                       act_residual=act_residual)
     if m.plan is not None:
         print(placement_line(m.plan, device), file=sys.stderr)
     try:
@@ -207,7 +209,7 @@ def _bench_plain(m, n_prompt: int, n_gen: int, reps: int, as_json: bool, cpu_bw:
                          pp_tps=pp, tg_tps=tg, weight_bytes_per_token=m.weight_bytes_per_token,
                          weight_gbps=m.weight_bytes_per_token * tg / 1e9, measured_tps=tg,
                          predicted_tps=predicted, prediction=source, placement=placement_summary(m.plan),
-                         cpu_kernels=kernel_summary(m.binder.exact))
+                         cpu_kernels=kernel_summary(m.binder.exact, m.binder.act_residual))
     if as_json:
         print(json.dumps(asdict(result), indent=2))
         return

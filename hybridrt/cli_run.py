@@ -81,6 +81,7 @@ def run(
     draft_p_min: float = typer.Option(0.0, "--spec-draft-p-min", "--draft-p-min", help="Stop model drafting below this top-1 probability."),
     ngram_n: int = typer.Option(4, "--spec-ngram-size-n", help="ngram-simple: longest n-gram to match (tried down to 2)."),
     exact_activations: bool = typer.Option(False, "--exact-activations", help="Run the mmap'd matrices on float32 activations (exact; slower) instead of int8 activations with integer dot products (llama.cpp's numerics)."),
+    act_residual: Optional[bool] = typer.Option(None, "--act-residual/--no-act-residual", help="On int8 activations, a second int8 pass on the rounding of the attention and FFN-down inputs of decode and verify steps (near-float32 accuracy, ~8 % a step; default on, HYBRIDRT_ACT_RESIDUAL); --no-act-residual is llama.cpp's numerics exactly."),
     adaptive: Optional[bool] = typer.Option(None, "--adaptive/--no-adaptive", help="Choose each step's draft count within --spec-draft-n-max from the live acceptance and measured verify cost (default: on for draft-mtp and draft-simple)."),
     mtp_head: Optional[Path] = typer.Option(None, "--mtp-head", help="MTP head from `hybridrt train-mtp` for --spec-type draft-mtp (replaces a built-in head)."),
 ):
@@ -106,7 +107,8 @@ def run(
         request = placement_options(model, vram, device, ctx_size, cache_type_k, cache_type_v, spec_type,
                                     draft_n_max, model_draft, margin)
         m = load_model(model, device=device, threads=threads, placement=request, trace=trace is not None,
-                       exact_activations=True if exact_activations else None, mtp_head=mtp_head)
+                       exact_activations=True if exact_activations else None, mtp_head=mtp_head,
+                       act_residual=act_residual)
         if m.plan is not None:
             print(placement_line(m.plan, device), file=sys.stderr)
         if chat:
@@ -129,7 +131,8 @@ def run(
         if model_draft:
             draft_model = load_model(model_draft, device=device,
                                      tensor_devices=draft_devices(m.plan, str(resolve_model(model_draft))),
-                                     exact_activations=True if exact_activations else None)
+                                     exact_activations=True if exact_activations else None,
+                                     act_residual=act_residual)
         session = m.session(n_ctx, cache_type, k_max=spec.k_max if spec_type != "none" else 1)
         source = build_source(spec_type, session, sampler, spec, draft_model, ngram_n_max=ngram_n,
                               cache_type=cache_type)

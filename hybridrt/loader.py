@@ -38,7 +38,7 @@ def load_model(model: str | os.PathLike | None = None, device: str = "cpu",
                tensor_devices: dict[str, str] | None = None, threads: int | None = None,
                placement: PlacementRequest | None = None, vram: int | str | None = None,
                trace: Tracer | bool | None = None, exact_activations: bool | None = None,
-               mtp_head: str | os.PathLike | None = None) -> Model:
+               mtp_head: str | os.PathLike | None = None, act_residual: bool | None = None) -> Model:
     """Load a GGUF model.
 
     With `placement` (or just `vram`: a byte count or a size like "12GiB"), the planner decides
@@ -52,6 +52,10 @@ def load_model(model: str | os.PathLike | None = None, device: str = "cpu",
     `exact_activations`: True runs the mmap'd matrices on float32 activations (the exact path the
     float64 reference tests use), False on int8 activations with integer dot products (llama.cpp's
     numerics, several times faster); None: the process default (HYBRIDRT_EXACT_ACTIVATIONS).
+    `act_residual`: on int8 activations, whether the attention and FFN-down matrices also take a
+    second int8 pass on the first one's rounding (backends.residual_activations; near-float32
+    accuracy for ~2 activation rows per token on those matrices); None: the process default
+    (HYBRIDRT_ACT_RESIDUAL, on). False is llama.cpp's numerics exactly.
     `mtp_head`: a head file from `hybridrt train-mtp`, bound as `model.mtp` (replacing a built-in
     one) for `--spec-type draft-mtp`; a head trained for another target is a UserError."""
     dev = torch.device(device)
@@ -72,7 +76,7 @@ def load_model(model: str | os.PathLike | None = None, device: str = "cpu",
     dtype = torch.float32 if dev.type == "cpu" else torch.float16
     binder = WeightBinder(gguf, dev, tensor_devices, device_dtype=dtype,
                           executor=executor if plan is not None else None, split=split,
-                          exact=exact_activations)
+                          exact=exact_activations, act_residual=act_residual)
     m = model_class(gguf.arch)(gguf, binder)
     m.executor, m.plan = executor, plan
     if mtp_head is not None:

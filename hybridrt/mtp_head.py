@@ -217,7 +217,7 @@ def load_mtp_head(model, path: str | Path, tensor_devices: dict[str, str] | None
     # target already has (q8_0 heads on most files) runs the target's compiled layer kernels
     head_types = [info.qtype for info in f.tensors.values() if len(info.shape) >= 2]
     binder = WeightBinder(f, model.device, tensor_devices, device_dtype=model.binder.device_dtype,
-                          exact=model.binder.exact,
+                          exact=model.binder.exact, act_residual=model.binder.act_residual,
                           fused_qtypes=model.binder.layer_qtypes() + head_types)
     head = TrainedMTPHead(binder, model, kind, spec, draft_ids)
     want_rows = len(draft_ids) if draft_ids is not None else model.n_vocab

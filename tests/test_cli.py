@@ -25,9 +25,10 @@ def one_line_error(r, fragment):
     assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], r.stderr
 
 
-def test_run_smollm2_says_paris():
+@pytest.mark.parametrize("numerics", [[], ["--no-act-residual"]], ids=["default", "one-int8-pass"])
+def test_run_smollm2_says_paris(numerics):
     require(SMOLLM2)
-    r = cli("run", "-m", "smollm2-135m", "-p", "The capital of France is", "-n", "8", "--temp", "0")
+    r = cli("run", "-m", "smollm2-135m", "-p", "The capital of France is", "-n", "8", "--temp", "0", *numerics)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("The capital of France is")
     assert " Paris" in r.stdout

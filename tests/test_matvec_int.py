@@ -31,7 +31,7 @@ from cpu_kernels.formats import type_tag
 from cpu_kernels.matvec_int import (INT_TYPES, act_block, block_dots, grid_dot, quantize_for, row_dot, rows_dot,
                                     rows_dots, single_row_table)
 from cpu_kernels.matvec_testdata import random_weights
-from cpu_kernels.quantize_act import dequantize_rows, quantize_rows
+from cpu_kernels.quantize_act import RESIDUAL_MAX_TOKENS, dequantize_rows, quantize_rows, with_residual_rows
 from cpu_kernels.simd_int import ISA, _host_features
 from test_matvec import _two_threads  # noqa: F401  (autouse: 2 numba threads)
 
@@ -86,6 +86,40 @@ def test_within_activation_quantization_bound(qtype):
     assert np.all(np.abs(exact - ref) <= slack)
     rel = np.linalg.norm(y - ref) / np.linalg.norm(ref)
     assert rel < 3e-2, f"{qtype.name}: relative error {rel:.2e} vs float activations"
+
+
+@pytest.mark.parametrize("qtype", INT, ids=lambda t: t.name)
+def test_residual_pass_is_within_its_quantization_bound(qtype):
+    """matvec(residual=True): the second int8 pass quantizes what the first rounds off, so every
+    output is within half a step of the *residual's* scale (~2^-16 of |x|, not 2^-8), through every
+    kernel (a row, token quads, token lanes / tiles: 2k rows), each token with the bits it gets
+    alone; a prompt-sized batch takes one pass."""
+    rng = np.random.default_rng(300 + int(qtype))
+    rows, cols = 29, _cols(qtype)
+    w = random_weights(qtype, rows, cols, rng)
+    wd = dequantize(w, qtype).astype(np.float64)
+    for k in (1, 3, 8, 20, RESIDUAL_MAX_TOKENS):
+        x = _x(rng, k, cols)
+        y = matvec(w, qtype, x, residual=True).astype(np.float64)
+        ref = x.astype(np.float64) @ wd.T
+        both = with_residual_rows(x, act_block(qtype))
+        assert np.array_equal(both[:k], x)
+        q, d, _ = quantize_for(qtype, x)
+        assert np.array_equal(both[k:], x - dequantize_rows(q, d, cols))
+        _, d2, _ = quantize_for(qtype, both[k:])
+        half_step = np.repeat(d2[:, : cols // act_block(qtype)], act_block(qtype), axis=1) / 2
+        bound = half_step.astype(np.float64) @ np.abs(wd).T
+        slack = 2e-6 * (np.abs(x).astype(np.float64) @ np.abs(wd).T)      # float32 rounding of the two sums
+        assert np.all(np.abs(y - ref) <= bound + slack), f"{qtype.name} k={k}: outside the residual's bound"
+        one = matvec(w, qtype, x).astype(np.float64)
+        rel, rel_one = (np.linalg.norm(v - ref) / np.linalg.norm(ref) for v in (y, one))
+        assert rel < rel_one / 50, f"{qtype.name} k={k}: {rel:.2e} with the second pass, {rel_one:.2e} without"
+        alone = np.concatenate([matvec(w, qtype, x[t:t + 1], residual=True) for t in range(k)])
+        assert np.array_equal(alone, y.astype(np.float32)), f"{qtype.name} k={k}: a token's bits depend on k"
+    x = _x(rng, RESIDUAL_MAX_TOKENS + 1, cols)
+    assert np.array_equal(matvec(w, qtype, x, residual=True), matvec(w, qtype, x))
+    # the exact path ignores `residual`
+    assert np.array_equal(matvec(w, qtype, x, exact=True, residual=True), matvec(w, qtype, x, exact=True))
 
 
 def test_quantize_rows_blocks():

@@ -188,3 +188,33 @@ def test_int8_round_trip_is_the_cpu_activation_quantizer():
         assert np.array_equal(got, want)        # same values (a -0.0 from rounding small negatives equals 0.0)
         # a row's values do not depend on the other rows
         assert torch.equal(int8_round_trip(torch.from_numpy(x[2:3]), block)[0], torch.from_numpy(got[2]))
+
+
+def test_residual_pass_on_the_device_is_the_cpus():
+    """A QuantLinear with the second int8 pass multiplies the activations the CPU's residual rows
+    stand for (up to the float32 order of the sum), for batches up to the same size."""
+    import numpy as np
+
+    from cpu_kernels import quantize_act
+    from cpu_kernels.matvec import matvec
+    from cpu_kernels.matvec_testdata import random_weights
+    from gpu_kernels.qlinear import RESIDUAL_MAX_TOKENS, QuantLinear
+
+    assert RESIDUAL_MAX_TOKENS == quantize_act.RESIDUAL_MAX_TOKENS
+    rng = np.random.default_rng(8)
+    for qtype, n_in in ((T.Q4_K, 512), (T.Q8_0, 96)):
+        raw = random_weights(qtype, 24, n_in, rng)
+        lin = QuantLinear(torch.from_numpy(raw), qtype, n_in, 24, int8_activations=True, residual=True, kernel="torch")
+        one = QuantLinear(torch.from_numpy(raw), qtype, n_in, 24, int8_activations=True, kernel="torch")
+        exact = QuantLinear(torch.from_numpy(raw), qtype, n_in, 24, kernel="torch")
+        for k in (3, RESIDUAL_MAX_TOKENS + 1):
+            x = (rng.standard_normal((k, n_in)) * 3).astype(np.float32)
+            got, ref = lin(torch.from_numpy(x)).numpy(), exact(torch.from_numpy(x)).numpy()
+            cpu = matvec(raw, qtype, x, residual=True)
+            scale = np.abs(ref).max()
+            if k <= RESIDUAL_MAX_TOKENS:
+                assert np.abs(got - cpu).max() <= 1e-5 * scale
+                assert np.abs(got - ref).max() <= 1e-4 * scale
+            else:       # a prompt-sized batch: one pass, on both
+                assert np.array_equal(got, one(torch.from_numpy(x)).numpy())
+                assert np.array_equal(cpu, matvec(raw, qtype, x))

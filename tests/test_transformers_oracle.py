@@ -6,9 +6,10 @@ LlamaForCausalLM / Gemma3ForCausalLM. Run in float32, that is an independent imp
 both architectures on exactly the weights hybridrt multiplies by, so the two must agree far more
 closely than either does with llama.cpp (8-bit activations): mean KL <= 1e-4 and top-1 >= 99.5 %
 over 700+ positions (past Gemma 3's 512-position sliding window) on the exact float32-activation
-path. The default int8-activation path carries the activation rounding llama.cpp carries, so it is
-held to llama.cpp's own distance from transformers on the same tokens (within 25 % in KL, 1 point in
-top-1; ~2e-3 and ~3e-3 mean KL for these two models, BENCHMARKS.md).
+path. Prompt batches on the default int8-activation path carry the activation rounding llama.cpp
+carries, so they are held to llama.cpp's own distance from transformers on the same tokens (within
+25 % in KL, 1 point in top-1; ~2e-3 and ~3e-3 mean KL for these two models, BENCHMARKS.md); decode
+and verify steps, which take a second int8 pass on attention and FFN-down inputs, to mean KL <= 1e-3.
 
 transformers lives in its own venv (scripts/transformers_oracle_setup.sh) and runs in a
 subprocess; the tests skip without it. Run: ``pytest -m oracle tests/test_transformers_oracle.py -s``.
@@ -71,25 +72,38 @@ def transformers_logits(model_path: Path, tokens: list[int], threads: int = 2,
 
 @pytest.mark.parametrize("path", [SMOLLM2, GEMMA3], ids=["smollm2-q4_1", "gemma3-q4_k_m"])
 def test_real_model_logits_match_transformers_fp32(path):
-    """The exact path (float32 activations) is transformers' float32 forward up to rounding order; the
-    default int8-activation path is as far from it as llama.cpp itself is (same activation scales,
-    issue 11 item 4), measured on the same tokens in the same run."""
+    """The exact path (float32 activations) is transformers' float32 forward up to rounding order.
+    The default path in decode / verify batches (the second int8 pass on attention and FFN-down
+    inputs) is within issue 11's mean KL <= 1e-3 of it, and agrees with it on top-1 at least as
+    often as llama.cpp does; as one prompt batch (one int8 pass, llama.cpp's numerics) it is as far
+    from it as llama.cpp itself is (same activation scales, issue 11 item 4). All measured on the
+    same tokens in the same run."""
     tokens = load_model(require(path)).tokenize(TEXT + "\n" + TEXT)
     assert len(tokens) >= MIN_POSITIONS
     theirs = transformers_logits(path, tokens)
 
-    def compare(exact: bool) -> tuple[float, float]:
-        ours = load_model(path, exact_activations=exact).session(len(tokens) + 8).eval(tokens).numpy()
-        assert theirs.shape == ours.shape
-        kl = kl_rows(theirs, ours)
-        print(f"\n{path.name} ({'float32' if exact else 'int8'} activations): {len(tokens)} positions, top-1 "
-              f"agreement {top1(ours, theirs):.4f}, mean KL(transformers || hybridrt) {kl.mean():.3g} "
-              f"(max {kl.max():.3g}), max |logit diff| {np.abs(ours - theirs).max():.3g}")
-        return float(kl.mean()), top1(ours, theirs)
+    def compare(how: str, exact: bool, steps: int = 0, prompt: int = 0) -> tuple[float, float]:
+        """steps: evaluate in batches of this many tokens (0: one batch) after a prompt batch of
+        `prompt` tokens; KL and top-1 over the positions past the prompt."""
+        session = load_model(path, exact_activations=exact).session(len(tokens) + 8)
+        parts = [session.eval(tokens[:prompt]).numpy()] if prompt else []
+        step = steps or len(tokens)
+        parts += [session.eval(tokens[i:i + step]).numpy() for i in range(prompt, len(tokens), step)]
+        ours = np.concatenate(parts)[prompt:]
+        assert theirs[prompt:].shape == ours.shape
+        kl = kl_rows(theirs[prompt:], ours)
+        print(f"\n{path.name} ({how}): {len(ours)} positions, top-1 agreement {top1(ours, theirs[prompt:]):.4f}, "
+              f"mean KL(transformers || hybridrt) {kl.mean():.3g} (max {kl.max():.3g}), "
+              f"max |logit diff| {np.abs(ours - theirs[prompt:]).max():.3g}")
+        return float(kl.mean()), top1(ours, theirs[prompt:])
 
-    kl_exact, agree_exact = compare(True)
+    kl_exact, agree_exact = compare("float32 activations", True)
     assert kl_exact <= 1e-4 and agree_exact >= 0.995
-    kl_int8, agree_int8 = compare(False)
+    kl_steps, agree_steps = compare("int8 + residual pass, 8-token steps", False, steps=8)
+    assert kl_steps <= 1e-3
+    # generated tokens after a long prompt: the prompt's cache rows come from one pass
+    compare("a 384-token prompt, then 8-token steps", False, steps=8, prompt=384)
+    kl_int8, agree_int8 = compare("int8, one prompt batch", False)
     from oracle_llamacpp import llamacpp_logits, oracle_available
     if not oracle_available():
         pytest.skip("llama.cpp oracle missing: the int8 path has no yardstick (bash scripts/oracle_setup.sh)")
@@ -97,3 +111,4 @@ def test_real_model_logits_match_transformers_fp32(path):
     kl_lc, agree_lc = float(kl_rows(theirs, lc).mean()), top1(lc, theirs)
     print(f"{path.name} (llama.cpp): top-1 agreement {agree_lc:.4f}, mean KL(transformers || llama.cpp) {kl_lc:.3g}")
     assert kl_int8 <= 1.25 * kl_lc and agree_int8 >= agree_lc - 0.01
+    assert agree_steps >= agree_lc
