@@ -45,7 +45,7 @@ from .formats import type_tag
 from .matvec_int import SPECS, _k_scales_mins16, block_dots
 from .matvec_simd import _fma, _load_vec
 from .quantize_act import QK_K, QK_LEGACY, quantize_rows
-from .simd_int import CACHE, F32, I32, I64, ISA, ISA_FORCED, IntBlockIR, _host_features, prefetch
+from .simd_int import CACHE, F32, I32, I64, ISA, ISA_FORCED, IntBlockIR, host_features, prefetch
 
 V16I, V16F = ir.VectorType(I32, 16), ir.VectorType(F32, 16)
 _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA, _SYS_ARCH_PRCTL = 0x1023, 18, 158
@@ -82,7 +82,7 @@ def _amx_refusal() -> str | None:
         return "HYBRIDRT_AMX=0"
     if ISA != "avx512vnni" or ISA_FORCED:
         return f"integer lowering {ISA}{' (forced)' if ISA_FORCED else ''}, not avx512vnni"
-    if not {"amx-tile", "amx-int8"} <= _host_features():
+    if not {"amx-tile", "amx-int8"} <= host_features():
         return "no AMX-INT8 on this CPU"
     try:
         libc = ctypes.CDLL(None, use_errno=True)

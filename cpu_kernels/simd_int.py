@@ -36,7 +36,9 @@ I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64
 F32 = ir.FloatType()
 
 
-def _host_features() -> set[str]:
+def host_features() -> set[str]:
+    """The CPU features LLVM reports for this host ("avx512vnni", "amx-bf16", ...); empty where it
+    cannot read them."""
     try:
         flat = llvm.get_host_cpu_features().flatten()
     except RuntimeError:        # llvmlite cannot read this host's features
@@ -48,7 +50,7 @@ def host_isa() -> str:
     """The best lowering this CPU runs, from the features LLVM reports for it."""
     if numba.config.CPU_NAME not in (None, "host"):
         return "portable"       # compiling for another CPU (NUMBA_CPU_NAME): target intrinsics may not exist there
-    f = _host_features()
+    f = host_features()
     if {"avx512f", "avx512bw", "avx512vnni"} <= f:
         return "avx512vnni"
     if {"avx2", "avxvnni"} <= f:

@@ -32,7 +32,7 @@ from cpu_kernels.matvec_int import (INT_TYPES, act_block, block_dots, grid_dot, 
                                     rows_dots, single_row_table)
 from cpu_kernels.matvec_testdata import random_weights
 from cpu_kernels.quantize_act import RESIDUAL_MAX_TOKENS, dequantize_rows, quantize_rows, with_residual_rows
-from cpu_kernels.simd_int import ISA, _host_features
+from cpu_kernels.simd_int import ISA, host_features
 from test_matvec import _two_threads  # noqa: F401  (autouse: 2 numba threads)
 
 INT = [T(t) for t in sorted(INT_TYPES)]
@@ -174,7 +174,7 @@ json.dump({"isa": simd_int.ISA, "res": res}, open(req["out"], "w"))
 
 
 def _runnable_isas():
-    f = _host_features()
+    f = host_features()
     isas = ["portable"]
     if "avx2" in f:
         isas.append("avx2")

@@ -335,8 +335,8 @@ def test_teacher_kv_cache_is_float32_without_amx(monkeypatch):
     teacher's KV cache is float32 while its matrices stay bfloat16; with AMX it stays bfloat16."""
     from hybridrt.train_mtp import torch_model
 
-    monkeypatch.setattr(torch_model, "_host_features", lambda: {"avx512f", "avx512bf16"})
+    monkeypatch.setattr(torch_model, "host_features", lambda: {"avx512f", "avx512bf16"})
     assert torch_model.kv_dtype_for(torch.bfloat16) == torch.float32
-    monkeypatch.setattr(torch_model, "_host_features", lambda: {"avx512f", "amx-tile", "amx-bf16"})
+    monkeypatch.setattr(torch_model, "host_features", lambda: {"avx512f", "amx-tile", "amx-bf16"})
     assert torch_model.kv_dtype_for(torch.bfloat16) == torch.bfloat16
     assert torch_model.kv_dtype_for(torch.float32) == torch.float32

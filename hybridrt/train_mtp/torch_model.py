@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpu_kernels.dequant import dequantize, gather_rows
-from cpu_kernels.simd_int import _host_features
+from cpu_kernels.simd_int import host_features
 from gpu_kernels.norms import rms_norm
 from gpu_kernels.rotary import RotaryRows, apply_rotary, rotary_table
 
@@ -186,7 +186,7 @@ def kv_dtype_for(dtype: torch.dtype) -> torch.dtype:
     [256 x 4 x 1 x 256] queries over 200 keys: 45 ms against 9.6, 2 threads; it was 40 % of
     writing Gemma 3's training text), so there the cache is float32; with AMX it stays bfloat16,
     as the Xeon measurements chose."""
-    if dtype == torch.bfloat16 and "amx-bf16" not in _host_features():
+    if dtype == torch.bfloat16 and "amx-bf16" not in host_features():
         return torch.float32
     return dtype
 
