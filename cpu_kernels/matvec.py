@@ -36,8 +36,8 @@ from .matvec_legacy import (decode_chunk_iq4_nl, decode_chunk_q4_0, decode_chunk
                             decode_chunk_q5_1, decode_chunk_q8_0)
 from .matvec_amx import AMX, AMX_REFUSAL, matvec_amx_into, uses_amx
 from .matvec_int import INT_TYPES, act_block, matvec_int_into
-from .quantize_act import RESIDUAL_MAX_TOKENS, with_residual_rows
 from .matvec_simd import LANES, TILE_ROWS, dot_tile_1, dot_tile_2, dot_tile_3, dot_tile_4
+from .quantize_act import RESIDUAL_MAX_TOKENS, with_residual_rows
 
 CHUNK = 1024        # columns decoded per step: 4 rows x 4 KiB of float32 stay in L1 with x's chunk
 TOKEN_TILE = 4      # tokens per dot micro-kernel call (16 accumulators + 8 operands < 32 registers)
