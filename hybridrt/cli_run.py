@@ -23,7 +23,11 @@ def read_prompt(prompt: Optional[str], file: Optional[Path]) -> str:
     return prompt
 
 
-MAX_DRAFTS = 32     # a verify batch of more than 33 tokens leaves the bit-stable small-batch kernels
+# A verify batch is the certain token and the drafts: up to 32 tokens it runs on the batch-stable
+# small-batch kernels (gpu_kernels ROWWISE_MAX, the fused layer halves) with the second int8 pass
+# (quantize_act.RESIDUAL_MAX_TOKENS) that plain steps take; a 33rd would leave them and part from
+# plain decoding (tests/test_spec_loop.py checks the three agree)
+MAX_DRAFTS = 31
 
 
 def placement_options(model_path: str, vram: Optional[str], device: str, ctx_size: Optional[int],

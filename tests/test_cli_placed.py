@@ -57,7 +57,7 @@ def test_device_cuda_without_a_gpu_is_one_line():
 
 @pytest.mark.parametrize("args, fragment", [
     (["-p", ""], "empty prompt"),
-    (["-p", "hi", "--spec-draft-n-max", "1000"], "--spec-draft-n-max must be within 1..32"),
+    (["-p", "hi", "--spec-draft-n-max", "1000"], "--spec-draft-n-max must be within 1..31"),
     (["-p", "hi", "--vram", "lots"], "bad --vram"),
     (["-p", "hi", "-ctk", "q4_0"], "q4_0"),
 ])

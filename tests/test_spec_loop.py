@@ -91,6 +91,22 @@ def test_parity_with_rejections_at_every_offset(name, n_max, request):
     assert 0 < stats.spec.acceptance_rate < 1
 
 
+def test_the_largest_verify_batch_keeps_parity(qwen3):
+    """--spec-draft-n-max's limit: the certain token and MAX_DRAFTS drafts stay on the kernels plain
+    steps take (the batch-stable small-batch path and the second int8 pass), so nearly-all-accepted
+    windows of the full length give plain decoding's tokens."""
+    from cpu_kernels.quantize_act import RESIDUAL_MAX_TOKENS
+    from gpu_kernels.attention import ROWWISE_MAX
+    from hybridrt.cli_run import MAX_DRAFTS
+
+    assert MAX_DRAFTS + 1 == ROWWISE_MAX == RESIDUAL_MAX_TOKENS
+    ids = prompt(4)
+    ref = plain(qwen3, ids, n=3 * ROWWISE_MAX)
+    out, stats, _, _ = spec_run(qwen3, ids, forced(qwen3, ids, ref, corrupt=0.02), MAX_DRAFTS, n=3 * ROWWISE_MAX)
+    assert out == ref
+    assert stats.spec.histogram[-1] > 0, stats.spec.histogram      # some windows kept whole
+
+
 def test_broken_recurrent_rollback_is_caught(qwen35, monkeypatch):
     ids = prompt(3)
     ref = plain(qwen35, ids)
