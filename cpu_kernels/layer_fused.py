@@ -41,7 +41,7 @@ from .matvec import tile_products
 from .matvec_amx import MAX_TOKENS, uses_amx
 from .matvec_int import act_block, block_dots, types_tag
 from .matvec_simd import TILE_ROWS, dot_f32, f16_bits_to_f32, f32_to_f16_bits, load_f16
-from .quantize_act import PAD_LEGACY, QK_K, QK_LEGACY, RESIDUAL_MAX_TOKENS, _quantize_rows, _with_residual_rows
+from .quantize_act import PAD_LEGACY, QK_K, QK_LEGACY, RESIDUAL_MAX_TOKENS, _quantize_rows, _quantize_rows_residual
 from .simd_int import CACHE
 
 # Whether a CPU trunk binds these kernels (hybridrt.backends.WeightBinder): HYBRIDRT_FUSED_LAYERS=0
@@ -122,14 +122,14 @@ def _quantized(x, block, residual):
         group, n_pad = 16, n
     else:
         group, n_pad = QK_LEGACY, (n + PAD_LEGACY - 1) // PAD_LEGACY * PAD_LEGACY
-    rows = x
+    m = 2 * k if residual else k
+    q = np.zeros((m, n_pad), np.int8)
+    d = np.zeros((m, n_pad // block), np.float32)
+    s = np.zeros((m, n_pad // group), np.int16)
     if residual:
-        rows = np.empty((2 * k, n), np.float32)
-        _with_residual_rows(x, block, rows)
-    q = np.zeros((rows.shape[0], n_pad), np.int8)
-    d = np.zeros((rows.shape[0], n_pad // block), np.float32)
-    s = np.zeros((rows.shape[0], n_pad // group), np.int16)
-    _quantize_rows(rows, block, group, q, d, s)
+        _quantize_rows_residual(x, block, group, q, d, s)
+    else:
+        _quantize_rows(x, block, group, q, d, s)
     return q, d, s
 
 

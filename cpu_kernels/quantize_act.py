@@ -119,6 +119,13 @@ def quantize_rows(x: np.ndarray, block: int, pad_rows: int = 0) -> tuple[np.ndar
     return q, d, s
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _residual_row(x, q, d, block, r):
+    """r = x - d q: what quantizing x (into q, d) rounded off."""
+    for i in range(x.shape[0]):
+        r[i] = x[i] - np.float32(q[i]) * d[i // block]
+
+
 @njit(cache=True, nogil=True)
 def _with_residual_rows(x, block, out):
     k, n = x.shape
@@ -128,9 +135,20 @@ def _with_residual_rows(x, block, out):
     s = np.empty(n // group, np.int16)
     for t in range(k):
         _quantize_row(x[t], block, group, q, d, s)
-        for i in range(n):
-            out[t, i] = x[t, i]
-            out[k + t, i] = x[t, i] - np.float32(q[i]) * d[i // block]
+        out[t] = x[t]
+        _residual_row(x[t], q, d, block, out[k + t])
+
+
+@njit(cache=True, nogil=True)
+def _quantize_rows_residual(x, block, group, q, d, s):
+    """quantize_rows's (q, d, s) of with_residual_rows(x) (2k rows), without building those rows:
+    each of x's rows quantized once, then its residual."""
+    k, n = x.shape
+    r = np.empty(n, np.float32)
+    for t in range(k):
+        _quantize_row(x[t], block, group, q[t], d[t], s[t])
+        _residual_row(x[t], q[t], d[t], block, r)
+        _quantize_row(r, block, group, q[k + t], d[k + t], s[k + t])
 
 
 def with_residual_rows(x: np.ndarray, block: int) -> np.ndarray:
