@@ -325,8 +325,11 @@ class WeightBinder:
         self._fused_qtypes = fused_qtypes   # the types those cover (None: layer_qtypes())
 
     def _cpu(self, raw: np.ndarray, qtype: int, n_in: int, n_out: int, name: str = "") -> CpuQuantLinear:
-        return CpuQuantLinear(raw, qtype, n_in, n_out, name, exact=self.exact,
-                              residual=self.act_residual and residual_activations(name))
+        return CpuQuantLinear(raw, qtype, n_in, n_out, name, exact=self.exact, residual=self._residual(name))
+
+    def _residual(self, name: str) -> bool:
+        """Whether matrix `name`, wherever it is bound, takes the second int8 pass."""
+        return self.act_residual and residual_activations(name)
 
     def _exact(self) -> bool:
         from cpu_kernels.matvec import EXACT_DEFAULT
@@ -359,8 +362,7 @@ class WeightBinder:
         if qtype in QUANTIZED_TYPES:
             on_device = torch.from_numpy(np.array(raw)).to(self.device)    # a copy: the mmap is read-only
             linear = QuantLinear(on_device, qtype, n_in, n_out, self.device_dtype, name, self.scratch,
-                                 int8_activations=not self._exact(),
-                                 residual=self.act_residual and residual_activations(name))
+                                 int8_activations=not self._exact(), residual=self._residual(name))
         else:
             weight = torch.from_numpy(dequantize(raw, qtype, n_in))
             linear = DeviceLinear(weight.to(self.device, self.device_dtype), name)
