@@ -93,6 +93,22 @@ def test_teacher_generate_returns_hybridrt_hiddens_and_turns_greedy(tiny_llama):
         assert greedy[switch:].tolist() == cont[switch:]
 
 
+def test_teacher_prefills_repeated_prompts_once_and_reuses_its_buffers(tiny_llama):
+    """A batch repeating a prompt (prefilled once, its cache rows copied) continues every copy as a
+    batch of distinct prompts would, and a teacher whose KV / logits buffers held an earlier,
+    larger batch writes what a fresh teacher writes."""
+    m = load_model(tiny_llama, exact_activations=True)
+    a, b = [5, 9, 17, 33, 2], [40, 41]
+    used = TorchTeacher(m, block_kind("llama"), 64)
+    used.generate([[7, 8, 9, 10, 11, 12, 13], a, b, [3, 4]], 12, [1.0] * 4, torch.Generator().manual_seed(5), set())
+    repeated = used.generate([a, b, a, b, a], 10, [0.0] * 5, torch.Generator().manual_seed(2), set())
+    fresh = TorchTeacher(m, block_kind("llama"), 64).generate([a, b], 10, [0.0] * 2, torch.Generator().manual_seed(2), set())
+    for i, (cont, hidden) in enumerate(repeated):
+        want_cont, want_hidden = fresh[i % 2]
+        assert cont == want_cont
+        assert torch.allclose(hidden, want_hidden, atol=1e-5)
+
+
 def test_head_round_trip_and_runtime_matches_torch(tiny_llama, tmp_path):
     """The runtime head (bound from the GGUF) computes what the torch module computed (f32 file)."""
     cfg = dataclasses.replace(TINY, head_type="f32")

@@ -122,6 +122,17 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor, win
     return m[:, None]
 
 
+def _left_padded(prompts: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompts left-padded to `width` slots: tokens (pad 0), positions (each prompt from 0; pads
+    at 0) and which slots hold prompt tokens, each [len(prompts), width]."""
+    pad = torch.tensor([width - len(p) for p in prompts])
+    tokens = torch.zeros(len(prompts), width, dtype=torch.int64)
+    for i, p in enumerate(prompts):
+        tokens[i, int(pad[i]):] = torch.tensor(p, dtype=torch.int64)
+    slots = torch.arange(width)[None, :].expand(len(prompts), -1)
+    return tokens, (slots - pad[:, None]).clamp(min=0), slots >= pad[:, None]
+
+
 class MTPHeadModule(nn.Module):
     """The head being trained: enorm, hnorm, eh_proj, one block, head_norm, head over the draft
     vocabulary. `forward(emb, hidden, pos, k_valid)`: emb = the target's embedding of token j,
@@ -203,6 +214,8 @@ class TorchTeacher:
     def __init__(self, model, kind: BlockKind, n_ctx: int, dtype: torch.dtype = torch.float32):
         g = model.gguf
         self.model, self.n_ctx, self.dtype, self.kv_dtype = model, n_ctx, dtype, kv_dtype_for(dtype)
+        self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []     # new_caches' buffers, kept across calls
+        self._logits = torch.empty(0, dtype=dtype)                    # generate's logits buffer, likewise
         self.embed_rows = read_f32(g, "token_embd.weight")
         self.output = (read_f32(g, "output.weight") if "output.weight" in g.tensors else self.embed_rows).to(dtype)
         self.embed_scale = float(getattr(model, "embed_scale", 1.0))
@@ -229,12 +242,16 @@ class TorchTeacher:
         return max(1, min(most, kv_budget // per_seq))
 
     def new_caches(self, batch: int) -> list[dict]:
-        caches = []
-        for block in self.blocks:
-            s = block.spec
-            caches.append({"n": 0, "k": torch.zeros(batch, s.n_kv, self.n_ctx, s.head_dim, dtype=self.kv_dtype),
-                           "v": torch.zeros(batch, s.n_kv, self.n_ctx, s.head_dim_v, dtype=self.kv_dtype)})
-        return caches
+        """Empty KV caches for `batch` sequences: views of buffers the teacher keeps across calls. A
+        fresh zeroed cache per generate() call (1-6 GB) cost ~10 s of page faults each on Zen 4;
+        no zeroing is needed, as a step only reads the slots its call has written (the prefill
+        writes every slot of its padded rows)."""
+        if not self._kv or self._kv[0][0].shape[0] < batch:
+            self._kv = []           # the old buffers go before the new ones are touched
+            self._kv = [(torch.empty(batch, b.spec.n_kv, self.n_ctx, b.spec.head_dim, dtype=self.kv_dtype),
+                         torch.empty(batch, b.spec.n_kv, self.n_ctx, b.spec.head_dim_v, dtype=self.kv_dtype))
+                        for b in self.blocks]
+        return [{"n": 0, "k": k[:batch], "v": v[:batch]} for k, v in self._kv]
 
     @torch.no_grad()
     def residual_rms(self, tokens: list[int], layer: int) -> float:
@@ -249,11 +266,11 @@ class TorchTeacher:
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor,
-             caches: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+             caches: list[dict], out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens/pos [b, t]; k_pos/k_valid [b, cached + t]. Returns the last position's logits
         [b, V] (in the matmul dtype: widening bfloat16 to float32 is exact, and widening all of a
-        262k vocabulary each step cost as much as the top-k that only needs the best 40) and the
-        final-normed hidden of every position [b, t, n_embd]."""
+        262k vocabulary each step cost as much as the top-k that only needs the best 40; written
+        into `out` if given) and the final-normed hidden of every position [b, t, n_embd]."""
         h = F.embedding(tokens, self.embed_rows) * self.embed_scale
         rows = {spec: r.rows(pos) for spec, r in self.rotary.items()}
         masks = {}
@@ -263,7 +280,7 @@ class TorchTeacher:
                 masks[w] = visible(pos, k_pos, k_valid, w)
             h = block(h, rows[block.spec.rope], masks[w], cache)
         normed = rms_norm(h, self.output_norm, self.model.eps)
-        return normed[:, -1].to(self.dtype) @ self.output.T, normed
+        return torch.matmul(normed[:, -1].to(self.dtype), self.output.T, out=out), normed
 
     def generate(self, prompts: list[list[int]], n_new: int, temps: list[float], gen: torch.Generator,
                  stop_ids: set[int], greedy_after: list[int] | None = None,
@@ -276,19 +293,32 @@ class TorchTeacher:
         b, longest = len(prompts), max(len(p) for p in prompts)
         if longest + n_new > self.n_ctx:
             raise ValueError(f"teacher: {longest} + {n_new} tokens exceed its context of {self.n_ctx}")
-        pad = torch.tensor([longest - len(p) for p in prompts])
-        tokens = torch.zeros(b, longest, dtype=torch.int64)
-        for i, p in enumerate(prompts):
-            tokens[i, pad[i]:] = torch.tensor(p)
-        slots = torch.arange(longest)[None, :].expand(b, -1)
-        pos = (slots - pad[:, None]).clamp(min=0)
-        k_valid = slots >= pad[:, None]
-        k_pos = pos
         caches = self.new_caches(b)
+        # the training prompts repeat within a batch (53 prompts, 256 continuations): each distinct
+        # prompt is prefilled once and its cache rows copied to its repeats (a full-batch prefill
+        # was ~1/8 of SmolLM2's text time)
+        first: dict[tuple, int] = {}
+        inverse = torch.tensor([first.setdefault(tuple(p), len(first)) for p in prompts])
+        u = len(first)
+        u_tokens, u_pos, u_valid = _left_padded([list(p) for p in first], longest)
+        u_caches = [{"n": 0, "k": c["k"][:u], "v": c["v"][:u]} for c in caches]
+        logits, normed = self.step(u_tokens, u_pos, u_pos, u_valid, u_caches)
+        if u < b:
+            for c in caches:
+                c["k"][:, :, :longest] = c["k"][inverse, :, :longest]
+                c["v"][:, :, :longest] = c["v"][inverse, :, :longest]
+            logits, normed = logits[inverse], normed[inverse]
+        for c in caches:
+            c["n"] = longest
+        _, pos, k_valid = _left_padded(prompts, longest)
+        pad = longest - torch.tensor([len(p) for p in prompts])
+        k_pos = pos
+        if self._logits.shape[0] < b or self._logits.shape[1] != self.output.shape[0]:
+            self._logits = torch.empty(b, self.output.shape[0], dtype=self.dtype)
+        buf = self._logits[:b]       # a step's 134 MB (Gemma 3) of logits reused: fresh ones page-faulted
         temp = torch.tensor(temps, dtype=torch.float32)
         switch = torch.tensor(greedy_after if greedy_after is not None else [n_new] * b)
         new = torch.zeros(b, n_new, dtype=torch.int64)
-        logits, normed = self.step(tokens, pos, k_pos, k_valid, caches)
         hiddens = [normed]
         stop = torch.tensor(sorted(stop_ids), dtype=torch.int64)
         done = torch.zeros(b, dtype=torch.bool)
@@ -305,7 +335,7 @@ class TorchTeacher:
             pos = k_pos[:, -1:] + 1
             k_pos = torch.cat((k_pos, pos), dim=1)
             k_valid = torch.cat((k_valid, torch.ones(b, 1, dtype=torch.bool)), dim=1)
-            logits, normed = self.step(nxt[:, None], pos, k_pos, k_valid, caches)
+            logits, normed = self.step(nxt[:, None], pos, k_pos, k_valid, caches, out=buf)
             hiddens.append(normed)
             if bool(done.all()):
                 break
