@@ -215,9 +215,9 @@ class TorchTeacher:
         g = model.gguf
         self.model, self.n_ctx, self.dtype, self.kv_dtype = model, n_ctx, dtype, kv_dtype_for(dtype)
         self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []     # new_caches' buffers, kept across calls
-        self._logits = torch.empty(0, dtype=dtype)                    # generate's logits buffer, likewise
         self.embed_rows = read_f32(g, "token_embd.weight")
         self.output = (read_f32(g, "output.weight") if "output.weight" in g.tensors else self.embed_rows).to(dtype)
+        self._logits = torch.empty(0, self.output.shape[0], dtype=dtype)   # generate's logits buffer, likewise
         self.embed_scale = float(getattr(model, "embed_scale", 1.0))
         self.output_norm = read_f32(g, "output_norm.weight")
         self.blocks, self.rotary = [], {}
@@ -310,10 +310,9 @@ class TorchTeacher:
             logits, normed = logits[inverse], normed[inverse]
         for c in caches:
             c["n"] = longest
-        _, pos, k_valid = _left_padded(prompts, longest)
-        pad = longest - torch.tensor([len(p) for p in prompts])
+        pos, k_valid = u_pos[inverse], u_valid[inverse]      # a repeat's padded row is its prompt's
         k_pos = pos
-        if self._logits.shape[0] < b or self._logits.shape[1] != self.output.shape[0]:
+        if self._logits.shape[0] < b:
             self._logits = torch.empty(b, self.output.shape[0], dtype=self.dtype)
         buf = self._logits[:b]       # a step's 134 MB (Gemma 3) of logits reused: fresh ones page-faulted
         temp = torch.tensor(temps, dtype=torch.float32)
@@ -343,5 +342,5 @@ class TorchTeacher:
         out = []
         for i, p in enumerate(prompts):
             n = int(ends[i])
-            out.append((new[i, :n].tolist(), hidden[i, int(pad[i]):longest + n].clone()))
+            out.append((new[i, :n].tolist(), hidden[i, longest - len(p):longest + n].clone()))
         return out
