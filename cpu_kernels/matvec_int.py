@@ -20,6 +20,9 @@ of the kernels below computed it (tested for every type):
                 registers once and dotted with each token in 64-byte vectors (integers over 16
                 lanes), the group's lanes folded (exactly) and packed into one vector: one sitofp
                 + fma per term for the whole group, so the float steps cost little per (row, token).
+                Where TWO_PHASES says so (Q8_0's short rows on AMD Zen), a group's rows are read
+                one after another, their block sums kept in a stack buffer for the group's float
+                steps: side by side, short rows stream from memory at half speed there.
     k >= 6      tiled, token quads: rows in tiles, columns in chunks whose activations stay in
                 L1, each step decoded once per 16 tokens into a stack buffer; the activations
                 interleaved by 16 bytes per 4 tokens, each 16 weight bytes broadcast to the 4
@@ -431,25 +434,41 @@ def _k_group(b, entries, i, facc):
     return facc
 
 
+def _pair_dot(b, v, blk, q, i):
+    """The raw integer sums of block pair i of a decoded weight step with one token: 16 lanes of
+    4-product sums (vpdpbusd), block A's in lanes 0-7, B's in 8-15."""
+    a = _load_vec(b, b.gep(q, [b.mul(i, _c64(64))]), I8, 64, 1)
+    return dpbusd(b, v.zeros(I32, 16), blk.w, a, blk.wide)
+
+
 def _pair_group(b, entries, i, facc):
     """facc (g lanes) after block pair i: block A's terms, then block B's."""
-    g = len(entries)
-    accs, bs2, dx2, d2, m2 = [], [], [], [], []
+    accs, d2, m2 = [], [], []
     for vb, (q, d, s) in entries:
         v, blk = _decoded(vb)
-        a = _load_vec(b, b.gep(q, [b.mul(i, _c64(64))]), I8, 64, 1)
-        accs.append(dpbusd(b, v.zeros(I32, 16), blk.w, a, blk.wide))
-        bs2.append(b.sext(_load_vec(b, b.gep(s, [b.mul(i, _c64(2))]), I16, 2, 2), ir.VectorType(I32, 2)))
-        dx2.append(_load_vec(b, b.gep(d, [b.mul(i, _c64(2))]), F32, 2, 4))
+        accs.append(_pair_dot(b, v, blk, q, i))
         d2.append(blk.d2)
         m2.append(blk.m2)
-    fv = ir.VectorType(F32, g)
     ab = _fold_all(b, accs, PAIR_FOLD)         # 2g lanes: pair 0 A, pair 0 B, pair 1 A, ...
+    return _pair_terms(b, ab, [t for _, t in entries], d2, m2 if blk.m2 is not None else None, blk.off, i, facc)
+
+
+def _pair_terms(b, ab, toks, d2, m2, off, i, facc):
+    """facc after block pair i, from the entries' block sums (ab: entry e's blocks A and B in lanes
+    2e, 2e + 1), each entry's token's activation rows (toks: (q, d, s) pointers), its weight scales
+    d2 and mins m2 (None: the type has none) and the type's integer offset: the offset and the
+    float steps (the numerics block)."""
+    g = len(toks)
+    bs2, dx2 = [], []
+    for q, d, s in toks:
+        bs2.append(b.sext(_load_vec(b, b.gep(s, [b.mul(i, _c64(2))]), I16, 2, 2), ir.VectorType(I32, 2)))
+        dx2.append(_load_vec(b, b.gep(d, [b.mul(i, _c64(2))]), F32, 2, 4))
+    fv = ir.VectorType(F32, g)
     bs = _concat_all(b, bs2)
-    if blk.off:             # the type's constants: the same for every entry
-        ab = b.add(ab, b.mul(bs, ir.Constant(bs.type, [blk.off] * (2 * g))))
+    if off:                 # the type's constants: the same for every entry
+        ab = b.add(ab, b.mul(bs, ir.Constant(bs.type, [off] * (2 * g))))
     dx, dw = _concat_all(b, dx2), _concat_all(b, d2)
-    mw = None if blk.m2 is None else _concat_all(b, m2)
+    mw = None if m2 is None else _concat_all(b, m2)
     for h in range(2):
         sel = [2 * u + h for u in range(g)]
         dxh = _lanes(b, dx, sel)
@@ -860,7 +879,66 @@ def _c_2d(*arrays):
     return all(isinstance(a, types.Array) and a.layout == "C" and a.ndim == 2 for a in arrays)
 
 
-def _make_grid_dot(name: str, shapes: dict):
+# block pairs a two-phase group reads per row before folding them: a Q8_0 row shorter than
+# TWO_PHASE_BYTES whole (rows read in chunks side by side stream as badly as in steps: 27B's
+# 5440-byte rows at 49 % of bandwidth in chunks of 32 pairs)
+PHASE_STEPS = 64
+PHASE_ROWS = 4       # most rows of a two-phase group (its buffers' size)
+
+
+def _two_phase_pairs(b, decode, nbytes, wrows, rb, trows, n_steps, zero, bufs):
+    """facc of a legacy group (len(wrows) rows by len(trows) tokens) after its steps, computed in
+    two phases per chunk of PHASE_STEPS block pairs: each row's chunk read on its own, its block
+    sums for every token (the row's lanes folded: integers, the same sums in any order) and its
+    scales written to `bufs` (stack buffers: i32, f32, f32); then the group's offset and float
+    steps per block pair from there, as _pair_group's. The same bits as reading the rows side by
+    side, which on AMD Zen 4 streams short rows from memory at about half speed (four streams 680
+    bytes apart: 16-20 GB/s against 36-40 for one, a plain byte-reading loop measured the same)."""
+    n_rows, n_toks = len(wrows), len(trows)
+    raw, dws, mws = bufs
+    vrow, v2 = ir.VectorType(I32, 2 * n_toks), ir.VectorType(F32, 2)
+    meta = {}       # the type's offset and whether it has mins: known once a step is decoded
+
+    def at(base, slot, j, width, vty):
+        idx = b.mul(b.add(b.mul(slot, _c64(n_rows)), _c64(j)), _c64(width))
+        return b.bitcast(b.gep(base, [idx]), vty.as_pointer())
+
+    def chunk(c, state):
+        c0 = b.mul(c, _c64(PHASE_STEPS))
+        c1 = b.add(c0, _c64(PHASE_STEPS))
+        c1 = b.select(b.icmp_signed("<", c1, n_steps), c1, n_steps)
+        for j in range(n_rows):
+            def read(vbs, i, _, j=j):
+                v, blk = _decoded(vbs[0])
+                slot = b.sub(i, c0)
+                sums = _fold_all(b, [_pair_dot(b, v, blk, tr[0], i) for tr in trows], PAIR_FOLD)
+                b.store(sums, at(raw, slot, j, 2 * n_toks, vrow), align=8)
+                b.store(blk.d2, at(dws, slot, j, 2, v2), align=8)
+                if blk.m2 is not None:
+                    b.store(blk.m2, at(mws, slot, j, 2, v2), align=8)
+                meta["off"], meta["min"] = blk.off, blk.m2 is not None
+                return []
+            # one row's chunk, then the next row's: the lookahead runs on into it (rb bytes on)
+            _steps(b, "pair", decode, nbytes, [wrows[j]], rb, c0, c1, [], read, rb)
+
+        def fold(i, st):
+            slot = b.sub(i, c0)
+            ab = _concat_all(b, [b.load(at(raw, slot, j, 2 * n_toks, vrow), align=8) for j in range(n_rows)])
+            d2 = [b.load(at(dws, slot, j, 2, v2), align=8) for j in range(n_rows) for _ in trows]
+            m2 = [b.load(at(mws, slot, j, 2, v2), align=8) for j in range(n_rows) for _ in trows] \
+                if meta["min"] else None
+            return [_pair_terms(b, ab, [t for _ in range(n_rows) for t in trows], d2, m2, meta["off"], i, st[0])]
+        return _loop(b, c0, c1, state, fold)
+    n_chunks = b.sdiv(b.add(n_steps, _c64(PHASE_STEPS - 1)), _c64(PHASE_STEPS))
+    return _loop(b, _c64(0), n_chunks, [zero], chunk)[0]
+
+
+def _stack_fn(b, name: str, fnty):
+    fn = b.module.globals.get(name)
+    return fn if fn is not None else ir.Function(b.module, fnty, name=name)
+
+
+def _make_grid_dot(name: str, shapes: dict, two_phase: dict | None = None):
     """A register kernel: `name`(qtype, n, w, r, xq, xd, xs, t0, out, oc) computes the lane group
     shapes[n] = (n_rows, n_toks, n_real): out[t0 + u, oc + j] = (row r + j) . (activation row
     t0 + u) for j < n_rows, u < n_real, one lane per (row, token), float state in registers for the
@@ -869,7 +947,9 @@ def _make_grid_dot(name: str, shapes: dict):
     Each row's step is decoded once (next to its first dot product) and dotted with every token
     of the group; the fold and the float steps run once per group for all its lanes, so wider
     groups spend less per (row, token) on them. Every lane takes the numerics block's steps
-    whatever the group, so the bits are the same in any shape."""
+    whatever the group, so the bits are the same in any shape. two_phase (default: this CPU's
+    TWO_PHASES): qtype -> the most tokens of a legacy group whose rows, when shorter than
+    TWO_PHASE_BYTES, are read one after another (_two_phase_pairs) instead of side by side."""
 
     def lane_dot(typingctx, qtype, n_lanes, w, r, xq, xd, xs, t0, out, oc):
         if not _c_2d(w, xq, xd, xs, out):
@@ -881,6 +961,18 @@ def _make_grid_dot(name: str, shapes: dict):
             b = builder
             qt_, n_, w_, r_, xq_, xd_, xs_, t0_, out_, oc_ = args
             done = b.append_basic_block(f"{name}.done")
+            phases = TWO_PHASES if two_phase is None else two_phase
+
+            def phase_bufs():
+                """The two-phase buffers, allocated where the pass runs (the caller frees them with
+                llvm.stackrestore): as entry-block allocas their 12 KB in every frame of the fused
+                layer kernels cost Gemma 3's FFN half 25 % more time, where no row takes them."""
+                out = []
+                for elty, n in ((I32, 2 * GRID_TOKENS), (F32, 2), (F32, 2)):
+                    p = b.alloca(ir.ArrayType(elty, PHASE_STEPS * PHASE_ROWS * n))
+                    p.align = 64
+                    out.append(b.bitcast(p, elty.as_pointer()))
+                return out
 
             def emit(qt, kind, decode, nbytes):
                 by_n = b.switch(n_, done)
@@ -895,11 +987,11 @@ def _make_grid_dot(name: str, shapes: dict):
                     per_pass = n_toks if kind == "k" else max(1, min(n_toks, 8 // n_rows))
                     for u0 in range(0, n_toks, per_pass):
                         if u0 < n_real:
-                            group_pass(kind, decode, nbytes, n_rows, toks[u0:u0 + per_pass], n_real - u0)
+                            group_pass(qt, kind, decode, nbytes, n_rows, toks[u0:u0 + per_pass], n_real - u0)
                     b.branch(done)
                 b.position_at_end(b.append_basic_block(f"{name}.unreachable"))
 
-            def group_pass(kind, decode, nbytes, n_rows, toks, n_store):
+            def group_pass(qt, kind, decode, nbytes, n_rows, toks, n_store):
                 n_toks = len(toks)
                 rows = [b.add(r_, _c64(j)) for j in range(n_rows)]
                 wrows, rbs = zip(*[_weight_row(context, b, signature.args[2], w_, x) for x in rows])
@@ -917,7 +1009,25 @@ def _make_grid_dot(name: str, shapes: dict):
                 zero = ir.Constant(ir.VectorType(F32, g), [0.0] * g)
                 # after this pass the caller takes the next rows (row_dot: the next row)
                 nxt = b.mul(rbs[0], _c64(n_rows))
-                (facc,) = _steps(b, kind, decode, nbytes, list(wrows), rbs[0], _c64(0), n_steps, [zero], step, nxt)
+                if kind == "pair" and 1 < n_rows <= PHASE_ROWS and n_toks <= phases.get(qt, 0):
+                    short = b.icmp_signed("<", rbs[0], _c64(TWO_PHASE_BYTES))
+                    with b.if_else(short) as (linear, side_by_side):
+                        with linear:
+                            sp = b.call(_stack_fn(b, "llvm.stacksave", ir.FunctionType(I8.as_pointer(), [])), [])
+                            f_lin = _two_phase_pairs(b, decode, nbytes, wrows, rbs[0], trows, n_steps, zero,
+                                                     phase_bufs())
+                            b.call(_stack_fn(b, "llvm.stackrestore", ir.FunctionType(ir.VoidType(), [I8.as_pointer()])),
+                                   [sp])
+                            bb_lin = b.basic_block
+                        with side_by_side:
+                            (f_sbs,) = _steps(b, kind, decode, nbytes, list(wrows), rbs[0], _c64(0), n_steps, [zero],
+                                              step, nxt)
+                            bb_sbs = b.basic_block
+                    facc = b.phi(zero.type)
+                    facc.add_incoming(f_lin, bb_lin)
+                    facc.add_incoming(f_sbs, bb_sbs)
+                else:
+                    (facc,) = _steps(b, kind, decode, nbytes, list(wrows), rbs[0], _c64(0), n_steps, [zero], step, nxt)
                 O = _array(context, b, signature.args[8], out_)
                 width = cgutils.unpack_tuple(b, O.shape, 2)[1]
                 for j in range(n_rows):
@@ -1089,11 +1199,21 @@ GRID_TOKENS = 4      # most tokens a grid_dot pass takes (2 rows by 4 tokens: 8 
 # Q8_0 262144 x 640 (Gemma 3's output layer) 18.7 -> 31.0, Q6_K 17408 x 5120 18 -> 33, Q4_K 25 ->
 # 34, while the 17408-input rows (9.8-18 KB) keep their speed in groups of 4 and the light legacy
 # types (Q4_0 .. Q5_1, IQ4_NL), whose single rows are bound by their folds, run slower alone. At
-# k = 2 single rows win for Q6_K and Q8_0 only. The Xeon measured in sessions 6-8 (and where no
-# measurement says otherwise) keeps the groups of 4. The bits are the same either way.
+# k = 2 single rows win for Q6_K and Q8_0 only (Q8_0 now takes two-phase groups, below). The Xeon
+# measured in sessions 6-8 (and where no measurement says otherwise) keeps the groups of 4. The
+# bits are the same either way.
 SINGLE_ROW_BYTES = 8192
 SINGLE_ROW_CPUS = ("znver",)
 SINGLE_ROW_MAX_K = {int(_T.Q4_K): 1, int(_T.Q5_K): 1, int(_T.Q6_K): 2, int(_T.Q8_0): 2}
+# Q8_0's rows under TWO_PHASE_BYTES on the same CPUs: groups again, each row read on its own before
+# the group's float steps (_two_phase_pairs), for k <= 2. Zen 4, 2 threads, from memory, best of 3
+# `bench_matvec.py` runs against single rows (BENCHMARKS.md, session 15): 262144 x 640 (Gemma 3's
+# output layer) k = 1 4.57 vs 5.13 ms, k = 2 5.81 vs 6.84; 131072 x 1536 and 98304 x 2048 k = 1
+# within 2 %, k = 2 15 % faster; 3072 columns k = 2 faster but k = 1 slower (6.60 vs 5.67 ms), so
+# those rows (3264 bytes) stay single. The lighter legacy types lose by it (their folds, not their
+# bytes, bound them: Q4_0 640 columns k = 1 3.95 vs 3.70 ms in groups side by side).
+TWO_PHASE_BYTES = 3072
+TWO_PHASE_MAX_K = {int(_T.Q8_0): 2}
 
 
 def single_row_table(cpu_name: str) -> dict[int, int]:
@@ -1101,27 +1221,48 @@ def single_row_table(cpu_name: str) -> dict[int, int]:
     return dict(SINGLE_ROW_MAX_K) if cpu_name.startswith(SINGLE_ROW_CPUS) else {}
 
 
-# this host's, fixed at import: it enters the compiled kernels (whose on-disk cache is per CPU)
+def two_phase_table(cpu_name: str) -> dict[int, int]:
+    """qtype -> the largest k whose short rows are read in two-phase groups on this CPU."""
+    return dict(TWO_PHASE_MAX_K) if cpu_name.startswith(SINGLE_ROW_CPUS) else {}
+
+
+# this host's, fixed at import: they enter the compiled kernels (whose on-disk cache is per CPU)
 SINGLE_ROWS = single_row_table(llvm.get_host_cpu_name())
+TWO_PHASES = two_phase_table(llvm.get_host_cpu_name())
 
 
-@intrinsic
-def single_row_max_k(typingctx, qtype):
-    """SINGLE_ROWS[qtype] (0 where absent): a constant for one type's tag, a select chain for a
-    set or a plain int."""
-    qt_type, only = _qtype_arg(qtype)
-    sig = types.intp(qt_type)
+def _max_k_lookup(table: dict[int, int], name: str):
+    """An intrinsic name(qtype): table[qtype] (0 where absent), a constant for one type's tag, a
+    select chain for a set or a plain int."""
+    def lookup(typingctx, qtype):
+        qt_type, only = _qtype_arg(qtype)
+        sig = types.intp(qt_type)
 
-    def codegen(context, builder, signature, args):
-        if isinstance(only, int):
-            return _c64(SINGLE_ROWS.get(only, 0))
-        q = args[0] if only is None else builder.extract_value(args[0], 0)
-        out = _c64(0)
-        for qt, k in SINGLE_ROWS.items():
-            if only is None or qt in only:
-                out = builder.select(builder.icmp_signed("==", q, _c64(qt)), _c64(k), out)
-        return out
-    return sig, codegen
+        def codegen(context, builder, signature, args):
+            if isinstance(only, int):
+                return _c64(table.get(only, 0))
+            q = args[0] if only is None else builder.extract_value(args[0], 0)
+            out = _c64(0)
+            for qt, k in table.items():
+                if only is None or qt in only:
+                    out = builder.select(builder.icmp_signed("==", q, _c64(qt)), _c64(k), out)
+            return out
+        return sig, codegen
+    lookup.__name__ = name
+    return intrinsic(lookup)
+
+
+single_row_max_k = _max_k_lookup(SINGLE_ROWS, "single_row_max_k")      # SINGLE_ROWS[qtype]
+two_phase_max_k = _max_k_lookup(TWO_PHASES, "two_phase_max_k")         # TWO_PHASES[qtype]
+
+
+@njit(cache=CACHE, nogil=True, inline="always")
+def single_rows(qtype, k, row_bytes):
+    """Whether rows of row_bytes read one at a time for k tokens: where SINGLE_ROWS lists the type
+    up to k, for rows shorter than SINGLE_ROW_BYTES, unless two-phase groups take them."""
+    if row_bytes < TWO_PHASE_BYTES and two_phase_max_k(qtype) >= k:
+        return False
+    return single_row_max_k(qtype) >= k and row_bytes < SINGLE_ROW_BYTES
 
 
 @njit(cache=CACHE, nogil=True)
@@ -1141,7 +1282,7 @@ def block_dots(qtype, w, r0, n_rows, xq, xd, xs, out, oc0):
         nt = min(k - t0, GRID_TOKENS)
         j = 0
         rstep = 4 if nt == 2 else 2
-        if nt == 2 and single_row_max_k(qtype) >= 2 and w.shape[1] < SINGLE_ROW_BYTES:
+        if nt == 2 and single_rows(qtype, 2, w.shape[1]):
             rstep = n_rows + 1      # a row at a time (row_dot below)
         while n_rows - j >= rstep:
             grid_dot(qtype, nt, w, r0 + j, xq, xd, xs, t0, out, oc0 + j)
@@ -1157,7 +1298,7 @@ def rows_dots(qtype, w, r0, n_rows, xq, xd, xs, t, out, oc0):
     """out[t, oc0 + j] for j < n_rows: rows r0 .. r0 + n_rows - 1 for token t, in passes of 4, 2, 1
     rows (less float and fold work per row than a row at a time; the same bits), or a row at a
     time where SINGLE_ROWS says this CPU streams short rows faster so."""
-    single = single_row_max_k(qtype) >= 1 and w.shape[1] < SINGLE_ROW_BYTES
+    single = single_rows(qtype, 1, w.shape[1])
     j = 0
     while j < n_rows:
         n = 1 if single else (4 if n_rows - j >= 4 else (2 if n_rows - j >= 2 else 1))

@@ -24,7 +24,8 @@
 
 --quick: Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 on the Qwen3.6-27B FFN shapes only (< 3 minutes on 2 threads).
 --ks: the token counts (default 1,2,3,4,8; e.g. 1,4,8,16,64 for prompt batches); --types: a subset.
---shapes: shape labels, e.g. "gemma3-270m output,qwen3.6-27b up" (the output layer only when named).
+--shapes: shape labels, e.g. "gemma3-270m output,qwen3.6-27b up" (the output layer only when named),
+or ROWSxCOLS (e.g. 131072x1536).
 --baseline DIR: also time DIR/cpu_kernels (an older copy, e.g. `git archive REV cpu_kernels | tar -x
 -C DIR`) imported under another name, each row right after the current kernel's: before/after side
 by side in one run (kernel "int-base" / "float-base").
@@ -37,6 +38,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -215,7 +217,7 @@ def main() -> None:
                     help="time with the thread's CPU time (use with --threads 1 on a busy machine)")
     ap.add_argument("--ks", default=",".join(map(str, KS)), help="token counts, comma-separated (first: the base)")
     ap.add_argument("--types", help="quant types, comma-separated (default: --quick's or all)")
-    ap.add_argument("--shapes", help="shape labels, comma-separated (default: --quick's or all but "
+    ap.add_argument("--shapes", help="shape labels or ROWSxCOLS, comma-separated (default: --quick's or all but "
                     + ", ".join(x[0] for x in EXTRA_SHAPES) + ")")
     ap.add_argument("--baseline", help="a directory holding an older cpu_kernels to time side by side")
     ap.add_argument("--tiled-from", type=int, help="override matvec_int.tiled_min_k (this tree only): "
@@ -245,10 +247,10 @@ def main() -> None:
     if args.shapes:
         known = {x[0]: x for x in SHAPES + EXTRA_SHAPES}
         wanted = [x.strip() for x in args.shapes.split(",")]
-        unknown = [x for x in wanted if x not in known]
+        unknown = [x for x in wanted if x not in known and not re.fullmatch(r"\d+x\d+", x)]
         if unknown:
-            ap.error(f"--shapes: unknown {', '.join(unknown)}; known: {', '.join(known)}")
-        shapes = [known[x] for x in wanted]
+            ap.error(f"--shapes: unknown {', '.join(unknown)}; known: {', '.join(known)}, or ROWSxCOLS")
+        shapes = [known[x] if x in known else (x, *map(int, x.split("x"))) for x in wanted]
     repeats = 5 if args.quick else 9
     rng = np.random.default_rng(0)
 

@@ -28,8 +28,9 @@ from gguf.quants import dequantize
 
 from cpu_kernels.matvec import matvec
 from cpu_kernels.formats import type_tag
-from cpu_kernels.matvec_int import (INT_TYPES, act_block, block_dots, grid_dot, quantize_for, row_dot, rows_dot,
-                                    rows_dots, single_row_table)
+from cpu_kernels.matvec_int import (INT_TYPES, PHASE_STEPS, SPECS, TWO_PHASE_BYTES, _make_grid_dot, act_block,
+                                    block_dots, grid_dot, quantize_for, row_dot, rows_dot, rows_dots, single_row_table,
+                                    two_phase_table)
 from cpu_kernels.matvec_testdata import random_weights
 from cpu_kernels.quantize_act import RESIDUAL_MAX_TOKENS, dequantize_rows, quantize_rows, with_residual_rows
 from cpu_kernels.simd_int import ISA, host_features
@@ -285,6 +286,56 @@ def test_single_rows_only_where_measured():
     assert zen[int(T.Q8_0)] == 2 and zen[int(T.Q6_K)] == 2 and zen[int(T.Q4_K)] == 1
     assert int(T.Q4_0) not in zen and int(T.Q4_1) not in zen       # fold-bound alone: kept in groups
     assert single_row_table("sapphirerapids") == {} and single_row_table("generic") == {}
+    assert two_phase_table("znver4") == {int(T.Q8_0): 2}            # its rows under TWO_PHASE_BYTES
+    assert two_phase_table("sapphirerapids") == {} and two_phase_table("generic") == {}
+
+
+# two-phase groups forced for every legacy type, whatever this host's TWO_PHASES says
+PAIRS = [T(t) for t in sorted(INT_TYPES) if SPECS[t][0] == "pair"]
+rows_dot_two_phase = _make_grid_dot("rows_dot_two_phase", {4: (4, 1, 1), 2: (2, 1, 1)},
+                                    two_phase={int(t): 4 for t in PAIRS})
+grid_dot_two_phase = _make_grid_dot("grid_dot_two_phase", {4: (2, 4, 4), 3: (2, 4, 3), 2: (4, 2, 2)},
+                                    two_phase={int(t): 4 for t in PAIRS})
+
+
+@numba.njit
+def _two_phase_groups(qtype, w, xq, xd, xs, out, rows_per_group):
+    for r in range(0, w.shape[0], rows_per_group):
+        if xq.shape[0] == 1:
+            rows_dot_two_phase(qtype, rows_per_group, w, r, xq, xd, xs, 0, out, r)
+        else:
+            grid_dot_two_phase(qtype, xq.shape[0], w, r, xq, xd, xs, 0, out, r)
+
+
+@pytest.mark.parametrize("qtype", PAIRS, ids=lambda t: t.name)
+def test_two_phase_groups_give_the_same_bits(qtype):
+    """Rows read one after another (their sums and scales through stack buffers, then the group's
+    float steps) give each (row, token) the bits of a row read alone: an odd last block, and rows
+    of more than one chunk of PHASE_STEPS block pairs where the type's rows stay under
+    TWO_PHASE_BYTES."""
+    rng = np.random.default_rng(1700 + int(qtype))
+    block_bytes = SPECS[int(qtype)][2]
+    long_blocks = 2 * PHASE_STEPS + 3
+    for n_blocks in (21, long_blocks) if long_blocks * block_bytes < TWO_PHASE_BYTES else (21,):
+        rows, cols = 24, 32 * n_blocks
+        w = random_weights(qtype, rows, cols, rng)
+        for k in (1, 2, 3, 4):
+            x = _x(rng, k, cols)
+            q, d, s = quantize_for(qtype, x)
+            alone = np.full((k, rows), np.nan, np.float32)
+            for t in range(k):
+                for r in range(rows):
+                    _one_row(type_tag(qtype), w, r, q[t:t + 1], d[t:t + 1], s[t:t + 1], alone[t:t + 1])
+            for per in ((2, 4) if k == 1 else (4,) if k == 2 else (2,)):
+                out = np.full((k, rows), np.nan, np.float32)
+                _two_phase_groups(type_tag(qtype), w, q, d, s, out, per)
+                assert np.array_equal(out.view(np.uint32), alone.view(np.uint32)), \
+                    f"{qtype.name}: {n_blocks} blocks, k = {k}, {per} rows a group"
+
+
+@numba.njit
+def _one_row(qtype, w, r, xq, xd, xs, out):
+    rows_dot(qtype, 1, w, r, xq, xd, xs, 0, out, r)
 
 
 @pytest.mark.parametrize("qtype", INT, ids=lambda t: t.name)
