@@ -247,7 +247,7 @@ def main() -> None:
     if args.shapes:
         known = {x[0]: x for x in SHAPES + EXTRA_SHAPES}
         wanted = [x.strip() for x in args.shapes.split(",")]
-        unknown = [x for x in wanted if x not in known and not re.fullmatch(r"\d+x\d+", x)]
+        unknown = [x for x in wanted if x not in known and not re.fullmatch(r"[1-9]\d*x[1-9]\d*", x)]
         if unknown:
             ap.error(f"--shapes: unknown {', '.join(unknown)}; known: {', '.join(known)}, or ROWSxCOLS")
         shapes = [known[x] if x in known else (x, *map(int, x.split("x"))) for x in wanted]
