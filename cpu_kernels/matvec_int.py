@@ -54,8 +54,8 @@ from .formats import type_tag
 from .matvec_kquants import q3_k_scales
 from .matvec_simd import _array, _fma, _load_vec, _splat
 from .quantize_act import QK_K, QK_LEGACY, quantize_rows
-from .simd_int import (CACHE, F32, I8, I16, I32, I64, IntBlockIR, _concat, dpbusd, dpwssd, lut16, packs, pmaddwd,
-                       prefetch)
+from .simd_int import (CACHE, F32, I8, I16, I32, I64, IntBlockIR, _concat, _intrinsic, dpbusd, dpwssd, lut16, packs,
+                       pmaddwd, prefetch)
 
 GROUPS_PER_THREAD = 4
 
@@ -933,11 +933,6 @@ def _two_phase_pairs(b, decode, nbytes, wrows, rb, trows, n_steps, zero, bufs):
     return _loop(b, _c64(0), n_chunks, [zero], chunk)[0]
 
 
-def _stack_fn(b, name: str, fnty):
-    fn = b.module.globals.get(name)
-    return fn if fn is not None else ir.Function(b.module, fnty, name=name)
-
-
 def _make_grid_dot(name: str, shapes: dict, two_phase: dict | None = None):
     """A register kernel: `name`(qtype, n, w, r, xq, xd, xs, t0, out, oc) computes the lane group
     shapes[n] = (n_rows, n_toks, n_real): out[t0 + u, oc + j] = (row r + j) . (activation row
@@ -1013,11 +1008,10 @@ def _make_grid_dot(name: str, shapes: dict, two_phase: dict | None = None):
                     short = b.icmp_signed("<", rbs[0], _c64(TWO_PHASE_BYTES))
                     with b.if_else(short) as (linear, side_by_side):
                         with linear:
-                            sp = b.call(_stack_fn(b, "llvm.stacksave", ir.FunctionType(I8.as_pointer(), [])), [])
+                            sp = _intrinsic(b, "llvm.stacksave", I8.as_pointer(), [])
                             f_lin = _two_phase_pairs(b, decode, nbytes, wrows, rbs[0], trows, n_steps, zero,
                                                      phase_bufs())
-                            b.call(_stack_fn(b, "llvm.stackrestore", ir.FunctionType(ir.VoidType(), [I8.as_pointer()])),
-                                   [sp])
+                            _intrinsic(b, "llvm.stackrestore", ir.VoidType(), [sp])
                             bb_lin = b.basic_block
                         with side_by_side:
                             (f_sbs,) = _steps(b, kind, decode, nbytes, list(wrows), rbs[0], _c64(0), n_steps, [zero],
