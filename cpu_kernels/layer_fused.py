@@ -11,10 +11,11 @@ and its FFN half
     h + post_norm(W_down (act(W_gate x) * W_up x)),  x = rms_norm(h)
 
 are each one call (`attention_block`, `ffn_block`) that runs the projections with matvec_int's
-`block_dots` (int8 activations) or matvec's float `tile_products` (the exact path, and the types with
-no integer kernel), matrix by matrix as `use_int` decides, and everything between them in plain
-loops. The projections of one step are one parallel region (q, k and v together; gate and up
-together), or a plain loop when the matrices are too small to pay for waking the other threads.
+`block_dots` (int8 activations; a legacy type's batch of LANES_MIN_ROWS+ rows on its token-lane
+`tile_sums`) or matvec's float `tile_products` (the exact path, and the types with no integer
+kernel), matrix by matrix as `use_int` decides, and everything between them in plain loops. The
+projections of one step are one parallel region (q, k and v together; gate and up together), or
+a plain loop when the matrices are too small to pay for waking the other threads.
 
 Bit identity across the batch: every step works on one token row at a time with the same
 operations whatever k is (activation rows are quantized one by one; block_dots and tile_products are
@@ -39,7 +40,7 @@ from .ffn import _act_times, ffn_glu
 from .formats import format_of
 from .matvec import tile_products
 from .matvec_amx import MAX_TOKENS, uses_amx
-from .matvec_int import act_block, block_dots, types_tag
+from .matvec_int import ACT_L1_BYTES, LANES_MIN_K, TILE_UNITS, act_block, block_dots, tile_sums, token_lanes, types_tag
 from .matvec_simd import TILE_ROWS, dot_f32, f16_bits_to_f32, f32_to_f16_bits, load_f16
 from .quantize_act import PAD_LEGACY, QK_K, QK_LEGACY, RESIDUAL_MAX_TOKENS, _quantize_rows, _quantize_rows_residual
 from .simd_int import CACHE
@@ -52,6 +53,10 @@ ROWS_PER_UNIT = 16          # a unit of parallel work: 16 output rows of one mat
 GROUPS_PER_THREAD = 4       # work items per thread, so a slow core does not hold up the region
 PARALLEL_MIN_WEIGHTS = 1 << 17   # below this a projection runs on the calling thread alone
 ATTEND_PARALLEL_MIN = 1 << 15    # (token, head) x keys x head size products before attention forks
+# rows of int8 activations (2 per token with the residual pass) from which a legacy matrix runs on
+# matvec_int's token lanes instead of block_dots: 1.5-2.4x faster at 16-32 rows on small matrices
+# (Zen 4, BENCHMARKS.md session 16); the K-quants' tiles lose to block_dots at <= 32 rows there
+LANES_MIN_ROWS = LANES_MIN_K["pair"]
 
 # _project_serial and _attend_serial are compiled with parallel=True on purpose and have no prange
 # ((?s): the text follows Numba's colour codes and a newline)
@@ -162,7 +167,7 @@ def _float_rows_code(float_path, w, qt, be, r_lo, r_hi, x, buf, part, acc, out, 
 
 @njit(cache=CACHE, nogil=True, inline="always")
 def _project_group(g, n_groups, int_types, float_path, w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, e2, i2, n2,
-                   x, q32, d32, s32, q256, d256, s256, out):
+                   x, q32, d32, s32, q256, d256, s256, la, lb, lc, out):
     k = x.shape[0]
     u0 = (n0 + ROWS_PER_UNIT - 1) // ROWS_PER_UNIT
     u1 = (n1 + ROWS_PER_UNIT - 1) // ROWS_PER_UNIT
@@ -173,6 +178,11 @@ def _project_group(g, n_groups, int_types, float_path, w0, t0, e0, i0, n0, w1, t
     buf = np.empty((TILE_ROWS, 1024), np.float32)       # the float path's decode tile (matvec.CHUNK)
     part = np.empty(4 * TILE_ROWS, np.float32)
     acc = np.empty((k, TILE_ROWS), np.float32)
+    # the token-lane tile of a legacy matrix (la: q32's rows as matvec_int.token_lanes lays them out)
+    k_pad = 16 * la.shape[0]
+    lane_acc = np.empty((ROWS_PER_UNIT, k_pad), np.float32)
+    lane_steps = (x.shape[1] + 2 * QK_LEGACY - 1) // (2 * QK_LEGACY)      # block pairs of a row
+    lane_chunk = max(1, ACT_L1_BYTES // (max(16, min(k_pad, 16 * TILE_UNITS)) * 2 * QK_LEGACY))
     for u in range(g * n_units // n_groups, (g + 1) * n_units // n_groups):
         if u < u0:
             w, qt, be, is_int, rows, off, r_lo = w0, t0, e0, i0, n0, 0, u * ROWS_PER_UNIT
@@ -188,26 +198,34 @@ def _project_group(g, n_groups, int_types, float_path, w0, t0, e0, i0, n0, w1, t
             # them), the others the first k, x's own
             q, d, s = (q256, d256, s256) if be == QK_K else (q32, d32, s32)
             kr = 2 * k if is_int == 2 else k
-            block_dots((qt,) + int_types, w, r_lo, r_hi - r_lo, q[:kr], d[:kr], s[:kr], out, off + r_lo)
+            if be == QK_LEGACY and k_pad:
+                # a batch of 14+ rows: the prompt GEMM's token lanes, one pass over the weights for
+                # up to 64 rows where block_dots takes one per 4 (the same bits)
+                tile_sums((qt,) + int_types, w, r_lo, r_hi - r_lo, la, lb, lc, lane_steps, lane_chunk, lane_acc)
+                for t in range(kr):
+                    for r in range(r_hi - r_lo):
+                        out[t, off + r_lo + r] = lane_acc[r, t]
+            else:
+                block_dots((qt,) + int_types, w, r_lo, r_hi - r_lo, q[:kr], d[:kr], s[:kr], out, off + r_lo)
         else:
             _float_rows(float_path, w, qt, be, r_lo, r_hi, x, buf, part, acc, out, off)
 
 
 @njit(cache=CACHE, nogil=True, parallel=True)
 def _project_parallel(n_groups, int_types, float_path, w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, e2, i2, n2,
-                      x, q32, d32, s32, q256, d256, s256, out):
+                      x, q32, d32, s32, q256, d256, s256, la, lb, lc, out):
     for g in prange(n_groups):
         _project_group(g, n_groups, int_types, float_path, w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, e2, i2, n2,
-                       x, q32, d32, s32, q256, d256, s256, out)
+                       x, q32, d32, s32, q256, d256, s256, la, lb, lc, out)
 
 
 # parallel=True without a prange: the same loop compiles ~2x faster than under a plain njit (measured
 # on the 1536 x 576 Q4_1 gate: 58 vs 117 us); it runs on the calling thread, no threads woken
 @njit(cache=CACHE, nogil=True, parallel=True)
 def _project_serial(int_types, float_path, w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, e2, i2, n2,
-                    x, q32, d32, s32, q256, d256, s256, out):
+                    x, q32, d32, s32, q256, d256, s256, la, lb, lc, out):
     _project_group(0, 1, int_types, float_path, w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, e2, i2, n2,
-                   x, q32, d32, s32, q256, d256, s256, out)
+                   x, q32, d32, s32, q256, d256, s256, la, lb, lc, out)
 
 
 @njit(cache=CACHE, nogil=True)
@@ -226,6 +244,9 @@ def _project(n_threads, int_types, float_path, w0, t0, e0, i0, n0, w1, t1, e1, i
         q32, d32, s32 = _quantized(x, QK_LEGACY, r32)
     if (i0 and n0 and e0 == QK_K) or (i1 and n1 and e1 == QK_K) or (i2 and n2 and e2 == QK_K):
         q256, d256, s256 = _quantized(x, QK_K, r256)
+    la, lb, lc = np.zeros((0, 0), np.int8), np.zeros((0, 0), np.float32), np.zeros((0, 0), np.int32)
+    if q32.shape[0] >= LANES_MIN_ROWS and q32.shape[1]:
+        la, lb, lc = token_lanes(q32, d32, s32, False)
     residual = r32 or r256
     # residual matrices write both halves of their 2k output rows here, summed into `out` below
     wide = np.empty((2 * k, out.shape[1]), np.float32) if residual else out
@@ -235,10 +256,10 @@ def _project(n_threads, int_types, float_path, w0, t0, e0, i0, n0, w1, t1, e1, i
     # in a plain loop here (measured); too small a product runs it on this thread alone.
     if n_threads > 1 and (n0 + n1 + n2) * n_in >= PARALLEL_MIN_WEIGHTS:
         _project_parallel(min(units, GROUPS_PER_THREAD * n_threads), int_types, float_path, w0, t0, e0, i0, n0,
-                          w1, t1, e1, i1, n1, w2, t2, e2, i2, n2, x, q32, d32, s32, q256, d256, s256, wide)
+                          w1, t1, e1, i1, n1, w2, t2, e2, i2, n2, x, q32, d32, s32, q256, d256, s256, la, lb, lc, wide)
     else:
         _project_serial(int_types, float_path, w0, t0, e0, i0, n0, w1, t1, e1, i1, n1, w2, t2, e2, i2, n2,
-                        x, q32, d32, s32, q256, d256, s256, wide)
+                        x, q32, d32, s32, q256, d256, s256, la, lb, lc, wide)
     if residual:
         for t in range(k):
             for c in range(n0 + n1 + n2):

@@ -1369,12 +1369,37 @@ def quantize_tiled(qtype: int, x: np.ndarray):
         def quads(a, group):
             return np.ascontiguousarray(a.reshape(nu, 4, -1, group).transpose(0, 2, 1, 3)).reshape(nu, -1)
         return quads(q, 16), quads(d, 1), quads(s, 16 if act_block(qtype) == QK_K else 1), k_pad
-    nv = k_pad // 16
+    xa, xb, xc = token_lanes(q, d, s, act_block(qtype) == QK_K)
+    return xa, xb, xc, k_pad
 
-    def lanes(a):
-        return np.ascontiguousarray(a.reshape(nv, 16, -1).transpose(0, 2, 1)).reshape(nv, -1)
-    s = s.view(np.int32) if act_block(qtype) == QK_K else s.astype(np.int32)
-    return lanes(q.view(np.int32)).view(np.int8), lanes(d), lanes(s), k_pad
+
+@njit(cache=CACHE, nogil=True)
+def _lanes_of(a, k):
+    """out[V, 16 j + l] = a[16 V + l, j] for the first k rows of a (rows past them: 0)."""
+    nv = (k + 15) // 16
+    m = a.shape[1]
+    out = np.zeros((nv, 16 * m), a.dtype)
+    for t in range(k):
+        v, lane = t // 16, t % 16
+        for j in range(m):
+            out[v, 16 * j + lane] = a[t, j]
+    return out
+
+
+@njit(cache=CACHE, nogil=True)
+def token_lanes(q, d, s, k_quant):
+    """Quantized activation rows (quantize_rows' q, d, s) as the token-lane tiled kernel reads them,
+    padded with zero rows to 16 tokens: xa int8 (16 tokens' 4-byte groups side by side), xb
+    float32 (the scales, 16 tokens a vector), xc int32 (the sums: K-quants' 16-value sums as i16
+    pairs, legacy types' 32-value sums widened). quantize_tiled's layout, and the fused layer
+    kernels' (layer_fused) for their legacy matrices' batches of 14+ rows."""
+    k = q.shape[0]
+    xa = _lanes_of(q.view(np.int32), k).view(np.int8)
+    if k_quant:
+        xc = _lanes_of(s.view(np.int32), k)
+    else:
+        xc = _lanes_of(s.astype(np.int32), k)
+    return xa, _lanes_of(d, k), xc
 
 
 def matvec_int_into(w: np.ndarray, qtype: int, x: np.ndarray, out: np.ndarray, xq=None) -> np.ndarray:

@@ -241,12 +241,13 @@ def test_attention_block_token_does_not_depend_on_the_batch_or_threads(case, cac
     types, qk_norm, post, neox, window = ATTN_CASES[case]
     rng = np.random.default_rng()
     layer = Layer(rng, types, integer, qk_norm, post, neox, window)
-    start, n = 30, 8
+    start, n = 30, 16
     h = rng.standard_normal((n, N_EMBD)).astype(np.float32)
     kc, vc = _caches(rng, start, cache)
     k1, v1 = kc.copy(), vc.copy()
     singles = np.concatenate([layer.run(h[t:t + 1], k1, v1, start + t) for t in range(n)])
-    for k, threads in ((2, 1), (3, 2), (8, 2), (8, 1)):    # threads 2: the parallel regions
+    # threads 2: the parallel regions; 16 tokens (8 with the residual pass): legacy types on token lanes
+    for k, threads in ((2, 1), (3, 2), (8, 2), (8, 1), (16, 2)):
         kb, vb = kc.copy(), vc.copy()
         batched = np.concatenate([layer.run(h[i:i + k], kb, vb, start + i, threads) for i in range(0, n, k)])
         assert np.array_equal(batched, singles), f"batch of {k}, {threads} threads"
@@ -299,10 +300,11 @@ def test_ffn_block_matches_float64(case, integer):
 def test_ffn_block_token_does_not_depend_on_the_batch_or_threads(integer):
     rng = np.random.default_rng()
     run, _ = _ffn(rng, "gemma3-q5_0-q6_k", integer, down_only=True)
-    h = rng.standard_normal((8, N_EMBD)).astype(np.float32)
-    singles = np.concatenate([run(h[t:t + 1]) for t in range(8)])
-    for k, threads in ((2, 1), (3, 2), (8, 2)):
-        assert np.array_equal(np.concatenate([run(h[i:i + k], threads) for i in range(0, 8, k)]), singles)
+    h = rng.standard_normal((32, N_EMBD)).astype(np.float32)
+    singles = np.concatenate([run(h[t:t + 1]) for t in range(32)])
+    # 14+ int8 rows (16 tokens; 8 with the residual pass): the Q5_0 matrices on token lanes
+    for k, threads in ((2, 1), (3, 2), (8, 2), (16, 2), (32, 1)):
+        assert np.array_equal(np.concatenate([run(h[i:i + k], threads) for i in range(0, 32, k)]), singles), k
 
 
 def test_kernel_types_must_cover_every_matrix():
