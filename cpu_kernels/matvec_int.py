@@ -1379,10 +1379,11 @@ def _lanes_of(a, k):
     nv = (k + 15) // 16
     m = a.shape[1]
     out = np.zeros((nv, 16 * m), a.dtype)
-    for t in range(k):
-        v, lane = t // 16, t % 16
-        for j in range(m):
-            out[v, 16 * j + lane] = a[t, j]
+    for v in range(nv):
+        n = min(16, k - 16 * v)
+        for j in range(m):          # written in order; 16 rows read a column at a time
+            for lane in range(n):
+                out[v, 16 * j + lane] = a[16 * v + lane, j]
     return out
 
 
