@@ -40,7 +40,8 @@ from .ffn import _act_times, ffn_glu
 from .formats import format_of
 from .matvec import tile_products
 from .matvec_amx import MAX_TOKENS, uses_amx
-from .matvec_int import ACT_L1_BYTES, LANES_MIN_K, TILE_UNITS, act_block, block_dots, tile_sums, token_lanes, types_tag
+from .matvec_int import (LANES_MIN_K, TILE_UNITS, act_block, block_dots, chunk_steps, tile_sums, token_lanes,
+                         types_tag)
 from .matvec_simd import TILE_ROWS, dot_f32, f16_bits_to_f32, f32_to_f16_bits, load_f16
 from .quantize_act import PAD_LEGACY, QK_K, QK_LEGACY, RESIDUAL_MAX_TOKENS, _quantize_rows, _quantize_rows_residual
 from .simd_int import CACHE
@@ -182,7 +183,7 @@ def _project_group(g, n_groups, int_types, float_path, w0, t0, e0, i0, n0, w1, t
     k_pad = 16 * la.shape[0]
     lane_acc = np.empty((ROWS_PER_UNIT, k_pad), np.float32)
     lane_steps = (x.shape[1] + 2 * QK_LEGACY - 1) // (2 * QK_LEGACY)      # block pairs of a row
-    lane_chunk = max(1, ACT_L1_BYTES // (max(16, min(k_pad, 16 * TILE_UNITS)) * 2 * QK_LEGACY))
+    lane_chunk = chunk_steps(min(k_pad, 16 * TILE_UNITS), 2 * QK_LEGACY) if k_pad else 1
     for u in range(g * n_units // n_groups, (g + 1) * n_units // n_groups):
         if u < u0:
             w, qt, be, is_int, rows, off, r_lo = w0, t0, e0, i0, n0, 0, u * ROWS_PER_UNIT

@@ -1340,8 +1340,14 @@ def tiling(qtype: int, w_shape: tuple[int, int], k: int) -> tuple[int, int, int,
     # big tiles share each activation chunk among more rows, but leave 2 tiles per thread at least
     row_tile = max(ROW_TILE, min(ROW_TILE_LANES if unit == 16 else ROW_TILE, rows // (2 * numba.get_num_threads())))
     n_tiles = -(-rows // row_tile)
-    return (steps_per_row(qtype, row_bytes), max(1, ACT_L1_BYTES // (tokens * step_cols)), row_tile,
-            n_row_groups(n_tiles))
+    return steps_per_row(qtype, row_bytes), chunk_steps(tokens, step_cols), row_tile, n_row_groups(n_tiles)
+
+
+@njit(cache=CACHE, nogil=True)
+def chunk_steps(tokens, step_cols):
+    """Steps per column chunk of the tiled kernels: the chunk's activations, `tokens` tokens of
+    `step_cols` bytes a step, stay within ACT_L1_BYTES (tiling's, and the fused layer kernels')."""
+    return max(1, ACT_L1_BYTES // (tokens * step_cols))
 
 
 def quantize_for(qtype: int, x: np.ndarray):
