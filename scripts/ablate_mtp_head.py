@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""Variants of `train-mtp`'s training steps on a text it already wrote: held-out acceptance per variant.
+
+Reads the text and hiddens a `train-mtp` run cached next to its head (HEAD.gguf.data.pt), builds the
+head as train-mtp does (hybridrt.train_mtp.train), and trains it for --steps with one thing changed:
+the loss (KL to the target's logits over the draft vocabulary, or cross-entropy to their argmax),
+an EAGLE-style regression of the target's next final-normed hidden added to it (--reg, smooth L1),
+the draft vocabulary's size, the learning rate or the batch. Prints the held-out acceptance (per
+position, and as a run at --spec-draft-n-max 1 meets it) every --eval steps, and how much of the
+held-out argmax tokens the draft vocabulary covers. Evaluations do not stop the run early, and the
+batches are the same for every variant (seed 0), so variants differ only in what was changed.
+
+    python3 scripts/ablate_mtp_head.py -m smollm2-135m --data ~/.cache/hybridrt/heads/smollm2-135m.v4.mtp.gguf.data.pt \\
+        --steps 600 --loss argmax
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hybridrt.loader import load_model  # noqa: E402
+from hybridrt.mtp_head import block_kind, head_attention_spec  # noqa: E402
+from hybridrt.train_mtp import train as T  # noqa: E402
+from hybridrt.train_mtp.config import LOSSES, TrainConfig  # noqa: E402
+from hybridrt.train_mtp.torch_model import MTPHeadModule, initial_head_tensors, output_rows  # noqa: E402
+
+
+def coverage(heldout, ids: torch.Tensor | None, n_vocab: int) -> float:
+    """Share of the held-out positions whose target argmax is in the draft vocabulary."""
+    if ids is None:
+        return 1.0
+    inside = torch.zeros(n_vocab, dtype=torch.bool)
+    inside[ids] = True
+    hits = sum(int(inside[s.argmax[s.n_prompt:]].sum()) for s in heldout)
+    return hits / max(1, sum(len(s.tokens) - s.n_prompt for s in heldout))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-m", "--model", required=True)
+    ap.add_argument("--data", required=True, help="a train-mtp text cache (HEAD.gguf.data.pt)")
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--loss", choices=LOSSES, default="kl")
+    ap.add_argument("--reg", type=float, default=0.0, help="weight of the next-hidden regression (0: none)")
+    ap.add_argument("--draft-vocab", type=int, default=TrainConfig.draft_vocab)
+    ap.add_argument("--lr", type=float, default=TrainConfig.lr)
+    ap.add_argument("--batch", type=int, default=TrainConfig.batch)
+    ap.add_argument("--eval", type=int, default=100, help="steps between held-out evaluations")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    m = load_model(args.model, threads=args.threads)
+    data = torch.load(args.data, weights_only=False)
+    train, heldout = data["train"], data["heldout"]
+    cfg = TrainConfig(steps=args.steps, draft_vocab=args.draft_vocab, loss=args.loss, lr=args.lr, batch=args.batch)
+    torch.manual_seed(0)
+    kind = block_kind(m.arch)
+    ids = T.pick_draft_vocab(train, m.n_vocab, cfg.draft_vocab)
+    print(json.dumps({"variant": vars(args), "train_tokens": sum(len(s.tokens) - s.n_prompt for s in train),
+                      "heldout_coverage": round(coverage(heldout, ids, m.n_vocab), 4)}), flush=True)
+    _, spec = head_attention_spec(m)
+    scale = T.residual_scale(m, train[0].tokens.tolist())
+    head = MTPHeadModule(initial_head_tensors(m, ids, kind, scale), spec, kind, m.eps, T.MAX_SEQ + 1)
+    w_draft = output_rows(m, ids)
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
+    t0 = time.perf_counter()
+    for step in range(cfg.steps):
+        pick = torch.randperm(len(train), generator=torch.Generator().manual_seed(step))[:cfg.batch].tolist()
+        for group in opt.param_groups:
+            group["lr"] = T.lr_at(step, cfg)
+        emb, h_in, h_tgt, pos, valid = T.batch_inputs(m, [train[i] for i in pick])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=T.BF16):
+            feat = head.features(emb, h_in, pos, torch.ones_like(valid))
+            logits = feat @ head.head.T
+            with torch.no_grad():
+                target = (h_tgt @ w_draft.T).float()
+        logq = torch.log_softmax(logits.float(), dim=-1)
+        if cfg.loss == "kl":
+            logp = torch.log_softmax(target, dim=-1)
+            per = (logp.exp() * (logp - logq)).sum(-1)
+        else:
+            per = -logq.gather(-1, target.argmax(-1, keepdim=True))[..., 0]
+        loss = per[valid].mean()
+        if args.reg:
+            loss = loss + args.reg * F.smooth_l1_loss(feat.float()[valid], h_tgt[valid])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if (step + 1) % args.eval == 0 or step + 1 == cfg.steps:
+            acc = T.heldout_acceptance(m, head, heldout, ids)
+            print(json.dumps({"step": step + 1, "loss": round(float(loss.detach()), 4),
+                              "acceptance": round(acc.per_position, 4), "acceptance_n_max_1": round(acc.n_max_1, 4),
+                              "s": round(time.perf_counter() - t0)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
