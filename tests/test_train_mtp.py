@@ -5,6 +5,8 @@ sampled acceptance with a reduced draft vocabulary (q zero off it), with a negat
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -308,6 +310,26 @@ def test_train_mtp_cli(tiny_llama, tmp_path):
     r = subprocess.run([sys.executable, "-c", "from hybridrt.cli import main; main()", "train-mtp", "-m", str(tiny_llama),
                         "-o", str(tmp_path / "c.gguf"), "--loss", "mse"], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: train-mtp: --loss must be one of kl, argmax"]
+
+
+def test_ablation_script_reads_a_cached_text(tiny_llama, llama_head):
+    """scripts/ablate_mtp_head.py trains on the text train-mtp cached beside a head: the draft
+    vocabulary's coverage of the held-out argmax tokens (all of them at --draft-vocab 0), and a
+    held-out evaluation per --eval steps."""
+    data = Path(f"{llama_head}.data.pt")
+    saved = torch.load(data, weights_only=False)
+    ids = train_module.pick_draft_vocab(saved["train"], load_model(tiny_llama).n_vocab, 24)
+    want = np.mean([int(t) in set(ids.tolist()) for s in saved["heldout"] for t in s.argmax[s.n_prompt:]])
+    script = Path(__file__).resolve().parents[1] / "scripts" / "ablate_mtp_head.py"
+    for vocab, loss, reg, cover in ((24, "argmax", "0.5", want), (0, "kl", "0", 1.0)):
+        r = subprocess.run([sys.executable, str(script), "-m", str(tiny_llama), "--data", str(data), "--steps", "2",
+                            "--eval", "1", "--loss", loss, "--reg", reg, "--draft-vocab", str(vocab), "-t", "1"],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        lines = [json.loads(x) for x in r.stdout.splitlines()]
+        assert lines[0]["heldout_coverage"] == pytest.approx(cover, abs=1e-4)
+        assert [x["step"] for x in lines[1:]] == [1, 2]
+        assert all(0.0 <= x["acceptance"] <= 1.0 and math.isfinite(x["loss"]) for x in lines[1:])
 
 
 @pytest.mark.slow
