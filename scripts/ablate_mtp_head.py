@@ -83,13 +83,7 @@ def main() -> None:
             logits = feat @ head.head.T
             with torch.no_grad():
                 target = (h_tgt @ w_draft.T).float()
-        logq = torch.log_softmax(logits.float(), dim=-1)
-        if cfg.loss == "kl":
-            logp = torch.log_softmax(target, dim=-1)
-            per = (logp.exp() * (logp - logq)).sum(-1)
-        else:
-            per = -logq.gather(-1, target.argmax(-1, keepdim=True))[..., 0]
-        loss = per[valid].mean()
+        loss = T.distill_loss(logits, target, cfg.loss)[valid].mean()
         if args.reg:
             loss = loss + args.reg * F.smooth_l1_loss(feat.float()[valid], h_tgt[valid])
         opt.zero_grad()

@@ -184,13 +184,17 @@ def loss_of(head: MTPHeadModule, w_draft: torch.Tensor, batch, loss: str, bf16: 
         logits = head(emb, h_in, pos, torch.ones_like(valid))
         with torch.no_grad():
             target = (h_tgt @ w_draft.T).float()     # the target's logits over the draft vocabulary
+    return distill_loss(logits, target, loss)[valid].mean()
+
+
+def distill_loss(logits: torch.Tensor, target: torch.Tensor, loss: str) -> torch.Tensor:
+    """Per entry: KL(target || head) over the draft vocabulary ("kl"), or the head's cross-entropy
+    to the target's argmax ("argmax"); both float32 [..., V] logits."""
     logq = torch.log_softmax(logits.float(), dim=-1)
     if loss == "kl":
         logp = torch.log_softmax(target, dim=-1)
-        per = (logp.exp() * (logp - logq)).sum(-1)
-    else:
-        per = -logq.gather(-1, target.argmax(-1, keepdim=True))[..., 0]
-    return per[valid].mean()
+        return (logp.exp() * (logp - logq)).sum(-1)
+    return -logq.gather(-1, target.argmax(-1, keepdim=True))[..., 0]
 
 
 def n_max_1_walk(hits: list[bool]) -> tuple[int, int]:
