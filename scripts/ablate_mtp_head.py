@@ -8,7 +8,8 @@ an EAGLE-style regression of the target's next final-normed hidden added to it (
 the draft vocabulary's size, the learning rate or the batch. Prints the held-out acceptance (per
 position, and as a run at --spec-draft-n-max 1 meets it) every --eval steps, and how much of the
 held-out argmax tokens the draft vocabulary covers. Evaluations do not stop the run early, and the
-batches are the same for every variant (seed 0), so variants differ only in what was changed.
+batches are train-mtp's own at --seed 0 (train.step_batch) for every variant, so variants differ
+only in what was changed.
 
     python3 scripts/ablate_mtp_head.py -m smollm2-135m --data ~/.cache/hybridrt/heads/smollm2-135m.v4.mtp.gguf.data.pt \\
         --steps 600 --loss argmax
@@ -27,10 +28,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybridrt.loader import load_model  # noqa: E402
-from hybridrt.mtp_head import block_kind, head_attention_spec  # noqa: E402
 from hybridrt.train_mtp import train as T  # noqa: E402
 from hybridrt.train_mtp.config import LOSSES, TrainConfig  # noqa: E402
-from hybridrt.train_mtp.torch_model import MTPHeadModule, initial_head_tensors, output_rows  # noqa: E402
 
 
 def coverage(heldout, ids: torch.Tensor | None, n_vocab: int) -> float:
@@ -62,30 +61,21 @@ def main() -> None:
     data = torch.load(args.data, weights_only=False)
     train, heldout = data["train"], data["heldout"]
     cfg = TrainConfig(steps=args.steps, draft_vocab=args.draft_vocab, loss=args.loss, lr=args.lr, batch=args.batch)
-    torch.manual_seed(0)
-    kind = block_kind(m.arch)
-    ids = T.pick_draft_vocab(train, m.n_vocab, cfg.draft_vocab)
+    torch.manual_seed(cfg.seed)
+    head, ids, w_draft, _ = T.new_head(m, train, cfg)
     print(json.dumps({"variant": vars(args), "train_tokens": sum(len(s.tokens) - s.n_prompt for s in train),
                       "heldout_coverage": round(coverage(heldout, ids, m.n_vocab), 4)}), flush=True)
-    _, spec = head_attention_spec(m)
-    scale = T.residual_scale(m, train[0].tokens.tolist())
-    head = MTPHeadModule(initial_head_tensors(m, ids, kind, scale), spec, kind, m.eps, T.MAX_SEQ + 1)
-    w_draft = output_rows(m, ids)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
     t0 = time.perf_counter()
     for step in range(cfg.steps):
-        pick = torch.randperm(len(train), generator=torch.Generator().manual_seed(step))[:cfg.batch].tolist()
         for group in opt.param_groups:
             group["lr"] = T.lr_at(step, cfg)
-        emb, h_in, h_tgt, pos, valid = T.batch_inputs(m, [train[i] for i in pick])
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=T.BF16):
-            feat = head.features(emb, h_in, pos, torch.ones_like(valid))
-            logits = feat @ head.head.T
-            with torch.no_grad():
-                target = (h_tgt @ w_draft.T).float()
+        batch = T.step_batch(m, train, cfg, step)
+        features, logits, target = T.head_outputs(head, w_draft, batch, T.BF16)
+        valid, h_tgt = batch[-1], batch[2]
         loss = T.distill_loss(logits, target, cfg.loss)[valid].mean()
         if args.reg:
-            loss = loss + args.reg * F.smooth_l1_loss(feat.float()[valid], h_tgt[valid])
+            loss = loss + args.reg * F.smooth_l1_loss(features.float()[valid], h_tgt[valid])
         opt.zero_grad()
         loss.backward()
         opt.step()

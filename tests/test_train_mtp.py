@@ -319,7 +319,8 @@ def test_ablation_script_reads_a_cached_text(tiny_llama, llama_head):
     data = Path(f"{llama_head}.data.pt")
     saved = torch.load(data, weights_only=False)
     ids = train_module.pick_draft_vocab(saved["train"], load_model(tiny_llama).n_vocab, 24)
-    want = np.mean([int(t) in set(ids.tolist()) for s in saved["heldout"] for t in s.argmax[s.n_prompt:]])
+    inside = set(ids.tolist())
+    want = np.mean([int(t) in inside for s in saved["heldout"] for t in s.argmax[s.n_prompt:]])
     script = Path(__file__).resolve().parents[1] / "scripts" / "ablate_mtp_head.py"
     for vocab, loss, reg, cover in ((24, "argmax", "0.5", want), (0, "kl", "0", 1.0)):
         r = subprocess.run([sys.executable, str(script), "-m", str(tiny_llama), "--data", str(data), "--steps", "2",

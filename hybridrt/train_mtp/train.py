@@ -25,7 +25,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import UserError
 from ..mtp_head import block_kind, head_attention_spec, target_fingerprint, write_head
@@ -176,15 +175,42 @@ def batch_inputs(model, seqs: list[Sequence]):
     return emb, h_in, h_tgt, pos, valid
 
 
-def loss_of(head: MTPHeadModule, w_draft: torch.Tensor, batch, loss: str, bf16: bool = False) -> torch.Tensor:
+def new_head(model, train: list[Sequence], cfg: TrainConfig) -> tuple[MTPHeadModule, torch.Tensor | None, torch.Tensor, float]:
+    """The head training starts from (initial_head_tensors), its draft vocabulary (None: the full
+    one), the target's output rows of that vocabulary, and the residual scale the block starts at."""
+    kind = block_kind(model.arch)
+    scale = residual_scale(model, train[0].tokens.tolist())
+    draft_ids = pick_draft_vocab(train, model.n_vocab, cfg.draft_vocab)
+    _, spec = head_attention_spec(model)
+    head = MTPHeadModule(initial_head_tensors(model, draft_ids, kind, scale), spec, kind, model.eps, MAX_SEQ + 1)
+    return head, draft_ids, output_rows(model, draft_ids), scale
+
+
+def step_batch(model, train: list[Sequence], cfg: TrainConfig, step: int):
+    """Step `step`'s batch_inputs: cfg.batch sequences drawn by (seed, step), so a resumed run
+    draws what an uninterrupted one would."""
+    g = torch.Generator().manual_seed(cfg.seed * 100_003 + step)
+    pick = torch.randperm(len(train), generator=g)[:cfg.batch].tolist()
+    return batch_inputs(model, [train[i] for i in pick])
+
+
+def head_outputs(head: MTPHeadModule, w_draft: torch.Tensor, batch, bf16: bool = False):
+    """(the head's final-normed features, its draft logits, the target's logits over the draft
+    vocabulary) for a batch_inputs batch. bf16: the head's matmuls under bfloat16 autocast (AMX /
+    AVX-512 BF16: ~1.7x the float32 steps per minute here); the parameters, the loss and the
+    optimizer stay float32."""
     emb, h_in, h_tgt, pos, valid = batch
-    # bf16: the head's matmuls under bfloat16 autocast (AMX / AVX-512 BF16: ~1.7x the float32 steps
-    # per minute here); the parameters, the loss and the optimizer stay float32
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        logits = head(emb, h_in, pos, torch.ones_like(valid))
+        features = head.features(emb, h_in, pos, torch.ones_like(valid))
+        logits = features @ head.head.T
         with torch.no_grad():
-            target = (h_tgt @ w_draft.T).float()     # the target's logits over the draft vocabulary
-    return distill_loss(logits, target, loss)[valid].mean()
+            target = (h_tgt @ w_draft.T).float()
+    return features, logits, target
+
+
+def loss_of(head: MTPHeadModule, w_draft: torch.Tensor, batch, loss: str, bf16: bool = False) -> torch.Tensor:
+    _, logits, target = head_outputs(head, w_draft, batch, bf16)
+    return distill_loss(logits, target, loss)[batch[-1]].mean()
 
 
 def distill_loss(logits: torch.Tensor, target: torch.Tensor, loss: str) -> torch.Tensor:
@@ -328,18 +354,13 @@ def prepare_data(model, cfg: TrainConfig, cache: Path, progress) -> tuple[list[S
 def train_mtp(model, out: str | Path, cfg: TrainConfig, quiet: bool = False) -> TrainResult:
     """Train and write a head for `model` (a loaded hybridrt Model) to `out`."""
     out = Path(out)
-    kind = block_kind(model.arch)
     t_wall, t_cpu = time.perf_counter(), time.process_time()
     torch.manual_seed(cfg.seed)
     progress = _progress()
     progress.disable = quiet
     with progress:
         train, heldout = prepare_data(model, cfg, Path(f"{out}.data.pt"), progress)
-        scale = residual_scale(model, train[0].tokens.tolist())
-        draft_ids = pick_draft_vocab(train, model.n_vocab, cfg.draft_vocab)
-        _, spec = head_attention_spec(model)
-        head = MTPHeadModule(initial_head_tensors(model, draft_ids, kind, scale), spec, kind, model.eps, MAX_SEQ + 1)
-        w_draft = output_rows(model, draft_ids)
+        head, draft_ids, w_draft, scale = new_head(model, train, cfg)
         opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
         start, best_acc, best_state, stale, history = 0, heldout_acceptance(model, head, heldout, draft_ids), None, 0, []
         history.append({"step": 0, **_entry(best_acc)})
@@ -358,11 +379,9 @@ def train_mtp(model, out: str | Path, cfg: TrainConfig, quiet: bool = False) -> 
         for step in range(start, cfg.steps):
             if stale >= cfg.patience:
                 break
-            g = torch.Generator().manual_seed(cfg.seed * 100_003 + step)
-            pick = torch.randperm(len(train), generator=g)[:cfg.batch].tolist()
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, cfg)
-            loss = loss_of(head, w_draft, batch_inputs(model, [train[i] for i in pick]), cfg.loss, BF16)
+            loss = loss_of(head, w_draft, step_batch(model, train, cfg, step), cfg.loss, BF16)
             opt.zero_grad()
             loss.backward()
             opt.step()
