@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cpu_kernels.attention_batch import attend_decode
 from cpu_kernels.dequant import dequantize, gather_rows
-from cpu_kernels.simd_int import host_features
 from gpu_kernels.norms import rms_norm
 from gpu_kernels.rotary import RotaryRows, apply_rotary, rotary_table
 
@@ -90,12 +90,16 @@ class TorchBlock(nn.Module):
             n = cache["n"]
             cache["k"][:, :, n:n + t], cache["v"][:, :, n:n + t] = k, v
             cache["n"] = n + t
-            k, v = cache["k"][:, :, :n + t], cache["v"][:, :, :n + t]
-        # enable_gqa: head h reads kv head h // group (as gpu_kernels.attention.attend), without
-        # materializing the repeated keys
-        o = F.scaled_dot_product_attention(q.transpose(1, 2).to(k.dtype), k, v, attn_mask=mask, scale=s.scale,
-                                           enable_gqa=s.n_head != s.n_kv)
-        o = o.transpose(1, 2).reshape(b, t, s.n_head * s.head_dim_v).to(x.dtype)
+        if cache is not None and t == 1:        # a decode step: cpu_kernels' batched decode attention
+            o = _attend_cached(q, cache, mask[:, 0, 0], s.scale)
+        else:
+            if cache is not None:   # a prefill: the rows as the cache holds them, in float32
+                k, v = cache["k"][:, :, :n + t].float(), cache["v"][:, :, :n + t].float()
+            # enable_gqa: head h reads kv head h // group (as gpu_kernels.attention.attend), without
+            # materializing the repeated keys
+            o = F.scaled_dot_product_attention(q.transpose(1, 2).to(k.dtype), k, v, attn_mask=mask, scale=s.scale,
+                                               enable_gqa=s.n_head != s.n_kv).transpose(1, 2)
+        o = o.reshape(b, t, s.n_head * s.head_dim_v).to(x.dtype)
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return _mm(o, w["attn_output"])
@@ -191,29 +195,39 @@ def output_rows(model, ids: torch.Tensor | None) -> torch.Tensor:
     return torch.from_numpy(gather_rows(model.gguf.tensor_bytes(name), info.qtype, info.shape[0], rows))
 
 
-def kv_dtype_for(dtype: torch.dtype) -> torch.dtype:
-    """The teacher's KV cache (and attention) dtype for matrices in `dtype`. Without AMX, CPU
-    scaled_dot_product_attention is much slower in bfloat16 than in float32 (Zen 4, a decode step's
-    [256 x 4 x 1 x 256] queries over 200 keys: 45 ms against 9.6, 2 threads; it was 40 % of
-    writing Gemma 3's training text), so there the cache is float32; with AMX it stays bfloat16,
-    as the Xeon measurements chose."""
-    if dtype == torch.bfloat16 and "amx-bf16" not in host_features():
-        return torch.float32
-    return dtype
+def _numpy_rows(cache: torch.Tensor) -> np.ndarray:
+    """A float32 or bfloat16 cache buffer as attend_decode reads it (bfloat16: its bits, uint16)."""
+    assert cache.is_contiguous()
+    if cache.dtype == torch.bfloat16:
+        return cache.view(torch.int16).numpy().view(np.uint16)
+    return cache.numpy()
+
+
+def _attend_cached(q: torch.Tensor, cache: dict, visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """A decode step's attention over the cache's first cache["n"] rows (q [b, 1, n_head, d] float32,
+    visible [b, n]) -> [b, 1, n_head, dv]. torch's CPU attention reads a cache of 256 sequences at
+    ~10 GB/s, about half of a late teacher step (BENCHMARKS.md, session 18); attend_decode streams
+    each sequence's keys and values once for all the heads that share them. It takes the whole
+    buffers: a view cut to n rows would be a non-contiguous array, whose rows Numba does not vectorize."""
+    b, _, n_head, _ = q.shape
+    out = np.empty((b, n_head, cache["v"].shape[-1]), np.float32)
+    attend_decode(np.ascontiguousarray(q[:, 0].float().numpy()), _numpy_rows(cache["k"]), _numpy_rows(cache["v"]),
+                  cache["n"], np.ascontiguousarray(visible.numpy()), np.float32(scale), out)
+    return torch.from_numpy(out)[:, None]
 
 
 class TorchTeacher:
     """The target (llama / qwen3 / gemma3) in torch, decoding a batch of prompts at once with a
     preallocated KV cache; prompts are left-padded, each sequence keeping its own positions.
-    `dtype`: the matrices' storage and matmul dtype (the KV cache's: kv_dtype_for); bfloat16 writes
-    training text ~5x faster than float32 on the AMX Xeon, the residual stream and norms stay
-    float32 either way."""
+    `dtype`: the matrices' and the KV cache's storage dtype, and the matmuls'; bfloat16 writes
+    training text ~5x faster than float32 on the AMX Xeon, the residual stream, norms and attention
+    arithmetic stay float32 either way."""
 
     SUPPORTED = ("llama", "qwen3", "gemma3")
 
     def __init__(self, model, kind: BlockKind, n_ctx: int, dtype: torch.dtype = torch.float32):
         g = model.gguf
-        self.model, self.n_ctx, self.dtype, self.kv_dtype = model, n_ctx, dtype, kv_dtype_for(dtype)
+        self.model, self.n_ctx, self.dtype = model, n_ctx, dtype
         self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []     # new_caches' buffers, kept across calls
         self.embed_rows = read_f32(g, "token_embd.weight")
         self.output = (read_f32(g, "output.weight") if "output.weight" in g.tensors else self.embed_rows).to(dtype)
@@ -236,8 +250,6 @@ class TorchTeacher:
         in batches of 256 against 403 t/s in batches of 128 (one core, bfloat16); SmolLM2's (49k rows)
         came at the same speed either way."""
         per_seq = sum(b.spec.n_kv * self.n_ctx * (b.spec.head_dim + b.spec.head_dim_v) for b in self.blocks)
-        # counted at the matrices' dtype: a float32 cache (kv_dtype_for) takes up to twice the
-        # budget but keeps the batches, and so a seed's sampled streams, those of an AMX machine
         per_seq *= torch.finfo(self.dtype).bits // 8
         return max(1, min(most, kv_budget // per_seq))
 
@@ -248,8 +260,8 @@ class TorchTeacher:
         writes every slot of its padded rows)."""
         if not self._kv or self._kv[0][0].shape[0] < batch:
             self._kv = []           # the old buffers go before the new ones are touched
-            self._kv = [(torch.empty(batch, b.spec.n_kv, self.n_ctx, b.spec.head_dim, dtype=self.kv_dtype),
-                         torch.empty(batch, b.spec.n_kv, self.n_ctx, b.spec.head_dim_v, dtype=self.kv_dtype))
+            self._kv = [(torch.empty(batch, b.spec.n_kv, self.n_ctx, b.spec.head_dim, dtype=self.dtype),
+                         torch.empty(batch, b.spec.n_kv, self.n_ctx, b.spec.head_dim_v, dtype=self.dtype))
                         for b in self.blocks]
         return [{"n": 0, "k": k[:batch], "v": v[:batch]} for k, v in self._kv]
 
