@@ -1,42 +1,23 @@
-"""One decode step's attention for a batch of sequences over a KV cache (bfloat16 or float32): the
-train-mtp teacher's (hybridrt.train_mtp.torch_model), which decodes 256 sequences at once.
+"""One decode step's attention for a batch of sequences over a float32 KV cache: the train-mtp
+teacher's (hybridrt.train_mtp.torch_model), which decodes 256 sequences at once.
 
 torch's CPU scaled_dot_product_attention (and batched matmuls) read such a cache at ~10 GB/s for a
 single query row per sequence, so late in a 256-token continuation attention was about half of a
 teacher step (BENCHMARKS.md, session 18). Here each (sequence, KV head) item streams its keys and
-values once for all the query heads that share them, in parallel over items: the cache is read at
-close to memory bandwidth, and in bfloat16, half of float32's bytes.
+values once for all the query heads that share them, in parallel over items: ~2x torch's speed, now
+bound by the arithmetic (the dot products' horizontal sums), not the cache's bytes.
 
-Float32 arithmetic throughout (bfloat16 widens exactly); the sums' order is this code's (fastmath
-lets LLVM vectorize the dot products), so results match torch's float32 attention to rounding,
-not bit for bit.
+The sums' order is this code's (fastmath lets LLVM vectorize the dot products), so results match
+torch's float32 attention to rounding, not bit for bit.
 """
 from __future__ import annotations
 
 import math
 
 import numpy as np
-from numba import njit, prange, types
-from numba.extending import overload
+from numba import njit, prange
 
 from .simd_int import CACHE
-
-
-def _row_f32(row, bits):
-    """A cache row as float32: a float32 row itself; bfloat16 bits (uint16) widened into `bits`, a
-    uint32 buffer, returned viewed as float32 (widening is exact)."""
-
-
-@overload(_row_f32, inline="always")
-def _row_f32_impl(row, bits):
-    if row.dtype == types.float32:
-        return lambda row, bits: row
-    if row.dtype == types.uint16:
-        def widen(row, bits):
-            for i in range(row.shape[0]):
-                bits[i] = np.uint32(row[i]) << np.uint32(16)
-            return bits.view(np.float32)
-        return widen
 
 
 @njit(cache=CACHE, nogil=True, fastmath=True, inline="always")
@@ -57,9 +38,10 @@ def _axpy(a, x, y):
 def attend_decode(q, k_cache, v_cache, n_keys, visible, scale, out):
     """out[i, h] = softmax(scale q[i, h] . K[i, g]^T over visible keys) V[i, g], g = h // (n_head / n_kv).
 
-    q (b, n_head, d) float32; k_cache (b, n_kv, n_ctx, d), v_cache (b, n_kv, n_ctx, dv): float32, or
-    bfloat16 bits as uint16 (one dtype for both), keys 0 .. n_keys - 1 filled; visible (b, n_keys)
-    bool (padding and out-of-window keys False; a row needs one True); out (b, n_head, dv) float32."""
+    q (b, n_head, d) float32; k_cache (b, n_kv, n_ctx, d), v_cache (b, n_kv, n_ctx, dv) float32,
+    C-contiguous (Numba does not vectorize a non-contiguous array's rows: pass whole buffers, not
+    views cut to n_keys), keys 0 .. n_keys - 1 filled; visible (b, n_keys) bool (padding and
+    out-of-window keys False; a row needs one True); out (b, n_head, dv) float32."""
     b, n_head, d = q.shape
     n_kv, dv = k_cache.shape[1], v_cache.shape[3]
     group = n_head // n_kv
@@ -67,13 +49,11 @@ def attend_decode(q, k_cache, v_cache, n_keys, visible, scale, out):
         i, g = item // n_kv, item % n_kv
         h0 = g * group
         scores = np.empty((group, n_keys), np.float32)
-        kbits = np.empty(d, np.uint32)
-        vbits = np.empty(dv, np.uint32)
         best = np.full(group, -np.inf, np.float32)
         for j in range(n_keys):
             if not visible[i, j]:
                 continue
-            krow = _row_f32(k_cache[i, g, j], kbits)
+            krow = k_cache[i, g, j]
             for hh in range(group):
                 s = _dot(q[i, h0 + hh], krow) * scale
                 scores[hh, j] = s
@@ -89,7 +69,7 @@ def attend_decode(q, k_cache, v_cache, n_keys, visible, scale, out):
         for j in range(n_keys):
             if not visible[i, j]:
                 continue
-            vrow = _row_f32(v_cache[i, g, j], vbits)
+            vrow = v_cache[i, g, j]
             for hh in range(group):
                 _axpy(scores[hh, j] / total[hh], vrow, acc[hh])
         out[i, h0:h0 + group] = acc

@@ -80,12 +80,12 @@ def test_torch_teacher_matches_hybridrt(arch, tmp_path):
 
 
 def test_bfloat16_teacher_decodes_near_hybridrt(tiny_llama):
-    """The teacher train-mtp runs where the CPU has bfloat16 (matrices and KV cache bfloat16, decode
-    attention in cpu_kernels.attention_batch on the cache's bits): its continuation's hiddens stay
-    within bfloat16 rounding of hybridrt's float32 forward over the same tokens."""
+    """The teacher train-mtp runs where the CPU has bfloat16 (bfloat16 matrices, a float32 KV cache,
+    decode attention in cpu_kernels.attention_batch): its continuation's hiddens stay within
+    bfloat16 rounding of hybridrt's float32 forward over the same tokens."""
     m = load_model(tiny_llama, exact_activations=True)
     teacher = TorchTeacher(m, block_kind("llama"), 64, dtype=torch.bfloat16)
-    assert teacher.new_caches(1)[0]["k"].dtype == torch.bfloat16
+    assert teacher.new_caches(1)[0]["k"].dtype == torch.float32
     prompt = [5, 9, 17, 33, 2]
     (cont, hidden), = teacher.generate([prompt], 12, [1.0], torch.Generator().manual_seed(3), set())
     session = m.session(64, k_max=1)

@@ -195,23 +195,16 @@ def output_rows(model, ids: torch.Tensor | None) -> torch.Tensor:
     return torch.from_numpy(gather_rows(model.gguf.tensor_bytes(name), info.qtype, info.shape[0], rows))
 
 
-def _numpy_rows(cache: torch.Tensor) -> np.ndarray:
-    """A float32 or bfloat16 cache buffer as attend_decode reads it (bfloat16: its bits, uint16)."""
-    assert cache.is_contiguous()
-    if cache.dtype == torch.bfloat16:
-        return cache.view(torch.int16).numpy().view(np.uint16)
-    return cache.numpy()
-
-
 def _attend_cached(q: torch.Tensor, cache: dict, visible: torch.Tensor, scale: float) -> torch.Tensor:
     """A decode step's attention over the cache's first cache["n"] rows (q [b, 1, n_head, d] float32,
     visible [b, n]) -> [b, 1, n_head, dv]. torch's CPU attention reads a cache of 256 sequences at
     ~10 GB/s, about half of a late teacher step (BENCHMARKS.md, session 18); attend_decode streams
     each sequence's keys and values once for all the heads that share them. It takes the whole
     buffers: a view cut to n rows would be a non-contiguous array, whose rows Numba does not vectorize."""
+    assert cache["k"].is_contiguous() and cache["v"].is_contiguous()
     b, _, n_head, _ = q.shape
     out = np.empty((b, n_head, cache["v"].shape[-1]), np.float32)
-    attend_decode(np.ascontiguousarray(q[:, 0].float().numpy()), _numpy_rows(cache["k"]), _numpy_rows(cache["v"]),
+    attend_decode(np.ascontiguousarray(q[:, 0].float().numpy()), cache["k"].numpy(), cache["v"].numpy(),
                   cache["n"], np.ascontiguousarray(visible.numpy()), np.float32(scale), out)
     return torch.from_numpy(out)[:, None]
 
@@ -219,9 +212,10 @@ def _attend_cached(q: torch.Tensor, cache: dict, visible: torch.Tensor, scale: f
 class TorchTeacher:
     """The target (llama / qwen3 / gemma3) in torch, decoding a batch of prompts at once with a
     preallocated KV cache; prompts are left-padded, each sequence keeping its own positions.
-    `dtype`: the matrices' and the KV cache's storage dtype, and the matmuls'; bfloat16 writes
-    training text ~5x faster than float32 on the AMX Xeon, the residual stream, norms and attention
-    arithmetic stay float32 either way."""
+    `dtype`: the matrices' storage and matmul dtype; bfloat16 writes training text ~5x faster than
+    float32 on the AMX Xeon. The residual stream, norms and the KV cache stay float32 either way (a
+    bfloat16 cache, as fast here, moves the hiddens the head learns from further from hybridrt's:
+    3-4 points less held-out acceptance for Gemma 3's head, BENCHMARKS.md session 18)."""
 
     SUPPORTED = ("llama", "qwen3", "gemma3")
 
@@ -250,6 +244,8 @@ class TorchTeacher:
         in batches of 256 against 403 t/s in batches of 128 (one core, bfloat16); SmolLM2's (49k rows)
         came at the same speed either way."""
         per_seq = sum(b.spec.n_kv * self.n_ctx * (b.spec.head_dim + b.spec.head_dim_v) for b in self.blocks)
+        # counted at the matrices' dtype: a bfloat16 teacher's float32 cache takes up to twice the
+        # budget but keeps the batches, and so a seed's sampled streams, those of sessions before
         per_seq *= torch.finfo(self.dtype).bits // 8
         return max(1, min(most, kv_budget // per_seq))
 
@@ -260,8 +256,8 @@ class TorchTeacher:
         writes every slot of its padded rows)."""
         if not self._kv or self._kv[0][0].shape[0] < batch:
             self._kv = []           # the old buffers go before the new ones are touched
-            self._kv = [(torch.empty(batch, b.spec.n_kv, self.n_ctx, b.spec.head_dim, dtype=self.dtype),
-                         torch.empty(batch, b.spec.n_kv, self.n_ctx, b.spec.head_dim_v, dtype=self.dtype))
+            self._kv = [(torch.empty(batch, b.spec.n_kv, self.n_ctx, b.spec.head_dim, dtype=torch.float32),
+                         torch.empty(batch, b.spec.n_kv, self.n_ctx, b.spec.head_dim_v, dtype=torch.float32))
                         for b in self.blocks]
         return [{"n": 0, "k": k[:batch], "v": v[:batch]} for k, v in self._kv]
 

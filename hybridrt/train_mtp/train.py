@@ -39,9 +39,9 @@ BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 # 1: temperatures cycled per continuation; 2: text_plan (sampled prefix, then greedy); 3: the held-out
 # continuations written by hybridrt's own greedy decoding; 4: the teacher's batches sized by its KV
 # cache (256 sequences for the small models), which changes the sampled streams of a seed; 5: each
-# distinct prompt of a batch prefilled once (its bfloat16 rounding differs from a full batch's); 6: a
-# bfloat16 KV cache on every bfloat16 machine (was float32 without AMX), decode steps' attention in
-# cpu_kernels.attention_batch (float32 sums in its own order)
+# distinct prompt of a batch prefilled once (its bfloat16 rounding differs from a full batch's); 6:
+# decode steps' attention in cpu_kernels.attention_batch (float32 sums in its own order) over a
+# float32 KV cache on every machine (the AMX Xeon's was bfloat16)
 TEXT_VERSION = 6
 MAX_SEQ = 512                               # prompt + continuation (one hybridrt prefill chunk)
 
