@@ -93,8 +93,8 @@ class TorchBlock(nn.Module):
         if cache is not None and t == 1:        # a decode step: cpu_kernels' batched decode attention
             o = _attend_cached(q, cache, mask[:, 0, 0], s.scale)
         else:
-            if cache is not None:   # a prefill: the rows as the cache holds them, in float32
-                k, v = cache["k"][:, :, :n + t].float(), cache["v"][:, :, :n + t].float()
+            if cache is not None:   # a prefill (once per generate call): torch's attention
+                k, v = cache["k"][:, :, :n + t], cache["v"][:, :, :n + t]
             # enable_gqa: head h reads kv head h // group (as gpu_kernels.attention.attend), without
             # materializing the repeated keys
             o = F.scaled_dot_product_attention(q.transpose(1, 2).to(k.dtype), k, v, attn_mask=mask, scale=s.scale,
@@ -245,7 +245,7 @@ class TorchTeacher:
         came at the same speed either way."""
         per_seq = sum(b.spec.n_kv * self.n_ctx * (b.spec.head_dim + b.spec.head_dim_v) for b in self.blocks)
         # counted at the matrices' dtype: a bfloat16 teacher's float32 cache takes up to twice the
-        # budget but keeps the batches, and so a seed's sampled streams, those of sessions before
+        # budget, and its batches (so a seed's sampled streams) stay those of earlier versions
         per_seq *= torch.finfo(self.dtype).bits // 8
         return max(1, min(most, kv_budget // per_seq))
 
