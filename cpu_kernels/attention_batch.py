@@ -7,8 +7,9 @@ teacher step (BENCHMARKS.md, session 18). Here each (sequence, KV head) item str
 values once for all the query heads that share them, in parallel over items: ~2x torch's speed, now
 bound by the arithmetic (the dot products' horizontal sums), not the cache's bytes.
 
-The sums' order is this code's (fastmath lets LLVM vectorize the dot products), so results match
-torch's float32 attention to rounding, not bit for bit.
+The dot products are matvec_simd.dot_f32's (fixed order: the same bits in every compilation), the
+rest plain float32 loops, so results match torch's float32 attention to rounding, not bit for bit,
+and the teacher's text does not depend on how LLVM vectorized a given build.
 """
 from __future__ import annotations
 
@@ -17,24 +18,17 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from .matvec_simd import dot_f32
 from .simd_int import CACHE
 
 
-@njit(cache=CACHE, nogil=True, fastmath=True, inline="always")
-def _dot(x, y):
-    s = np.float32(0.0)
-    for c in range(x.shape[0]):
-        s += x[c] * y[c]
-    return s
-
-
-@njit(cache=CACHE, nogil=True, fastmath=True, inline="always")
+@njit(cache=CACHE, nogil=True, inline="always")
 def _axpy(a, x, y):
     for c in range(x.shape[0]):
         y[c] += a * x[c]
 
 
-@njit(cache=CACHE, nogil=True, fastmath=True, parallel=True)
+@njit(cache=CACHE, nogil=True, parallel=True)
 def attend_decode(q, k_cache, v_cache, n_keys, visible, scale, out):
     """out[i, h] = softmax(scale q[i, h] . K[i, g]^T over visible keys) V[i, g], g = h // (n_head / n_kv).
 
@@ -55,7 +49,7 @@ def attend_decode(q, k_cache, v_cache, n_keys, visible, scale, out):
                 continue
             krow = k_cache[i, g, j]
             for hh in range(group):
-                s = _dot(q[i, h0 + hh], krow) * scale
+                s = dot_f32(q[i, h0 + hh], krow) * scale
                 scores[hh, j] = s
                 best[hh] = max(best[hh], s)
         total = np.zeros(group, np.float32)
