@@ -56,8 +56,8 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=2)
     args = ap.parse_args()
 
-    torch.set_num_threads(args.threads)
     m = load_model(args.model, threads=args.threads)
+    torch.set_num_threads(args.threads)         # after loading, which leaves torch one thread beside Numba's
     data = torch.load(args.data, weights_only=False)
     train, heldout = data["train"], data["heldout"]
     cfg = TrainConfig(steps=args.steps, draft_vocab=args.draft_vocab, loss=args.loss, lr=args.lr, batch=args.batch)
@@ -73,7 +73,7 @@ def main() -> None:
         batch = T.step_batch(m, train, cfg, step)
         features, logits, target = T.head_outputs(head, w_draft, batch, T.BF16)
         valid, h_tgt = batch[-1], batch[2]
-        loss = T.distill_loss(logits, target, cfg.loss)[valid].mean()
+        loss = T.distill_loss(logits, target, cfg.loss).mean()      # at the real entries only
         if args.reg:
             loss = loss + args.reg * F.smooth_l1_loss(features.float()[valid], h_tgt[valid])
         opt.zero_grad()

@@ -6,7 +6,8 @@ generate() call, with torch on the threads train-mtp gives it.
 
 To compare two trees, run it under each: `PYTHONPATH=/tmp/old python scripts/bench_teacher.py ...`
 (it prints which torch_model it imported). A call's time is its prefill (the batch's prompts) plus
-n decode steps of the whole batch; train-mtp's default text is 1536 continuations of 256 tokens.
+n decode steps of the batch (continuations end at the model's end-of-generation tokens, as in
+train-mtp, and leave the batch); train-mtp's default text is 1536 continuations of 256 tokens.
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ def main() -> None:
     ap.add_argument("-n", "--n-new", type=int, default=24, help="new tokens per continuation")
     ap.add_argument("--calls", type=int, default=3, help="generate() calls (batches)")
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--no-stop", action="store_true",
+                    help="continuations never end early (train-mtp's end at the model's end-of-generation tokens)")
     args = ap.parse_args()
     m = load_model(args.model, threads=args.threads)
     torch.set_num_threads(args.threads)         # as train-mtp's CLI does after loading
@@ -40,14 +43,17 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     print(f"{args.model}: {torch_model.__file__}, batches of {b}, {args.n_new} new tokens, "
           f"{'bfloat16' if BF16 else 'float32'} matrices, {args.threads} threads")
-    total = 0.0
+    stop = set() if args.no_stop else set(m.tokenizer.eog_ids)
+    total, written = 0.0, 0
     for lo in range(0, n, b):
         t0 = time.perf_counter()
-        teacher.generate(ids[lo:lo + b], args.n_new, temps[lo:lo + b], gen, set(), greedy_after[lo:lo + b])
+        out = teacher.generate(ids[lo:lo + b], args.n_new, temps[lo:lo + b], gen, stop, greedy_after[lo:lo + b])
         dt = time.perf_counter() - t0
         total += dt
-        print(f"  call {lo // b}: {dt:.1f} s")
-    print(f"  total {total:.1f} s, {n * args.n_new / total:.0f} new tokens/s")
+        written += sum(len(c) for c, _ in out)
+        print(f"  call {lo // b}: {dt:.1f} s, {sum(len(c) for c, _ in out)} tokens")
+    print(f"  total {total:.1f} s, {written} tokens written ({written / (n * args.n_new):.0%} of the slots), "
+          f"{written / total:.0f} tokens/s")
 
 
 if __name__ == "__main__":

@@ -126,6 +126,40 @@ def test_teacher_prefills_repeated_prompts_once_and_reuses_its_buffers(tiny_llam
         assert torch.allclose(hidden, want_hidden, atol=1e-5)
 
 
+def test_teacher_drops_finished_sequences_from_its_batch(tiny_llama):
+    """Sequences that end early leave the batch (their slots refilled from the live ones above the
+    new size): every continuation and hidden stays what a batch keeping them writes."""
+    m = load_model(tiny_llama, exact_activations=True)
+    teacher = TorchTeacher(m, block_kind("llama"), 64)
+    prompts = [[5, 9, 17], [40, 41], [7, 8, 9, 10], [3, 4], [60, 2, 9], [11], [5, 9, 17], [40, 41]]
+    # hot temperatures: the tiny random model, sampled at 1, mostly repeats its last token
+    temps, switch = [8.0, 8.0, 0.0, 8.0, 6.0, 8.0, 8.0, 6.0], [14, 6, 0, 14, 3, 14, 14, 9]
+
+    def run(stop, compact_at):
+        return teacher.generate(prompts, 14, temps, torch.Generator().manual_seed(1), stop, switch, compact_at=compact_at)
+
+    free = run(set(), None)
+    # stop tokens met at different steps, the rest of the sequences running to the end: a token is
+    # taken where it ends a sequence at a step no other stop ends one at, and leaves half running
+    stop: set[int] = set()
+
+    def ends_with(stops):
+        return [next((j + 1 for j, t in enumerate(c) if t in stops), 14) for c, _ in free]
+
+    for c, _ in free:
+        for t in c[1:12]:
+            e, now = ends_with(stop | {t}), ends_with(stop)
+            if len(set(e)) > len(set(now)) and e.count(14) >= len(prompts) // 2:
+                stop.add(t)
+                break
+    ends = [next((j + 1 for j, t in enumerate(c) if t in stop), 14) for c, _ in free]
+    assert min(ends) < 14 and max(ends) == 14 and len(set(ends)) >= 3, ends
+    kept, dropped = run(stop, 10**6), run(stop, 1)
+    for (c_kept, h_kept), (c_drop, h_drop), (c_free, _), n in zip(kept, dropped, free, ends):
+        assert c_kept == c_drop == c_free[:n]
+        assert torch.allclose(h_kept, h_drop, atol=1e-5)
+
+
 def test_head_round_trip_and_runtime_matches_torch(tiny_llama, tmp_path):
     """The runtime head (bound from the GGUF) computes what the torch module computed (f32 file)."""
     cfg = dataclasses.replace(TINY, head_type="f32")

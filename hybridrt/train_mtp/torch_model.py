@@ -292,12 +292,13 @@ class TorchTeacher:
 
     def generate(self, prompts: list[list[int]], n_new: int, temps: list[float], gen: torch.Generator,
                  stop_ids: set[int], greedy_after: list[int] | None = None,
-                 top_k: int = 40) -> list[tuple[list[int], torch.Tensor]]:
+                 top_k: int = 40, compact_at: int | None = None) -> list[tuple[list[int], torch.Tensor]]:
         """Each prompt continued by up to n_new tokens: top-k sampling at temps[i] for the first
         greedy_after[i] tokens (default: all of them), greedy after that (temperature 0: greedy
         throughout); a stop token ends (and is included in) its continuation. Returns, per prompt,
         (continuation, the final-normed hidden [len(prompt) + len(continuation), n_embd] at every
-        position), the hidden the head is fed and trained against."""
+        position), the hidden the head is fed and trained against. Finished sequences leave the
+        batch once compact_at of them (default: 1/16 of the batch) have gathered."""
         b, longest = len(prompts), max(len(p) for p in prompts)
         if longest + n_new > self.n_ctx:
             raise ValueError(f"teacher: {longest} + {n_new} tokens exceed its context of {self.n_ctx}")
@@ -322,31 +323,54 @@ class TorchTeacher:
         k_pos = pos
         if self._logits.shape[0] < b:
             self._logits = torch.empty(b, self.output.shape[0], dtype=self.dtype)
-        buf = self._logits[:b]       # a step's 134 MB (Gemma 3) of logits reused: fresh ones page-faulted
+        hidden = torch.empty(b, longest + n_new, normed.shape[-1])
+        hidden[:, :longest] = normed
         temp = torch.tensor(temps, dtype=torch.float32)
         switch = torch.tensor(greedy_after if greedy_after is not None else [n_new] * b)
         new = torch.zeros(b, n_new, dtype=torch.int64)
-        hiddens = [normed]
         stop = torch.tensor(sorted(stop_ids), dtype=torch.int64)
+        seq = torch.arange(b)       # the sequence decoding in each slot of the batch
         done = torch.zeros(b, dtype=torch.bool)
         ends = torch.full((b,), n_new)
+        compact_at = max(1, b // 16) if compact_at is None else compact_at
         for s in range(n_new):
             top, ids = torch.topk(logits, top_k, dim=-1)
             probs = torch.softmax(top.float() / temp[:, None].clamp(min=1e-6), dim=-1)
-            sampled = ids.gather(1, torch.multinomial(probs, 1, generator=gen))[:, 0]
+            # one uniform draw per sequence and step, by inverse CDF: a sequence's stream does not
+            # depend on which others are still in the batch
+            u = torch.rand(b, generator=gen)[seq]
+            cdf = probs.cumsum(-1)
+            pick = (cdf < u[:, None] * cdf[:, -1:]).sum(-1, keepdim=True).clamp(max=top_k - 1)
+            sampled = ids.gather(1, pick)[:, 0]
             nxt = torch.where((temp > 0) & (s < switch), sampled, ids[:, 0])
-            new[:, s] = nxt
+            if int(done.sum()) >= compact_at:
+                # sequences that ended at an earlier step (their last hidden is written) leave the
+                # batch: SmolLM2's continuations often end early, and its finished slots had been
+                # a quarter of the teacher's work. A finished slot below the new size takes a live
+                # one from above it, so only that many cache rows move.
+                keep = int((~done).sum())
+                order = torch.arange(done.shape[0])
+                order[done[:keep].nonzero()[:, 0]] = (~done[keep:]).nonzero()[:, 0] + keep
+                order = order[:keep]
+                for c in caches:
+                    for part in ("k", "v"):
+                        c[part][:keep, :, :c["n"]] = c[part][order, :, :c["n"]]
+                        c[part] = c[part][:keep]
+                nxt, seq, k_pos, k_valid, temp, switch = (x[order] for x in (nxt, seq, k_pos, k_valid, temp, switch))
+                done = done[order]
+            new[seq, s] = nxt
             stopped = torch.isin(nxt, stop) & ~done
-            ends[stopped] = s + 1
+            ends[seq[stopped]] = s + 1
             done |= stopped
             pos = k_pos[:, -1:] + 1
             k_pos = torch.cat((k_pos, pos), dim=1)
-            k_valid = torch.cat((k_valid, torch.ones(b, 1, dtype=torch.bool)), dim=1)
-            logits, normed = self.step(nxt[:, None], pos, k_pos, k_valid, caches, out=buf)
-            hiddens.append(normed)
+            k_valid = torch.cat((k_valid, torch.ones(len(seq), 1, dtype=torch.bool)), dim=1)
+            # the step's logits (134 MB for Gemma 3's batch) go into a buffer kept across steps and
+            # calls: fresh ones page-faulted
+            logits, normed = self.step(nxt[:, None], pos, k_pos, k_valid, caches, out=self._logits[:len(seq)])
+            hidden[seq, longest + s] = normed[:, 0]
             if bool(done.all()):
                 break
-        hidden = torch.cat(hiddens, dim=1)
         out = []
         for i, p in enumerate(prompts):
             n = int(ends[i])

@@ -41,8 +41,9 @@ BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 # cache (256 sequences for the small models), which changes the sampled streams of a seed; 5: each
 # distinct prompt of a batch prefilled once (its bfloat16 rounding differs from a full batch's); 6:
 # decode steps' attention in cpu_kernels.attention_batch (float32 sums in its own order) over a
-# float32 KV cache on every machine (the AMX Xeon's was bfloat16)
-TEXT_VERSION = 6
+# float32 KV cache on every machine (the AMX Xeon's was bfloat16); 7: sampling by one uniform draw per
+# sequence and step (inverse CDF), and finished sequences leaving the teacher's batch
+TEXT_VERSION = 7
 MAX_SEQ = 512                               # prompt + continuation (one hybridrt prefill chunk)
 
 
@@ -197,22 +198,24 @@ def step_batch(model, train: list[Sequence], cfg: TrainConfig, step: int):
 
 
 def head_outputs(head: MTPHeadModule, w_draft: torch.Tensor, batch, bf16: bool = False):
-    """(the head's final-normed features, its draft logits, the target's logits over the draft
-    vocabulary) for a batch_inputs batch. bf16: the head's matmuls under bfloat16 autocast (AMX /
-    AVX-512 BF16: ~1.7x the float32 steps per minute here); the parameters, the loss and the
-    optimizer stay float32."""
+    """(the head's final-normed features [b, t, n_embd], its draft logits and the target's logits
+    over the draft vocabulary at the batch's real entries [n_valid, V]) for a batch_inputs batch.
+    The output products (two thirds of a step's work with the backward pass) skip the padding:
+    a quarter of SmolLM2's entries, whose continuations often end early. bf16: the head's matmuls
+    under bfloat16 autocast (AMX / AVX-512 BF16: ~1.7x the float32 steps per minute here); the
+    parameters, the loss and the optimizer stay float32."""
     emb, h_in, h_tgt, pos, valid = batch
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         features = head.features(emb, h_in, pos, torch.ones_like(valid))
-        logits = features @ head.head.T
+        logits = features[valid] @ head.head.T
         with torch.no_grad():
-            target = (h_tgt @ w_draft.T).float()
+            target = (h_tgt[valid] @ w_draft.T).float()
     return features, logits, target
 
 
 def loss_of(head: MTPHeadModule, w_draft: torch.Tensor, batch, loss: str, bf16: bool = False) -> torch.Tensor:
     _, logits, target = head_outputs(head, w_draft, batch, bf16)
-    return distill_loss(logits, target, loss)[batch[-1]].mean()
+    return distill_loss(logits, target, loss).mean()
 
 
 def distill_loss(logits: torch.Tensor, target: torch.Tensor, loss: str) -> torch.Tensor:
