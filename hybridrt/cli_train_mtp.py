@@ -55,6 +55,7 @@ def train_mtp(
     eval_every: int = typer.Option(DEFAULTS.eval_every, "--eval-every", help="Steps between held-out evaluations."),
     patience: int = typer.Option(DEFAULTS.patience, "--patience", help="Stop after this many evaluations without a better acceptance."),
     head_type: str = typer.Option(DEFAULTS.head_type, "--head-type", help="Storage of the head's matrices: q8_0, f16, f32."),
+    head_ffn_layers: int = typer.Option(DEFAULTS.head_ffn_layers, "--head-ffn-layers", help="The head block's FFN starts as the target's last N layers' FFNs side by side (N times as wide: a costlier draft step). 0: 2 for pre-norm targets (llama, qwen3, qwen35), 1 for gemma3."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (no progress bar)."),
 ):
     """Train an MTP (NextN) draft head by self-distillation: the target writes its own text, the head
@@ -66,7 +67,8 @@ def train_mtp(
     from .train_mtp.train import train_mtp as run_training
 
     cfg = TrainConfig(tokens=tokens, steps=steps, draft_vocab=draft_vocab, seed=seed, loss=loss, lr=lr,
-                      batch=batch, gen_len=gen_len, eval_every=eval_every, patience=patience, head_type=head_type)
+                      batch=batch, gen_len=gen_len, eval_every=eval_every, patience=patience, head_type=head_type,
+                      head_ffn_layers=head_ffn_layers)
     if not out.parent.exists():
         raise UserError(f"-o {out}: directory {out.parent} does not exist")
     _reuse_freed_memory()

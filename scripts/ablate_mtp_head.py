@@ -5,7 +5,7 @@ Reads the text and hiddens a `train-mtp` run cached next to its head (HEAD.gguf.
 head as train-mtp does (hybridrt.train_mtp.train), and trains it for --steps with one thing changed:
 the loss (KL to the target's logits over the draft vocabulary, or cross-entropy to their argmax),
 an EAGLE-style regression of the target's next final-normed hidden added to it (--reg, smooth L1),
-the draft vocabulary's size, the learning rate or the batch. Prints the held-out acceptance (per
+the draft vocabulary's size, the head's FFN width (--head-ffn-layers), the learning rate or the batch. Prints the held-out acceptance (per
 position, and as a run at --spec-draft-n-max 1 meets it) every --eval steps, and how much of the
 held-out argmax tokens the draft vocabulary covers. Evaluations do not stop the run early, and the
 batches are train-mtp's own at --seed 0 (train.step_batch) for every variant, so variants differ
@@ -52,6 +52,8 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=TrainConfig.draft_vocab)
     ap.add_argument("--lr", type=float, default=TrainConfig.lr)
     ap.add_argument("--batch", type=int, default=TrainConfig.batch)
+    ap.add_argument("--head-ffn-layers", type=int, default=TrainConfig.head_ffn_layers,
+                    help="the head's FFN as the target's last N layers' FFNs side by side")
     ap.add_argument("--eval", type=int, default=100, help="steps between held-out evaluations")
     ap.add_argument("-t", "--threads", type=int, default=2)
     args = ap.parse_args()
@@ -60,7 +62,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)         # after loading, which leaves torch one thread beside Numba's
     data = torch.load(args.data, weights_only=False)
     train, heldout = data["train"], data["heldout"]
-    cfg = TrainConfig(steps=args.steps, draft_vocab=args.draft_vocab, loss=args.loss, lr=args.lr, batch=args.batch)
+    cfg = TrainConfig(steps=args.steps, draft_vocab=args.draft_vocab, loss=args.loss, lr=args.lr, batch=args.batch,
+                      head_ffn_layers=args.head_ffn_layers)
     torch.manual_seed(cfg.seed)
     head, ids, w_draft, _ = T.new_head(m, train, cfg)
     print(json.dumps({"variant": vars(args), "train_tokens": sum(len(s.tokens) - s.n_prompt for s in train),

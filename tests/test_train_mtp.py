@@ -14,8 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import make_model
+from gpu_kernels.norms import rms_norm
 from hybridrt.errors import UserError
 from hybridrt.generate import generate
 from hybridrt.gguf_file import GGUFFile
@@ -29,7 +31,7 @@ from hybridrt.speculative.sources import build_source
 from hybridrt.train_mtp import train as train_module
 from hybridrt.train_mtp.config import TrainConfig
 from hybridrt.train_mtp.train import train_mtp
-from hybridrt.train_mtp.torch_model import MTPHeadModule, TorchTeacher
+from hybridrt.train_mtp.torch_model import MTPHeadModule, TorchTeacher, initial_head_tensors, read_f32
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -160,6 +162,33 @@ def test_teacher_drops_finished_sequences_from_its_batch(tiny_llama):
         assert torch.allclose(h_kept, h_drop, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_wide_head_ffn_starts_as_the_sum_of_the_target_layers_ffns(arch, tmp_path):
+    """--head-ffn-layers 2: the block's FFN is the last two layers' FFNs side by side, each one's own
+    pre-FFN norm folded in, so on any input it computes their sum."""
+    m = load_model(make_model.write_model(tmp_path / f"{arch}.gguf", arch, mix="f32", seed=2), exact_activations=True)
+    kind = block_kind(arch)
+    layer, _ = head_attention_spec(m)
+    assert layer >= 1
+    x = torch.randn(5, m.n_embd, generator=torch.Generator().manual_seed(0)) * 3
+    act = F.silu if kind.act == "silu" else (lambda v: F.gelu(v, approximate="tanh"))
+
+    def ffn(gate, up, down, norm):
+        h = rms_norm(x, norm, m.eps)
+        return (act(h @ gate.T) * (h @ up.T)) @ down.T
+
+    def target_ffn(i):
+        return ffn(*(read_f32(m.gguf, f"blk.{i}.{n}.weight") for n in ("ffn_gate", "ffn_up", "ffn_down", kind.ffn_norm)))
+
+    wide, one = (initial_head_tensors(m, None, kind, 1.0, ffn_layers=n) for n in (2, 1))
+    assert wide["ffn_gate"].shape[0] == wide["ffn_down"].shape[1] == 2 * one["ffn_gate"].shape[0]
+    want = target_ffn(layer) + target_ffn(layer - 1)
+    got = ffn(wide["ffn_gate"], wide["ffn_up"], wide["ffn_down"], wide["ffn_norm"])
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(ffn(one["ffn_gate"], one["ffn_up"], one["ffn_down"], one["ffn_norm"]), target_ffn(layer), atol=1e-5)
+    assert not torch.allclose(target_ffn(layer), want, atol=1e-2)
+
+
 def test_head_round_trip_and_runtime_matches_torch(tiny_llama, tmp_path):
     """The runtime head (bound from the GGUF) computes what the torch module computed (f32 file)."""
     cfg = dataclasses.replace(TINY, head_type="f32")
@@ -168,6 +197,8 @@ def test_head_round_trip_and_runtime_matches_torch(tiny_llama, tmp_path):
     m = load_model(tiny_llama, exact_activations=True, mtp_head=tmp_path / "h.gguf")
     head = m.mtp
     assert isinstance(head, TrainedMTPHead) and len(head.draft_ids) == TINY.draft_vocab
+    n_ff = m.gguf.tensors["blk.0.ffn_gate.weight"].shape[1]
+    assert GGUFFile(tmp_path / "h.gguf").tensors["mtp.ffn_gate.weight"].shape[1] == 2 * n_ff      # the default for llama
     # on a CPU trunk the head's block runs as the target's layers do: one fused call per half
     from hybridrt.backends import FUSED_DEFAULT, FusedAttentionBlock, FusedFfnBlock
     assert isinstance(head.attn_half, FusedAttentionBlock) == isinstance(head.ffn_half, FusedFfnBlock) == FUSED_DEFAULT

@@ -171,15 +171,28 @@ class MTPHeadModule(nn.Module):
         return {f"mtp.{k}.weight": v.detach().float().numpy() for k, v in out.items()}
 
 
-def initial_head_tensors(model, draft_ids: torch.Tensor, kind: BlockKind, scale: float = 1.0) -> dict[str, torch.Tensor]:
+def initial_head_tensors(model, draft_ids: torch.Tensor, kind: BlockKind, scale: float = 1.0,
+                         ffn_layers: int = 1) -> dict[str, torch.Tensor]:
     """Start from the target: the block from its last full-attention layer, the head norm from its
     output norm, the head from its output rows of the draft vocabulary, enorm = hnorm = 1 and
     eh_proj = [I | I] * scale / sqrt(2): the sum of the normed embedding and the normed hidden at
     `scale`, the RMS of the residual stream the copied layer reads in the target (its attention and
-    FFN outputs are sized for that residual; a unit-RMS input would be drowned by them)."""
+    FFN outputs are sized for that residual; a unit-RMS input would be drowned by them).
+    ffn_layers > 1: the block's FFN is that many of the target's FFNs side by side (the copied
+    layer's and those of the layers before it), so it starts as their sum, with each one's pre-FFN
+    norm folded into its gate and up rows: a wider FFN learned SmolLM2's token after next 2.6
+    points better in the same steps (BENCHMARKS.md, session 19)."""
     layer, spec = head_attention_spec(model)
     g, d = model.gguf, model.n_embd
     t = {mine: read_f32(g, f"blk.{layer}.{theirs}.weight") for mine, theirs in block_tensor_names(kind, spec).items()}
+    norm = t["ffn_norm"]
+    for prev in range(layer - 1, max(layer - ffn_layers, -1), -1):
+        if f"blk.{prev}.ffn_gate.weight" not in g.tensors:        # no dense FFN there (an MoE layer)
+            break
+        ratio = read_f32(g, f"blk.{prev}.{kind.ffn_norm}.weight") / torch.where(norm.abs() > 1e-6, norm, torch.inf)
+        t["ffn_gate"] = torch.cat((t["ffn_gate"], read_f32(g, f"blk.{prev}.ffn_gate.weight") * ratio), 0)
+        t["ffn_up"] = torch.cat((t["ffn_up"], read_f32(g, f"blk.{prev}.ffn_up.weight") * ratio), 0)
+        t["ffn_down"] = torch.cat((t["ffn_down"], read_f32(g, f"blk.{prev}.ffn_down.weight")), 1)
     t["enorm"], t["hnorm"] = torch.ones(d), torch.ones(d)
     t["eh_proj"] = torch.cat((torch.eye(d), torch.eye(d)), dim=1) * (scale / math.sqrt(2))
     t["head_norm"] = read_f32(g, "output_norm.weight")
