@@ -55,7 +55,7 @@ def train_mtp(
     eval_every: int = typer.Option(DEFAULTS.eval_every, "--eval-every", help="Steps between held-out evaluations."),
     patience: int = typer.Option(DEFAULTS.patience, "--patience", help="Stop after this many evaluations without a better acceptance."),
     head_type: str = typer.Option(DEFAULTS.head_type, "--head-type", help="Storage of the head's matrices: q8_0, f16, f32."),
-    head_ffn_layers: int = typer.Option(DEFAULTS.head_ffn_layers, "--head-ffn-layers", help="The head block's FFN starts as the target's last N layers' FFNs side by side (N times as wide: a costlier draft step). 0: 2 for pre-norm targets (llama, qwen3, qwen35), 1 for gemma3."),
+    head_ffn_layers: int = typer.Option(DEFAULTS.head_ffn_layers, "--head-ffn-layers", help="The head block's FFN starts as the target's last N layers' FFNs side by side (N times as wide, a costlier draft): learns faster early, no better after the default steps."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (no progress bar)."),
 ):
     """Train an MTP (NextN) draft head by self-distillation: the target writes its own text, the head

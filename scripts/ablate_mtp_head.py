@@ -5,11 +5,11 @@ Reads the text and hiddens a `train-mtp` run cached next to its head (HEAD.gguf.
 head as train-mtp does (hybridrt.train_mtp.train), and trains it for --steps with one thing changed:
 the loss (KL to the target's logits over the draft vocabulary, or cross-entropy to their argmax),
 an EAGLE-style regression of the target's next final-normed hidden added to it (--reg, smooth L1),
-the draft vocabulary's size, the head's FFN width (--head-ffn-layers), the learning rate or the batch. Prints the held-out acceptance (per
-position, and as a run at --spec-draft-n-max 1 meets it) every --eval steps, and how much of the
-held-out argmax tokens the draft vocabulary covers. Evaluations do not stop the run early, and the
-batches are train-mtp's own at --seed 0 (train.step_batch) for every variant, so variants differ
-only in what was changed.
+the draft vocabulary's size, the head's FFN width (--head-ffn-layers), the learning rate or the
+batch. Prints the held-out acceptance (per position, and as a run at --spec-draft-n-max 1 meets it)
+every --eval steps, and how much of the held-out argmax tokens the draft vocabulary covers.
+Evaluations do not stop the run early, and the batches are train-mtp's own at --seed 0
+(train.step_batch) for every variant, so variants differ only in what was changed.
 
     python3 scripts/ablate_mtp_head.py -m smollm2-135m --data ~/.cache/hybridrt/heads/smollm2-135m.v4.mtp.gguf.data.pt \\
         --steps 600 --loss argmax

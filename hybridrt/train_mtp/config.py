@@ -23,15 +23,14 @@ class TrainConfig:
     eval_every: int = 50
     patience: int = 3            # evaluations without a better acceptance before stopping
     head_type: str = "q8_0"
-    head_ffn_layers: int = 0     # the head block's FFN as the target's last N layers' FFNs side by side (0: by kind)
+    head_ffn_layers: int = 1     # the head block's FFN as the target's last N layers' FFNs side by side
 
     def __post_init__(self):
         from ..mtp_head import HEAD_TYPES       # the head writer's storage types (imports torch)
 
-        if min(self.tokens, self.steps, self.batch, self.gen_len, self.eval_every) < 1:
-            raise UserError("train-mtp: --tokens, --steps, --batch, --gen-len and --eval-every must be positive")
-        if self.head_ffn_layers < 0:
-            raise UserError("train-mtp: --head-ffn-layers must be >= 0 (0: by the target's kind of block)")
+        if min(self.tokens, self.steps, self.batch, self.gen_len, self.eval_every, self.head_ffn_layers) < 1:
+            raise UserError("train-mtp: --tokens, --steps, --batch, --gen-len, --eval-every and --head-ffn-layers "
+                            "must be positive")
         if self.draft_vocab < 0:
             raise UserError("train-mtp: --draft-vocab must be >= 0 (0: the full vocabulary)")
         if self.loss not in LOSSES:

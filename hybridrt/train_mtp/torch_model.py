@@ -179,9 +179,10 @@ def initial_head_tensors(model, draft_ids: torch.Tensor, kind: BlockKind, scale:
     `scale`, the RMS of the residual stream the copied layer reads in the target (its attention and
     FFN outputs are sized for that residual; a unit-RMS input would be drowned by them).
     ffn_layers > 1: the block's FFN is that many of the target's FFNs side by side (the copied
-    layer's and those of the layers before it), so it starts as their sum, with each one's pre-FFN
-    norm folded into its gate and up rows: a wider FFN learned SmolLM2's token after next 2.6
-    points better in the same steps (BENCHMARKS.md, session 19)."""
+    layer's and those of the layers before it), each one's pre-FFN norm folded into its gate and up
+    rows, so a pre-norm block's starts as their sum (gemma3's sandwich norm applies to the sum).
+    SmolLM2's head learned faster that way (600 steps: +2.6 points held-out) but ended level
+    after train-mtp's default steps (BENCHMARKS.md, session 19)."""
     layer, spec = head_attention_spec(model)
     g, d = model.gguf, model.n_embd
     t = {mine: read_f32(g, f"blk.{layer}.{theirs}.weight") for mine, theirs in block_tensor_names(kind, spec).items()}

@@ -178,14 +178,6 @@ def batch_inputs(model, seqs: list[Sequence]):
     return emb, h_in, h_tgt, pos, valid
 
 
-def ffn_layers(cfg: TrainConfig, kind) -> int:
-    """How many of the target's FFNs the head's block starts with side by side. By default two for a
-    pre-norm block: SmolLM2's head drafted 2.6 points better after 600 steps; one for gemma3's
-    sandwich block, whose FFN output is normed after the sum (so two side by side do not start as
-    the sum of the layers' outputs) and whose head drafted 3 points worse that way (session 19)."""
-    return cfg.head_ffn_layers or (1 if kind.sandwich else 2)
-
-
 def new_head(model, train: list[Sequence], cfg: TrainConfig) -> tuple[MTPHeadModule, torch.Tensor | None, torch.Tensor, float]:
     """The head training starts from (initial_head_tensors), its draft vocabulary (None: the full
     one), the target's output rows of that vocabulary, and the residual scale the block starts at."""
@@ -193,7 +185,7 @@ def new_head(model, train: list[Sequence], cfg: TrainConfig) -> tuple[MTPHeadMod
     scale = residual_scale(model, train[0].tokens.tolist())
     draft_ids = pick_draft_vocab(train, model.n_vocab, cfg.draft_vocab)
     _, spec = head_attention_spec(model)
-    head = MTPHeadModule(initial_head_tensors(model, draft_ids, kind, scale, ffn_layers(cfg, kind)), spec, kind,
+    head = MTPHeadModule(initial_head_tensors(model, draft_ids, kind, scale, cfg.head_ffn_layers), spec, kind,
                          model.eps, MAX_SEQ + 1)
     return head, draft_ids, output_rows(model, draft_ids), scale
 
@@ -209,8 +201,8 @@ def step_batch(model, train: list[Sequence], cfg: TrainConfig, step: int):
 def head_outputs(head: MTPHeadModule, w_draft: torch.Tensor, batch, bf16: bool = False):
     """(the head's final-normed features [b, t, n_embd], its draft logits and the target's logits
     over the draft vocabulary at the batch's real entries [n_valid, V]) for a batch_inputs batch.
-    The output products (two thirds of a step's work with the backward pass) skip the padding:
-    a quarter of SmolLM2's entries, whose continuations often end early. bf16: the head's matmuls
+    The output products (about a third of a step's work with the backward pass) skip the
+    padding: a quarter of SmolLM2's entries, whose continuations end at different lengths. bf16: the head's matmuls
     under bfloat16 autocast (AMX / AVX-512 BF16: ~1.7x the float32 steps per minute here); the
     parameters, the loss and the optimizer stay float32."""
     emb, h_in, h_tgt, pos, valid = batch
