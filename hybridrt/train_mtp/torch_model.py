@@ -352,9 +352,9 @@ class TorchTeacher:
             probs = torch.softmax(top.float() / temp[:, None].clamp(min=1e-6), dim=-1)
             # one uniform draw per sequence and step, by inverse CDF: a sequence's stream does not
             # depend on which others are still in the batch
-            u = torch.rand(b, generator=gen)[seq]
+            draw = torch.rand(b, generator=gen)[seq]
             cdf = probs.cumsum(-1)
-            pick = (cdf < u[:, None] * cdf[:, -1:]).sum(-1, keepdim=True).clamp(max=top_k - 1)
+            pick = (cdf < draw[:, None] * cdf[:, -1:]).sum(-1, keepdim=True).clamp(max=top_k - 1)
             sampled = ids.gather(1, pick)[:, 0]
             nxt = torch.where((temp > 0) & (s < switch), sampled, ids[:, 0])
             if int(done.sum()) >= compact_at:
