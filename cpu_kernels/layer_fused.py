@@ -19,11 +19,10 @@ a plain loop when the matrices are too small to pay for waking the other threads
 
 Bit identity across the batch: every step works on one token row at a time with the same
 operations whatever k is (activation rows are quantized one by one; block_dots and tile_products are
-bit-stable across k; norms, rotary and attention are per row, and each (token, head) runs the same
-compiled attention loop in the serial and the parallel kernel), so a token's result is the same
-alone or in a verify batch, on any number of threads (tests/test_layer_fused.py). The KV cache here
-is f32, f16 or q8_0 [n_ctx, n_kv, d] (K and V each, as -ctk / -ctv; see "KV cache rows" below);
-the backend keeps the torch path for bf16 caches and for prompt batches (> 32 tokens).
+bit-stable across k; norms and rotary are per row, and attention (kv_attention) splits its work by
+positions alone), so a token's result is the same alone or in a verify batch, on any number of
+threads (tests/test_layer_fused.py). The KV cache here is f32, f16 or q8_0 [n_ctx, n_kv, d] (K and
+V each, as -ctk / -ctv; kv_attention's "KV cache rows"); the backend keeps the torch path for bf16 caches and for prompt batches (> 32 tokens).
 """
 from __future__ import annotations
 
@@ -32,7 +31,7 @@ import os
 import warnings
 
 import numpy as np
-from numba import njit, prange, types
+from numba import njit, prange
 from numba.extending import overload
 from numba.core.errors import NumbaPerformanceWarning
 
@@ -42,7 +41,8 @@ from .matvec import tile_products
 from .matvec_amx import MAX_TOKENS, uses_amx
 from .matvec_int import (LANES_MIN_K, TILE_UNITS, act_block, block_dots, chunk_steps, tile_sums, token_lanes,
                          types_tag)
-from .matvec_simd import TILE_ROWS, dot_f32, f16_bits_to_f32, f32_to_f16_bits, load_f16
+from .kv_attention import attend, cache_store
+from .matvec_simd import TILE_ROWS
 from .quantize_act import PAD_LEGACY, QK_K, QK_LEGACY, RESIDUAL_MAX_TOKENS, _quantize_rows, _quantize_rows_residual
 from .simd_int import CACHE
 
@@ -53,13 +53,12 @@ FUSED_DEFAULT = os.environ.get("HYBRIDRT_FUSED_LAYERS", "1") not in ("", "0")
 ROWS_PER_UNIT = 16          # a unit of parallel work: 16 output rows of one matrix
 GROUPS_PER_THREAD = 4       # work items per thread, so a slow core does not hold up the region
 PARALLEL_MIN_WEIGHTS = 1 << 17   # below this a projection runs on the calling thread alone
-ATTEND_PARALLEL_MIN = 1 << 15    # (token, head) x keys x head size products before attention forks
 # rows of int8 activations (2 per token with the residual pass) from which a legacy matrix runs on
 # matvec_int's token lanes instead of block_dots: 1.5-2.4x faster at 16-32 rows on small matrices
 # (Zen 4, BENCHMARKS.md session 16); the K-quants' tiles lose to block_dots at <= 32 rows there
 LANES_MIN_ROWS = LANES_MIN_K["pair"]
 
-# _project_serial and _attend_serial are compiled with parallel=True on purpose and have no prange
+# _project_serial is compiled with parallel=True on purpose and has no prange
 # ((?s): the text follows Numba's colour codes and a newline)
 warnings.filterwarnings("ignore", message="(?s).*The keyword argument 'parallel=True' was specified",
                         category=NumbaPerformanceWarning)
@@ -283,142 +282,6 @@ def _rotate(x, lo, cos, sin, pos, n_rot, neox):
         x[ib] = b * c + a * s
 
 
-# --------------------------------------------------------------------------- KV cache rows
-# A cache row (one position, one KV head) is float32 [d], float16 [d] as its uint16 bits (Numba has
-# no float16 on the CPU) or q8_0 uint8 [d / 32, 34] (ggml's block: float16 scale, 32 int8), K and V
-# each either, the same values as the torch trunk's caches (gpu_kernels.attention): a float16 value
-# is widened exactly when read and rounded to nearest even (torch's .half()) once, when written; a
-# q8_0 row is quantized as gguf-py does when written and read as float32(q) * float32(d).
-
-def _cache_row(row, scratch):
-    """The row as `dot_f32` and `_cache_value` read it: itself, or (q8_0) dequantized into scratch."""
-
-
-def _cache_value(row, i):
-    """Element i of what _cache_row returned, as float32."""
-
-
-def _cache_store(row, x):
-    """Write float32 x [d] into the row, in the cache's storage."""
-
-
-def _is_q8_0_row(row):
-    return isinstance(row, types.Array) and row.ndim == 2 and row.dtype == types.uint8
-
-
-@njit(cache=CACHE, nogil=True)
-def _q8_0_dequantize_row(row, out):
-    for b in range(row.shape[0]):
-        d = load_f16(row[b], 0)
-        for i in range(32):
-            out[32 * b + i] = np.float32(np.int8(row[b, 2 + i])) * d
-    return out
-
-
-@njit(cache=CACHE, nogil=True)
-def _q8_0_quantize_row(row, x):
-    for b in range(row.shape[0]):
-        amax = np.float32(0.0)
-        for i in range(32):
-            amax = max(amax, abs(x[32 * b + i]))
-        d = amax / np.float32(127.0)
-        inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
-        bits = f32_to_f16_bits(d)
-        row[b, 0], row[b, 1] = np.uint8(bits & 0xFF), np.uint8(bits >> 8)
-        for i in range(32):
-            # gguf-py's np_roundf: floor(|a|) + floor(2 frac(|a|)), half away from zero
-            a = x[32 * b + i] * inv
-            mag = np.floor(abs(a))
-            q = mag + np.floor(np.float32(2.0) * (abs(a) - mag))
-            row[b, 2 + i] = np.uint8(np.int8(-q if a < 0 else q) & 0xFF)
-
-
-@njit(cache=CACHE, nogil=True)
-def _f16_store_row(row, x):
-    for i in range(row.shape[0]):
-        row[i] = f32_to_f16_bits(x[i])
-
-
-@njit(cache=CACHE, nogil=True)
-def _f32_store_row(row, x):
-    for i in range(row.shape[0]):
-        row[i] = x[i]
-
-
-# (not inline="always": Numba's inliner trips over the loops of the q8_0 helpers; these are calls)
-@overload(_cache_row)
-def _cache_row_impl(row, scratch):
-    if _is_q8_0_row(row):
-        return lambda row, scratch: _q8_0_dequantize_row(row, scratch)
-    if row.ndim == 1 and row.dtype in (types.float32, types.uint16):
-        return lambda row, scratch: row
-
-
-@overload(_cache_value, inline="always")
-def _cache_value_impl(row, i):
-    if row.dtype == types.float32:
-        return lambda row, i: row[i]
-    if row.dtype == types.uint16:
-        return lambda row, i: f16_bits_to_f32(row[i])
-
-
-@overload(_cache_store)
-def _cache_store_impl(row, x):
-    if _is_q8_0_row(row):
-        return lambda row, x: _q8_0_quantize_row(row, x)
-    if row.ndim == 1 and row.dtype == types.float32:
-        return lambda row, x: _f32_store_row(row, x)
-    if row.ndim == 1 and row.dtype == types.uint16:
-        return lambda row, x: _f16_store_row(row, x)
-
-
-@njit(cache=CACHE, nogil=True, inline="always")
-def _attend_one(item, q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale, window, first):
-    """Head h of token t (item = t * n_head + h) over the keys it sees: o[t, h*dv : (h+1)*dv]."""
-    t, h = item // n_head, item % n_head
-    g = h // (n_head // n_kv)
-    pos = start + t
-    lo = max(first, pos - window + 1) if window > 0 else first
-    n_keys = pos + 1 - lo
-    # one allocation per (token, head): the scores, and the rows a q8_0 cache dequantizes into
-    buf = np.empty(n_keys + d + dv, np.float32)
-    scores, kbuf, vbuf = buf[:n_keys], buf[n_keys:n_keys + d], buf[n_keys + d:]
-    qh = q[t, h * d:(h + 1) * d]
-    m = np.float32(-np.inf)
-    for j in range(n_keys):
-        sc = dot_f32(qh, _cache_row(k_cache[lo + j, g], kbuf)) * scale
-        scores[j] = sc
-        m = max(m, sc)
-    total = 0.0
-    for j in range(n_keys):
-        e = np.float32(math.exp(scores[j] - m))
-        scores[j] = e
-        total += e
-    inv = np.float32(1.0 / total)
-    acc = o[t, h * dv:(h + 1) * dv]
-    for i in range(dv):
-        acc[i] = 0.0
-    for j in range(n_keys):
-        p = scores[j] * inv
-        v = _cache_row(v_cache[lo + j, g], vbuf)
-        for i in range(dv):
-            acc[i] += p * _cache_value(v, i)
-
-
-# No fastmath here: every float step of attention is fixed by the code (matvec_simd.dot_f32), so a
-# token's scores are the same bits in both kernels, in any batch, whichever process compiled them.
-@njit(cache=CACHE, nogil=True, parallel=True)
-def _attend_parallel(q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale, window, first):
-    for item in prange(q.shape[0] * n_head):
-        _attend_one(item, q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale, window, first)
-
-
-@njit(cache=CACHE, nogil=True, parallel=True)   # parallel=True: as _project_serial
-def _attend_serial(q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale, window, first):
-    for item in range(q.shape[0] * n_head):
-        _attend_one(item, q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale, window, first)
-
-
 @njit(cache=CACHE, nogil=True)
 def _residual(h, a, post_norm, has_post, eps):
     """h + a, or h + rms_norm(a, post_norm) (Gemma's post-norms), row by row."""
@@ -467,16 +330,12 @@ def attention_block(h, n_threads, int_types, float_path, attn_norm, post_norm, h
                 for i in range(d):
                     krow[i] = (krow[i] * r) * k_norm[i]
             _rotate(krow, 0, cos, sin, pos, n_rot, neox)
-            _cache_store(k_cache[pos, g], krow)
+            cache_store(k_cache[pos, g], krow)
             for i in range(dv):
                 vrow[i] = qkv[t, nq + nk + g * dv + i]
-            _cache_store(v_cache[pos, g], vrow)
+            cache_store(v_cache[pos, g], vrow)
     o = np.empty((k, n_head * dv), np.float32)
-    n_items = k * n_head
-    if n_threads > 1 and n_items > 1 and n_items * (start + k) * d >= ATTEND_PARALLEL_MIN:
-        _attend_parallel(q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale, window, first)
-    else:
-        _attend_serial(q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale, window, first)
+    attend(n_threads, q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale, window, first)
     a = np.empty((k, n_embd), np.float32)
     _project(n_threads, int_types, float_path, wo, to, eo, io, n_embd, wo, to, eo, io, NONE, wo, to, eo, io, NONE, o, a)
     return _residual(h, a, post_norm, has_post, eps)

@@ -361,14 +361,14 @@ def test_float16_conversions_are_torchs():
 
 _ATTEND_SCRIPT = """
 import sys, numpy as np
-from cpu_kernels import layer_fused as lf
+from cpu_kernels import kv_attention as ka
 rng = np.random.default_rng(7)
-n_head, n_kv, d, start, k = 4, 2, 128, 30, 3
+n_head, n_kv, d, start, k = 4, 2, 128, 300, 3
 q = rng.standard_normal((k, n_head * d)).astype(np.float32)
-kc, vc = (rng.standard_normal((64, n_kv, d)).astype(np.float32) for _ in range(2))
+kc, vc = (rng.standard_normal((320, n_kv, d)).astype(np.float32) for _ in range(2))
 o1, o2 = np.zeros((k, n_head * d), np.float32), np.zeros((k, n_head * d), np.float32)
-lf._attend_serial(q, kc, vc, o1, start, n_head, n_kv, d, d, 0.088, 7, 0)
-lf._attend_parallel(q, kc, vc, o2, start, n_head, n_kv, d, d, 0.088, 7, 0)
+ka.attend(1, q, kc, vc, o1, start, n_head, n_kv, d, d, np.float32(0.088), 200, 0)
+ka.attend(2, q, kc, vc, o2, start, n_head, n_kv, d, d, np.float32(0.088), 200, 0)
 print(o1.view(np.uint32).sum(dtype=np.uint64), bool(np.array_equal(o1, o2)))
 """
 
