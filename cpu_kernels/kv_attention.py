@@ -69,8 +69,8 @@ def _prefetch_row(builder, row_ptr, ahead, n_bytes):
     time. A position's rows hold every KV head side by side and an item reads one head's: the item
     of the first head asks for the whole position (the next heads' items, which run next on the
     same thread, then find it in L2), the others for nothing. Strided by the other heads' rows, the
-    pattern the hardware prefetcher missed: 2.3x slower per layer from memory than from L3
-    (SmolLM2, 4096 keys, session 20)."""
+    pattern the hardware prefetcher missed: without this a layer's attention from memory took 3.3x
+    its time from L3, with it 1.6-2x (SmolLM2, 4096 keys, BENCHMARKS.md session 20)."""
     base = builder.bitcast(builder.gep(row_ptr, [ahead]), _I8.as_pointer())
     i64 = n_bytes.type
     n_lines = builder.udiv(builder.add(n_bytes, ir.Constant(i64, 63)), ir.Constant(i64, 64))
@@ -86,7 +86,7 @@ def _vcall(builder, name, vty, *args):
 
 
 # Cephes' expf: exp(x) = 2^t exp(r), t = round(x log2 e), r = x - t ln 2 in two parts, exp(r) a
-# degree-7 polynomial; about 1 ulp over the range used here (x <= 0: scores minus their max)
+# degree-7 polynomial; within 2 ulp over the range used here (x <= 0: scores minus their max; tested)
 _EXP_LO = -87.0           # below: 0 (2^t must stay a normal float)
 _EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
 
@@ -150,13 +150,13 @@ def _reduce_trees(builder, vecs):
 
 
 def _make_scores(n_heads: int, n_keys: int):
-    """`scores(q, q_off, k, k_off, k_stride, n, d, scale, out, out_off, out_stride)`: for heads
-    r < R and keys j < n (n a multiple of J), out[out_off + r * out_stride + j] = scale * (q row
-    q_off + r d) . (k row k_off + j k_stride), each dot in dot_f32's order (16-lane fma accumulators
-    in index order, a halving tree, the tail one product at a time). R heads x J keys a step: each
-    key vector is widened once for the R heads, each query vector loaded once for the J keys, and
-    R J independent accumulators keep the fma units busy. q float32, k float32 or float16 bits.
-    pf_bytes: how much of the row PREFETCH_KEYS keys on each key asks for (0: none)."""
+    """`scores(q, q_off, k, k_off, k_stride, n, d, scale, out, out_off, out_stride, pf_bytes)`: for
+    heads r < R and keys j < n (n a multiple of J), out[out_off + r * out_stride + j] = scale * (q
+    row q_off + r d) . (k row k_off + j k_stride), each dot in dot_f32's order (16-lane fma
+    accumulators in index order, a halving tree, the tail one product at a time). R heads x J keys
+    a step: each key vector is widened once for the R heads, each query vector loaded once for the J
+    keys, and R J independent accumulators keep the fma units busy. q float32, k float32 or float16
+    bits. pf_bytes: how much of the row PREFETCH_KEYS keys on each key asks for (0: none)."""
     R, J = n_heads, n_keys
     vf = ir.VectorType(_F32, LANES)
 
@@ -260,7 +260,7 @@ def _make_weighted_sum(n_heads: int):
                 count = builder.udiv(builder.sub(dv_v, done), ir.Constant(i64, width))
                 with cgutils.for_range(builder, count) as loop:
                     e = builder.add(done, builder.mul(loop.index, ir.Constant(i64, width)))
-                    first = builder.and_(builder.icmp_unsigned("==", e, zero), ir.Constant(ir.IntType(1), width == 64))
+                    first = builder.icmp_unsigned("==", e, zero)      # the first slice's pass
                     one_slice(e, nv, lanes, builder.select(first, pf_v, zero))
                 done = builder.add(done, builder.mul(count, ir.Constant(i64, width)))
             return context.get_dummy_value()
@@ -495,7 +495,7 @@ def _attend_chunk(item, t, c, g, q, k_cache, v_cache, start, n_head, n_kv, d, dv
     q_off = (t * n_head + g * group) * d
     for h0 in range(0, group, 4):
         group_scores(min(4, group - h0), q, q_off + h0 * d, kb, k_off, k_stride, n, d, scale, scores, h0 * n,
-                k_pf if h0 == 0 else 0)
+                     k_pf if h0 == 0 else 0)
     for h in range(group):
         best = np.float32(-np.inf)
         for j in range(n):
