@@ -24,8 +24,9 @@ def _reference(q, k, v, visible, scale):
     return out
 
 
+@pytest.mark.parametrize("cache", ["f32", "f16"])
 @pytest.mark.parametrize("n_head,n_kv,d,dv", [(4, 4, 32, 32), (9, 3, 64, 64), (4, 1, 256, 256), (6, 2, 32, 48)])
-def test_attend_decode_matches_float64(n_head, n_kv, d, dv):
+def test_attend_decode_matches_float64(n_head, n_kv, d, dv, cache):
     rng = np.random.default_rng()
     b, n_ctx, n = 5, 40, int(rng.integers(2, 40))
     q = rng.standard_normal((b, n_head, d)).astype(np.float32)
@@ -41,12 +42,19 @@ def test_attend_decode_matches_float64(n_head, n_kv, d, dv):
     visible[3, 0] = True
     out = np.full((b, n_head, dv), np.nan, np.float32)
     scale = np.float32(1 / np.sqrt(d))
-    attend_decode(q, k, v, n, visible, scale, out)
+    kc, vc = k, v
+    if cache == "f16":          # the teacher's cache: float16 bits, each value widened exactly
+        kc, vc = k.astype(np.float16).view(np.uint16), v.astype(np.float16).view(np.uint16)
+        k, v = (x.view(np.float16).astype(np.float32) for x in (kc, vc))     # what the reference reads
+
+    def attend(vis, o):
+        attend_decode(q, kc, vc, n, vis, scale, o)
+    attend(visible, out)
     want = _reference(q, k[:, :, :n], v[:, :, :n], visible, float(scale))
     err = np.abs(out - want).max()
     assert err < 2e-5 * max(1.0, np.abs(want).max()), err
     # a negative control: the kernel ignores masked keys, so unmasking one moves the result
     visible[1, 0] = True
     moved = np.empty_like(out)
-    attend_decode(q, k, v, n, visible, scale, moved)
+    attend(visible, moved)
     assert np.abs(moved[1] - out[1]).max() > 1e-4

@@ -57,7 +57,10 @@ def qwen35_head(tiny_qwen35_mtp, tmp_path_factory):
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3"])
 def test_torch_teacher_matches_hybridrt(arch, tmp_path):
-    """The batched torch teacher (left-padded prompts, incremental KV) gives hybridrt's logits."""
+    """The batched torch teacher (left-padded prompts, incremental KV) gives hybridrt's logits (on
+    hybridrt's float16 cache, `run`'s default: the teacher keeps its cache in float16), within 5e-4:
+    the two forwards' float32 differences now and then round a stored value to the next float16
+    (against hybridrt's float32 cache the gap is 2e-3)."""
     path = make_model.write_model(tmp_path / f"{arch}.gguf", arch, seed=1)
     m = load_model(path, exact_activations=True)
     teacher = TorchTeacher(m, block_kind(arch), 64)
@@ -65,7 +68,7 @@ def test_torch_teacher_matches_hybridrt(arch, tmp_path):
     a, b = torch.randint(3, 200, (9,), generator=g).tolist(), torch.randint(3, 200, (5,), generator=g).tolist()
     ref = {}
     for ids in (a, b):
-        ref[len(ids)] = m.session(64, k_max=1).eval(ids, logits="last")[0]
+        ref[len(ids)] = m.session(64, "f16", k_max=1).eval(ids, logits="last")[0]
     # prefill both, left-padded, then one token each: compare against hybridrt at both steps
     pad = torch.tensor([0, 4])
     tokens = torch.tensor([a, [0] * 4 + b])
@@ -73,21 +76,21 @@ def test_torch_teacher_matches_hybridrt(arch, tmp_path):
     pos, valid = (slots - pad[:, None]).clamp(min=0), slots >= pad[:, None]
     caches = teacher.new_caches(2)
     out, _ = teacher.step(tokens, pos, pos, valid, caches)
-    assert torch.allclose(out[0], ref[9], atol=1e-4) and torch.allclose(out[1], ref[5], atol=1e-4)
+    assert torch.allclose(out[0], ref[9], atol=5e-4) and torch.allclose(out[1], ref[5], atol=5e-4)
     nxt = torch.tensor([[7], [11]])
     k_pos = torch.cat((pos, pos[:, -1:] + 1), 1)
     out, _ = teacher.step(nxt, k_pos[:, -1:], k_pos, torch.cat((valid, torch.ones(2, 1, dtype=torch.bool)), 1), caches)
     for row, ids in zip(out, (a + [7], b + [11])):
-        assert torch.allclose(row, m.session(64, k_max=1).eval(ids, logits="last")[0], atol=1e-4)
+        assert torch.allclose(row, m.session(64, "f16", k_max=1).eval(ids, logits="last")[0], atol=5e-4)
 
 
 def test_bfloat16_teacher_decodes_near_hybridrt(tiny_llama):
-    """The teacher train-mtp runs where the CPU has bfloat16 (bfloat16 matrices, a float32 KV cache,
+    """The teacher train-mtp runs where the CPU has bfloat16 (bfloat16 matrices, a float16 KV cache,
     decode attention in cpu_kernels.attention_batch): its continuation's hiddens stay within
     bfloat16 rounding of hybridrt's float32 forward over the same tokens."""
     m = load_model(tiny_llama, exact_activations=True)
     teacher = TorchTeacher(m, block_kind("llama"), 64, dtype=torch.bfloat16)
-    assert teacher.new_caches(1)[0]["k"].dtype == torch.float32
+    assert teacher.new_caches(1)[0]["k"].dtype == torch.float16
     prompt = [5, 9, 17, 33, 2]
     (cont, hidden), = teacher.generate([prompt], 12, [1.0], torch.Generator().manual_seed(3), set())
     session = m.session(64, k_max=1)
@@ -105,7 +108,7 @@ def test_teacher_generate_returns_hybridrt_hiddens_and_turns_greedy(tiny_llama):
     out = teacher.generate(prompts, 10, [1.0, 0.0], torch.Generator().manual_seed(2), set(), greedy_after=[4, 0])
     for (ids, switch), (cont, hidden) in zip(zip(prompts, [4, 0]), out):
         assert len(cont) == 10 and hidden.shape == (len(ids) + 10, m.n_embd)
-        session = m.session(64, k_max=1)
+        session = m.session(64, "f16", k_max=1)
         logits = session.eval(ids + cont, logits="all")
         assert torch.allclose(hidden, session.hidden, atol=1e-4)
         greedy = logits.argmax(-1)[len(ids) - 1:-1]           # the argmax before each continuation token

@@ -24,6 +24,9 @@ from ..models.common import AttentionSpec
 from ..mtp_head import BlockKind, head_attention_spec, layer_attention
 
 ATTN = ("attn_q", "attn_k", "attn_v", "attn_output")
+# the teacher's KV cache: float16, as `hybridrt run`'s (the values the runtime's attention reads); a
+# decode step of 256 sequences is bound by the cache's bytes, half float32's (BENCHMARKS.md, session 20)
+KV_DTYPE = torch.float16
 FFN = ("ffn_gate", "ffn_up", "ffn_down")
 
 
@@ -93,8 +96,8 @@ class TorchBlock(nn.Module):
         if cache is not None and t == 1:        # a decode step: cpu_kernels' batched decode attention
             o = _attend_cached(q, cache, mask[:, 0, 0], s.scale)
         else:
-            if cache is not None:   # a prefill (once per generate call): torch's attention
-                k, v = cache["k"][:, :, :n + t], cache["v"][:, :, :n + t]
+            if cache is not None:   # a prefill (once per generate call): torch's attention, in float32
+                k, v = cache["k"][:, :, :n + t].float(), cache["v"][:, :, :n + t].float()
             # enable_gqa: head h reads kv head h // group (as gpu_kernels.attention.attend), without
             # materializing the repeated keys
             o = F.scaled_dot_product_attention(q.transpose(1, 2).to(k.dtype), k, v, attn_mask=mask, scale=s.scale,
@@ -218,8 +221,10 @@ def _attend_cached(q: torch.Tensor, cache: dict, visible: torch.Tensor, scale: f
     assert cache["k"].is_contiguous() and cache["v"].is_contiguous()
     b, _, n_head, _ = q.shape
     out = np.empty((b, n_head, cache["v"].shape[-1]), np.float32)
-    attend_decode(np.ascontiguousarray(q[:, 0].float().numpy()), cache["k"].numpy(), cache["v"].numpy(),
-                  cache["n"], np.ascontiguousarray(visible.numpy()), np.float32(scale), out)
+    k, v = (c.view(torch.int16).numpy().view(np.uint16) if c.dtype == torch.float16 else c.numpy()
+            for c in (cache["k"], cache["v"]))
+    attend_decode(np.ascontiguousarray(q[:, 0].float().numpy()), k, v, cache["n"],
+                  np.ascontiguousarray(visible.numpy()), np.float32(scale), out)
     return torch.from_numpy(out)[:, None]
 
 
@@ -227,9 +232,9 @@ class TorchTeacher:
     """The target (llama / qwen3 / gemma3) in torch, decoding a batch of prompts at once with a
     preallocated KV cache; prompts are left-padded, each sequence keeping its own positions.
     `dtype`: the matrices' storage and matmul dtype; bfloat16 writes training text ~5x faster than
-    float32 on the AMX Xeon. The residual stream, norms and the KV cache stay float32 either way (a
-    bfloat16 cache, as fast here, moves the hiddens the head learns from further from hybridrt's:
-    3-4 points less held-out acceptance for Gemma 3's head, BENCHMARKS.md session 18)."""
+    float32 on the AMX Xeon. The residual stream and the norms stay float32 either way, the KV cache
+    is float16 (KV_DTYPE; a bfloat16 cache moved the hiddens the head learns from further from
+    hybridrt's: 3-4 points less held-out acceptance for Gemma 3's head, BENCHMARKS.md session 18)."""
 
     SUPPORTED = ("llama", "qwen3", "gemma3")
 
@@ -258,8 +263,8 @@ class TorchTeacher:
         in batches of 256 against 403 t/s in batches of 128 (one core, bfloat16); SmolLM2's (49k rows)
         came at the same speed either way."""
         per_seq = sum(b.spec.n_kv * self.n_ctx * (b.spec.head_dim + b.spec.head_dim_v) for b in self.blocks)
-        # counted at the matrices' dtype: a bfloat16 teacher's float32 cache takes up to twice the
-        # budget, and its batches (so a seed's sampled streams) stay those of earlier versions
+        # counted at the matrices' dtype (a float32 teacher's float16 cache takes half the budget),
+        # so a seed's batches (and its sampled streams) stay those of earlier versions
         per_seq *= torch.finfo(self.dtype).bits // 8
         return max(1, min(most, kv_budget // per_seq))
 
@@ -270,8 +275,8 @@ class TorchTeacher:
         writes every slot of its padded rows)."""
         if not self._kv or self._kv[0][0].shape[0] < batch:
             self._kv = []           # the old buffers go before the new ones are touched
-            self._kv = [(torch.empty(batch, b.spec.n_kv, self.n_ctx, b.spec.head_dim, dtype=torch.float32),
-                         torch.empty(batch, b.spec.n_kv, self.n_ctx, b.spec.head_dim_v, dtype=torch.float32))
+            self._kv = [(torch.empty(batch, b.spec.n_kv, self.n_ctx, b.spec.head_dim, dtype=KV_DTYPE),
+                         torch.empty(batch, b.spec.n_kv, self.n_ctx, b.spec.head_dim_v, dtype=KV_DTYPE))
                         for b in self.blocks]
         return [{"n": 0, "k": k[:batch], "v": v[:batch]} for k, v in self._kv]
 

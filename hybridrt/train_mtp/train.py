@@ -42,8 +42,9 @@ BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 # distinct prompt of a batch prefilled once (its bfloat16 rounding differs from a full batch's); 6:
 # decode steps' attention in cpu_kernels.attention_batch (float32 sums in its own order) over a
 # float32 KV cache on every machine (the AMX Xeon's was bfloat16); 7: sampling by one uniform draw per
-# sequence and step (inverse CDF), and finished sequences leaving the teacher's batch
-TEXT_VERSION = 7
+# sequence and step (inverse CDF), and finished sequences leaving the teacher's batch; 8: a float16 KV
+# cache (as `hybridrt run`'s), decode attention in kv_attention's steps
+TEXT_VERSION = 8
 MAX_SEQ = 512                               # prompt + continuation (one hybridrt prefill chunk)
 
 
