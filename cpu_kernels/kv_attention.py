@@ -40,7 +40,7 @@ from numba.extending import intrinsic, overload
 
 from .matvec_simd import (LANES, _F16, _F32, _I8, _I16, _I32, _array, _fma, _load_vec, _reduce_tree, _splat,
                           f32_to_f16_bits, load_f16)
-from .simd_int import CACHE, prefetch
+from .simd_int import CACHE, _intrinsic, prefetch
 
 CHUNK_KEYS = 128     # keys per work item: fixed, so the merge's order never depends on the threads
 PREFETCH_KEYS = 16   # how many keys ahead the score and value loops ask for their cache rows
@@ -78,13 +78,6 @@ def _prefetch_row(builder, row_ptr, ahead, n_bytes):
         prefetch(builder, builder.gep(base, [builder.mul(loop.index, ir.Constant(i64, 64))]))
 
 
-def _vcall(builder, name, vty, *args):
-    fn = builder.module.globals.get(name)
-    if fn is None:
-        fn = ir.Function(builder.module, ir.FunctionType(vty, [a.type for a in args]), name=name)
-    return builder.call(fn, list(args))
-
-
 # Cephes' expf: exp(x) = 2^t exp(r), t = round(x log2 e), r = x - t ln 2 in two parts, exp(r) a
 # degree-7 polynomial; within 2 ulp over the range used here (x <= 0: scores minus their max; tested)
 _EXP_LO = -87.0           # below: 0 (2^t must stay a normal float)
@@ -102,7 +95,7 @@ def _exp_ir(b, x):
     under = b.fcmp_ordered("<", x, c(_EXP_LO))
     ordered = b.fcmp_ordered("ord", x, x)
     xc = b.select(under, c(_EXP_LO), x)
-    t = _vcall(b, f"llvm.floor.v{n}f32", vty, _fma(b, xc, c(1.44269504088896341), c(0.5)))
+    t = _intrinsic(b, f"llvm.floor.v{n}f32", vty, [_fma(b, xc, c(1.44269504088896341), c(0.5))])
     t = b.select(ordered, t, c(0.0))
     r = _fma(b, t, c(-0.693359375), xc)
     r = _fma(b, t, c(2.12194440e-4), r)
@@ -511,8 +504,9 @@ def _attend_chunk(item, t, c, g, q, k_cache, v_cache, start, n_head, n_kv, d, dv
 
 
 @njit(cache=CACHE, nogil=True, inline="always")
-def _merge(th, o, parts, stats, item0, chunk0, start, n_head, n_kv, dv, window, first):
-    """o[t, h] = the weighted values of (token t, head h) over its chunks, in chunk order."""
+def _merge(th, out, parts, stats, item0, chunk0, start, n_head, n_kv, dv, window, first):
+    """out[(t * n_head + h) * dv :] (o flat) = the weighted values of (token t, head h) over its
+    chunks, in chunk order."""
     t, h = th // n_head, th % n_head
     group = n_head // n_kv
     g, hh = h // group, h % group
@@ -522,7 +516,6 @@ def _merge(th, o, parts, stats, item0, chunk0, start, n_head, n_kv, dv, window, 
     for c in range(n_chunks):
         best = max(best, stats[(item0[t] + c * n_kv + g) * group + hh, 0])
     o_off = (t * n_head + h) * dv
-    out = o.reshape(o.size)
     for i in range(dv):
         out[o_off + i] = 0.0
     total = np.float32(0.0)
@@ -592,5 +585,6 @@ def attend(n_threads, q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale,
             t, c, g = _item_at(item, item0, chunk0, n_kv)
             _attend_chunk(item, t, c, g, q, k_cache, v_cache, start, n_head, n_kv, d, dv, scale, window, first,
                           parts, stats)
+    out = o.reshape(o.size)
     for th in range(k * n_head):
-        _merge(th, o, parts, stats, item0, chunk0, start, n_head, n_kv, dv, window, first)
+        _merge(th, out, parts, stats, item0, chunk0, start, n_head, n_kv, dv, window, first)
