@@ -75,13 +75,17 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positi
             probs = torch.softmax(torch.matmul(qi, keys) * scale, dim=-1)
             out[i] = torch.matmul(probs, vals).view(n_head, d_v)
         return out
-    keys = all_keys.permute(1, 0, 2)                                # [n_kv, T, d]
-    vals = all_vals.permute(1, 0, 2)
+    # [1, heads, T, d] views of the rows: torch's SDPA takes a fused kernel (flash, memory-efficient)
+    # only for 4-d operands, on CUDA and on the CPU; 3-d ones run the math path (on 2 CPU threads
+    # 13.7 vs 6.5 ms for a 512-token Gemma 3 layer, BENCHMARKS.md session 21). A CPU trunk's own
+    # attention is kv_attention's (hybridrt.backends.attend_on_cpu); this path serves the device.
+    keys = all_keys[None].transpose(1, 2)
+    vals = all_vals[None].transpose(1, 2)
     key_pos = torch.arange(base, last + 1, device=q.device)
     query_pos = torch.tensor(positions, device=q.device).unsqueeze(1)
     visible = key_pos.unsqueeze(0) <= query_pos
     if window > 0:
         visible &= query_pos - key_pos.unsqueeze(0) < window
     out = F.scaled_dot_product_attention(
-        q.float().permute(1, 0, 2), keys, vals, attn_mask=visible, scale=scale, enable_gqa=True)
-    return out.permute(1, 0, 2)
+        q.float()[None].transpose(1, 2), keys, vals, attn_mask=visible, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)

@@ -14,12 +14,12 @@ import numba
 import numpy as np
 import torch
 
-from cpu_kernels import layer_fused, matvec_int
+from cpu_kernels import kv_attention, layer_fused, matvec_int
 from cpu_kernels.dequant import dequantize, gather_rows
 from cpu_kernels.ffn import ACTIVATIONS, ffn_glu
 from cpu_kernels.formats import format_of
 from cpu_kernels.matvec import matvec, use_int
-from gpu_kernels.attention import ROWWISE_MAX
+from gpu_kernels.attention import ROWWISE_MAX, attend
 from gpu_kernels.linear import linear_rows
 from gpu_kernels.pointwise import per_token
 from gpu_kernels.qlinear import QuantLinear, TileScratch
@@ -183,6 +183,23 @@ def _fused_state(state, index: int, spec) -> tuple | None:
             found = (k, v, table.cos.numpy(), table.sin.numpy())
         views[key] = found
     return found or None
+
+
+def attend_on_cpu(q: torch.Tensor, k_cache, v_cache, positions: list[int], scale: float, window: int = 0,
+                  first: int = 0) -> torch.Tensor:
+    """gpu_kernels.attention.attend for a CPU trunk: kv_attention's kernel (the fused layers' own)
+    on Numba's threads over an f32, f16 or q8_0 cache, for any batch, prompts included (torch's
+    SDPA runs there on the trunk's single torch thread: 2x the time on Gemma 3's 512-token prompt,
+    BENCHMARKS.md session 21); torch's attend for a bf16 cache."""
+    kc, vc = _fused_cache_view(k_cache), _fused_cache_view(v_cache)
+    if kc is None or vc is None or q.device.type != "cpu":
+        return attend(q, k_cache, v_cache, positions, scale, window, first)
+    n, n_head, d = q.shape
+    n_kv, d_v = k_cache.shape[1], v_cache.shape[2]
+    o = np.empty((n, n_head * d_v), np.float32)
+    kv_attention.attend(numba.get_num_threads(), _rows_f32(q.reshape(n, n_head * d)), kc, vc, o, positions[0],
+                        n_head, n_kv, d, d_v, scale, window, first)
+    return torch.from_numpy(o).view(n, n_head, d_v)
 
 
 def _covering(kernel_types: tuple, operands: list) -> tuple:
@@ -442,6 +459,11 @@ class WeightBinder:
         """The fused layer kernels serve a plain CPU trunk: no plan executing (its trunk is
         "the device", even when a CPU stands in for it) and nothing traced."""
         return self.executor is None and self.device.type == "cpu" and self.fused
+
+    def attention_kernel(self):
+        """The attention over a KV cache the torch layers call (gpu_kernels.attention.attend's
+        signature): on a plain CPU trunk kv_attention's (attend_on_cpu), else torch's."""
+        return attend_on_cpu if self._fusable() else attend
 
     def attention_block(self, block):
         """How a layer's attention half runs: `block` (models.common.AttentionBlock, torch ops

@@ -156,3 +156,37 @@ def test_exp_is_within_two_ulp_and_lanes_agree():
     vec = x[:1000].copy()
     _exp_shift_all(vec, np.float32(0.0))
     assert np.array_equal(vec, got[:1000])
+
+
+@pytest.mark.parametrize("cache", ["f32", "f16", "q8_0", "bf16"])
+@pytest.mark.parametrize("n_new,start,window,first", [(40, 0, 0, 0), (70, 5, 32, 0), (3, 60, 0, 1)])
+def test_attend_on_cpu_matches_torch_attend(cache, n_new, start, window, first):
+    """The CPU trunk's attention (hybridrt.backends.attend_on_cpu: kv_attention for f32 / f16 /
+    q8_0 caches, prompt batches included) gives torch's attend within float32 rounding, on the
+    same cache objects a session holds; a bf16 cache takes torch's path."""
+    import torch
+
+    from gpu_kernels.attention import attend
+    from hybridrt.backends import attend_on_cpu
+    from hybridrt.kv_cache import Q8Rows
+
+    n_head, n_kv, d = 6, 2, 64
+    torch.manual_seed(n_new + start)
+    n_ctx = start + n_new + 4
+    keys, vals = torch.randn(n_ctx, n_kv, d), torch.randn(n_ctx, n_kv, d)
+    if cache == "q8_0":
+        kc, vc = Q8Rows(n_ctx, n_kv, d, "cpu"), Q8Rows(n_ctx, n_kv, d, "cpu")
+        kc[0:n_ctx], vc[0:n_ctx] = keys, vals
+    else:
+        dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[cache]
+        kc, vc = keys.to(dtype), vals.to(dtype)
+    q = torch.randn(n_new, n_head, d)
+    positions = list(range(start, start + n_new))
+    got = attend_on_cpu(q, kc, vc, positions, 0.125, window, first)
+    want = attend(q, kc, vc, positions, 0.125, window, first)
+    assert got.shape == want.shape == (n_new, n_head, d)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    # a negative control: another window is caught
+    if window:
+        other = attend(q, kc, vc, positions, 0.125, window + 8, first)
+        assert not torch.allclose(got, other, atol=2e-5, rtol=1e-4)

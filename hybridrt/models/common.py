@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpu_kernels.attention import attend
 from gpu_kernels.norms import rms_norm
 from gpu_kernels.pointwise import per_token
 from gpu_kernels.rotary import RotaryRows, RotaryTable, apply_rotary, rotary_rows, rotary_table
@@ -84,6 +83,7 @@ class Attention:
             self.wqkv = None
             self.wq, self.wk, self.wv = (w.linear(n) for n in names)
         self.wo = w.linear(f"{prefix}.attn_output.weight")
+        self.attend = w.attention_kernel()      # over the KV cache, wherever the binder keeps it
         if spec.qk_norm:
             self.q_norm = w.dense(f"{prefix}.attn_q_norm.weight")
             self.k_norm = w.dense(f"{prefix}.attn_k_norm.weight")
@@ -109,7 +109,7 @@ class Attention:
         q = apply_rotary(q, rows)
         k = apply_rotary(k, rows)
         state.kv.write(self.cache_index, pos_list[0], k, v)
-        o = attend(q, state.kv.k[self.cache_index], state.kv.v[self.cache_index], pos_list,
+        o = self.attend(q, state.kv.k[self.cache_index], state.kv.v[self.cache_index], pos_list,
                    s.scale, s.window, s.first_pos).reshape(n, s.n_head * s.head_dim_v)
         if gate is not None:
             o = o * per_token(torch.sigmoid, gate)
