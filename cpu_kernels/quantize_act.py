@@ -57,14 +57,20 @@ def round_to_float16(v):
 @njit(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz"}, inline="always")
 def _quantize_row(x, block, group, q, d, s):
     """One row (1-D views). fastmath without reassociation (no NaN / inf / signed-zero care: the
-    activations are finite): every value is computed by the same operations (max is exact in any
-    order)."""
+    activations are finite): every value is computed by the same operations. The loops run over
+    block slices from 0 (LLVM vectorizes those; over range(c0, c0 + block) it did not: 8x the
+    time on a 512-token prompt's rows), and max|x| is the integer max of the bits without the
+    sign, which orders finite floats as their magnitudes do (a float max reduction stays scalar
+    without reassociation; either max is exact in any order)."""
     n = x.shape[0]
+    bits = x.view(np.int32)
     for b in range(n // block):
         c0 = b * block
-        amax = np.float32(0.0)
-        for i in range(c0, c0 + block):
-            amax = max(amax, abs(x[i]))
+        xs, xb, qs = x[c0:c0 + block], bits[c0:c0 + block], q[c0:c0 + block]
+        top = np.int32(0)
+        for i in range(block):
+            top = max(top, xb[i] & np.int32(0x7FFFFFFF))
+        amax = np.int32(top).view(np.float32)
         # multiply by 127 / max|x| (one division per block) so the largest value maps to exactly
         # +-127; the scale as ggml stores it (module docstring)
         inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
@@ -72,12 +78,13 @@ def _quantize_row(x, block, group, q, d, s):
             d[b] = np.float32(1.0) / inv if amax > 0 else np.float32(0.0)
         else:
             d[b] = round_to_float16(amax / np.float32(127.0))
-        for i in range(c0, c0 + block):
-            q[i] = np.int8(min(max(np.rint(x[i] * inv), np.float32(-127.0)), np.float32(127.0)))
+        for i in range(block):
+            qs[i] = np.int8(np.int32(min(max(np.rint(xs[i] * inv), np.float32(-127.0)), np.float32(127.0))))
     for g in range(n // group):
+        qs = q[g * group:(g + 1) * group]
         acc = np.int32(0)
-        for i in range(g * group, (g + 1) * group):
-            acc += np.int32(q[i])
+        for i in range(group):
+            acc += np.int32(qs[i])
         s[g] = np.int16(acc)
 
 

@@ -137,6 +137,10 @@ def test_quantize_rows_blocks():
         else:                   # ggml's Q8_0 / Q8_1: d = max|x| / 127 stored as float16
             assert np.array_equal(d, (amax / np.float32(127)).astype(np.float16).astype(np.float32))
         assert np.array_equal(np.abs(q.reshape(3, -1, block)).max(-1)[d > 0], np.full(np.sum(d > 0), 127))
+        # q as ggml rounds it: rint(x * (127 / max|x|)) in float32, value for value
+        with np.errstate(divide="ignore"):
+            inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+        assert np.array_equal(q.reshape(3, -1, block), np.clip(np.rint(blocks * inv[..., None]), -127, 127))
         assert np.array_equal(s, q.reshape(3, -1, group).astype(np.int32).sum(-1))
         err = np.abs(dequantize_rows(q, d, 512) - x).reshape(3, -1, block)
         assert np.all(err <= d[..., None] * (0.5 + 1e-6) + amax[..., None] * 2.0 ** -11)
