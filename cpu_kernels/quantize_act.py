@@ -128,9 +128,12 @@ def quantize_rows(x: np.ndarray, block: int, pad_rows: int = 0) -> tuple[np.ndar
 
 @njit(cache=True, nogil=True, inline="always")
 def _residual_row(x, q, d, block, r):
-    """r = x - d q: what quantizing x (into q, d) rounded off."""
-    for i in range(x.shape[0]):
-        r[i] = x[i] - np.float32(q[i]) * d[i // block]
+    """r = x - d q: what quantizing x (into q, d) rounded off (by block slices, as _quantize_row:
+    a division per value kept the loop scalar)."""
+    for b in range(x.shape[0] // block):
+        xs, qs, rs, db = x[b * block:(b + 1) * block], q[b * block:(b + 1) * block], r[b * block:(b + 1) * block], d[b]
+        for i in range(block):
+            rs[i] = xs[i] - np.float32(qs[i]) * db
 
 
 @njit(cache=True, nogil=True)

@@ -142,6 +142,8 @@ def test_quantize_rows_blocks():
             inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
         assert np.array_equal(q.reshape(3, -1, block), np.clip(np.rint(blocks * inv[..., None]), -127, 127))
         assert np.array_equal(s, q.reshape(3, -1, group).astype(np.int32).sum(-1))
+        # the residual pass's rows: x, then x - d q in float32, value for value
+        assert np.array_equal(with_residual_rows(x, block), np.concatenate([x, x - dequantize_rows(q, d, 512)]))
         err = np.abs(dequantize_rows(q, d, 512) - x).reshape(3, -1, block)
         assert np.all(err <= d[..., None] * (0.5 + 1e-6) + amax[..., None] * 2.0 ** -11)
     # float16 scales: subnormal (tiny blocks), rounding to even, and the all-zero block
