@@ -142,6 +142,7 @@ def run(
                               cache_type=cache_type)
         if display_prompt and not chat:
             sys.stdout.write(text)
+            notice.partial_line = not text.endswith("\n")
         stream = m.tokenizer.stream()
 
         def emit(token: int) -> None:

@@ -61,16 +61,20 @@ def compile_notice(stream: TextIO | None = None) -> Iterator:
     """While inside (or, as a decorator, during the call): the first kernel compilation (a cold
     cache, or a kernel this cache has not seen yet) prints MESSAGE on `stream` (stderr), once,
     before it starts; loading cached machine code prints nothing. The yielded listener's
-    `.compiled` says afterwards whether anything compiled."""
+    `.compiled` says afterwards whether anything compiled; a caller that has left a line open on
+    stdout (run's echoed prompt) sets its `.partial_line`, and the message starts a line of its own."""
     from numba.core import event      # not at import: `info` and `plan` import the CLI
 
     class Notice(event.Listener):
         compiled = False
+        partial_line = False
 
         def on_start(self, ev) -> None:
             if not self.compiled:
                 self.compiled = True
-                print(MESSAGE, file=stream or sys.stderr, flush=True)
+                if self.partial_line:
+                    sys.stdout.flush()
+                print(("\n" if self.partial_line else "") + MESSAGE, file=stream or sys.stderr, flush=True)
 
         def on_end(self, ev) -> None:
             pass

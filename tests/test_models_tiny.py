@@ -75,12 +75,16 @@ def test_decode_steps_match_float64_reference(tiny_file, arch, mix):
     kernels, where one forward of 40 tokens takes the torch path; with HYBRIDRT_FUSED_LAYERS=0
     the torch trunk) on the exact path."""
     from cpu_kernels.layer_fused import FUSED_DEFAULT
-    from hybridrt.backends import FusedAttentionBlock, FusedFfnBlock
+    from gpu_kernels.attention import attend
+    from hybridrt.backends import FusedAttentionBlock, FusedFfnBlock, attend_on_cpu
 
     path = tiny_file(arch, mix)
     model = load_model(path, exact_activations=True)
     fused = [isinstance(a, FusedAttentionBlock) and isinstance(f, FusedFfnBlock) for a, f in model.layers]
     assert all(fused) if FUSED_DEFAULT else not any(fused)
+    # the torch layers (the 40-token forward) attend with kv_attention on the fused trunk
+    torch_blocks = [a.block if isinstance(a, FusedAttentionBlock) else a for a, _ in model.layers]
+    assert all(b.attn.attend is (attend_on_cpu if FUSED_DEFAULT else attend) for b in torch_blocks)
     tokens = tokens_for(model, N_POS, seed=10 * ARCHS.index(arch) + (mix == "q8_0"))
     s = model.session(64, k_max=8)
     got = np.concatenate([s.eval(tokens[i:j]).numpy() for i, j in ((0, 7), (7, 8), (8, 16), (16, 19),

@@ -38,6 +38,10 @@ def test_compile_notice_says_so_once_and_only_when_compiling(capsys):
     with compile_notice() as notice:
         kernel(5)
     assert not notice.compiled and capsys.readouterr().err == ""
+    with compile_notice() as notice:     # run's echoed prompt left a line open: the notice starts its own
+        notice.partial_line = True
+        assert kernel(True) == 2
+    assert capsys.readouterr().err == "\n" + MESSAGE + "\n"
     kernel(1j)                          # outside: nothing printed
     assert capsys.readouterr().err == ""
 
@@ -89,7 +93,7 @@ def test_lazy_run_compiles_what_it_calls_and_says_so(tmp_path):
     require(SMOLLM2)
     cold = _cli(SHORT, tmp_path)
     assert cold.returncode == 0, cold.stderr
-    assert cold.stderr.startswith(MESSAGE) and cold.stderr.count(MESSAGE) == 1
+    assert cold.stderr.lstrip("\n").startswith(MESSAGE) and cold.stderr.count(MESSAGE) == 1
     assert FIRST_RUN_TIMES in cold.stderr       # its t/s are not the engine's: it says so
     warm = _cli(SHORT, tmp_path)
     assert warm.returncode == 0 and MESSAGE not in warm.stderr and FIRST_RUN_TIMES not in warm.stderr, warm.stderr

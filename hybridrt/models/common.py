@@ -110,7 +110,7 @@ class Attention:
         k = apply_rotary(k, rows)
         state.kv.write(self.cache_index, pos_list[0], k, v)
         o = self.attend(q, state.kv.k[self.cache_index], state.kv.v[self.cache_index], pos_list,
-                   s.scale, s.window, s.first_pos).reshape(n, s.n_head * s.head_dim_v)
+                        s.scale, s.window, s.first_pos).reshape(n, s.n_head * s.head_dim_v)
         if gate is not None:
             o = o * per_token(torch.sigmoid, gate)
         return self.wo(o)
