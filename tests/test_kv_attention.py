@@ -186,6 +186,13 @@ def test_attend_on_cpu_matches_torch_attend(cache, n_new, start, window, first):
     want = attend(q, kc, vc, positions, 0.125, window, first)
     assert got.shape == want.shape == (n_new, n_head, d)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    if cache != "bf16":     # kv_attention's own bits, not a fallback to torch's
+        as_array = {"f32": lambda c: c.numpy(), "f16": lambda c: c.view(torch.int16).numpy().view(np.uint16),
+                    "q8_0": lambda c: c.blocks.numpy()}[cache]
+        views = [as_array(kc), as_array(vc)]
+        o = np.empty((n_new, n_head * d), np.float32)
+        ka.attend(2, q.reshape(n_new, -1).numpy(), *views, o, start, n_head, n_kv, d, d, 0.125, window, first)
+        assert np.array_equal(got.reshape(n_new, -1).numpy(), o)
     # a negative control: another window is caught
     if window:
         other = attend(q, kc, vc, positions, 0.125, window + 8, first)
