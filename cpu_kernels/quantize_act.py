@@ -131,7 +131,8 @@ def _residual_row(x, q, d, block, r):
     """r = x - d q: what quantizing x (into q, d) rounded off (by block slices, as _quantize_row:
     a division per value kept the loop scalar)."""
     for b in range(x.shape[0] // block):
-        xs, qs, rs, db = x[b * block:(b + 1) * block], q[b * block:(b + 1) * block], r[b * block:(b + 1) * block], d[b]
+        lo, hi = b * block, (b + 1) * block
+        xs, qs, rs, db = x[lo:hi], q[lo:hi], r[lo:hi], d[b]
         for i in range(block):
             rs[i] = xs[i] - np.float32(qs[i]) * db
 

@@ -167,7 +167,7 @@ def test_attend_on_cpu_matches_torch_attend(cache, n_new, start, window, first):
     import torch
 
     from gpu_kernels.attention import attend
-    from hybridrt.backends import attend_on_cpu
+    from hybridrt.backends import _fused_cache_view, attend_on_cpu
     from hybridrt.kv_cache import Q8Rows
 
     n_head, n_kv, d = 6, 2, 64
@@ -187,11 +187,9 @@ def test_attend_on_cpu_matches_torch_attend(cache, n_new, start, window, first):
     assert got.shape == want.shape == (n_new, n_head, d)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     if cache != "bf16":     # kv_attention's own bits, not a fallback to torch's
-        as_array = {"f32": lambda c: c.numpy(), "f16": lambda c: c.view(torch.int16).numpy().view(np.uint16),
-                    "q8_0": lambda c: c.blocks.numpy()}[cache]
-        views = [as_array(kc), as_array(vc)]
         o = np.empty((n_new, n_head * d), np.float32)
-        ka.attend(2, q.reshape(n_new, -1).numpy(), *views, o, start, n_head, n_kv, d, d, 0.125, window, first)
+        ka.attend(2, q.reshape(n_new, -1).numpy(), _fused_cache_view(kc), _fused_cache_view(vc), o, start, n_head,
+                  n_kv, d, d, 0.125, window, first)
         assert np.array_equal(got.reshape(n_new, -1).numpy(), o)
     # a negative control: another window is caught
     if window:
