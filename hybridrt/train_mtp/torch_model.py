@@ -17,6 +17,7 @@ from torch import nn
 
 from cpu_kernels.attention_batch import attend_decode
 from cpu_kernels.dequant import dequantize, gather_rows
+from cpu_kernels.top_k import top_k_bits
 from gpu_kernels.norms import rms_norm
 from gpu_kernels.rotary import RotaryRows, apply_rotary, rotary_table
 
@@ -228,6 +229,20 @@ def _attend_cached(q: torch.Tensor, cache: dict, visible: torch.Tensor, scale: f
     return torch.from_numpy(out)[:, None]
 
 
+def top_k_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) of each row's k largest logits (bfloat16 or float32 [b, V], contiguous),
+    largest first, ties lower id first: torch.topk's values in a fifth of its time on Gemma 3's
+    262k-wide rows (cpu_kernels.top_k)."""
+    assert logits.is_contiguous() and logits.dtype in (torch.bfloat16, torch.float32)
+    ids = np.empty((logits.shape[0], k), np.int64)
+    if logits.dtype == torch.bfloat16:
+        top_k_bits(logits.view(torch.int16).numpy().view(np.uint16), 15, ids)
+    else:
+        top_k_bits(logits.view(torch.int32).numpy().view(np.uint32), 31, ids)
+    ids = torch.from_numpy(ids)
+    return logits.gather(1, ids), ids
+
+
 class TorchTeacher:
     """The target (llama / qwen3 / gemma3) in torch, decoding a batch of prompts at once with a
     preallocated KV cache; prompts are left-padded, each sequence keeping its own positions.
@@ -353,7 +368,7 @@ class TorchTeacher:
         ends = torch.full((b,), n_new)
         compact_at = max(1, b // 16) if compact_at is None else compact_at
         for s in range(n_new):
-            top, ids = torch.topk(logits, top_k, dim=-1)
+            top, ids = top_k_rows(logits, top_k)
             probs = torch.softmax(top.float() / temp[:, None].clamp(min=1e-6), dim=-1)
             # one uniform draw per sequence and step, by inverse CDF: a sequence's stream does not
             # depend on which others are still in the batch

@@ -44,8 +44,9 @@ BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 # float32 KV cache on every machine (the AMX Xeon's was bfloat16); 7: sampling by one uniform draw per
 # sequence and step (inverse CDF), and finished sequences leaving the teacher's batch; 8: a float16 KV
 # cache (as `hybridrt run`'s), decode attention in kv_attention's steps; 9: hybridrt's prompt batches
-# attend in kv_attention too (the held-out text and every teacher-forced hidden)
-TEXT_VERSION = 9
+# attend in kv_attention too (the held-out text and every teacher-forced hidden); 10: the teacher's
+# top-k by cpu_kernels.top_k (equal logits: lower id first, where torch.topk's order was its own)
+TEXT_VERSION = 10
 MAX_SEQ = 512                               # prompt + continuation (one hybridrt prefill chunk)
 
 
