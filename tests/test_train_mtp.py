@@ -266,6 +266,22 @@ def test_a_checkpoint_made_on_other_text_is_not_resumed(tiny_llama, tmp_path, mo
     assert _train(tiny_llama, tmp_path / "r.gguf").path.read_bytes() == fresh
 
 
+def test_kl_loss_and_its_gradient_match_float64():
+    """distill_loss's hand-written KL backward against autograd of the formula in float64."""
+    g = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 31)))
+    logits = (3 * torch.randn(37, 300, generator=g)).requires_grad_(True)
+    target = 3 * torch.randn(37, 300, generator=g)
+    weights = torch.rand(37, generator=g)           # a per-row upstream gradient
+    (train_module.distill_loss(logits, target, "kl") * weights).sum().backward()
+    x = logits.detach().double().requires_grad_(True)
+    logp, logq = torch.log_softmax(target.double(), -1), torch.log_softmax(x, -1)
+    want = (logp.exp() * (logp - logq)).sum(-1)
+    (want * weights.double()).sum().backward()
+    got = train_module.distill_loss(logits.detach(), target, "kl")
+    assert torch.allclose(got.double(), want.detach(), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(logits.grad.double(), x.grad, rtol=1e-4, atol=1e-7)
+
+
 def test_n_max_1_walk_skips_the_position_after_a_hit():
     # position 0 comes from the prompt's logits; a hit at p commits p and the bonus token p + 1
     assert train_module.n_max_1_walk([True, True, True, False, True, False, False]) == (2, 4)

@@ -222,13 +222,31 @@ def loss_of(head: MTPHeadModule, w_draft: torch.Tensor, batch, loss: str, bf16: 
     return distill_loss(logits, target, loss).mean()
 
 
+class _KLToTarget(torch.autograd.Function):
+    """KL(softmax(target) || softmax(logits)) per row, with its gradient softmax(logits) - p written
+    by hand: autograd's graph of the same expression made ~10 passes over [entries x V] tensors
+    (Gemma 3: 2,400 x 4,096 a step), 102 ms of a ~540 ms step against 68 here."""
+
+    @staticmethod
+    def forward(ctx, logits, target):
+        logq = torch.log_softmax(logits, dim=-1)
+        logp = torch.log_softmax(target, dim=-1)
+        p = logp.exp()
+        ctx.save_for_backward(logq, p)
+        return logp.sub_(logq).mul_(p).sum(-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logq, p = ctx.saved_tensors
+        return logq.exp().sub_(p).mul_(grad.unsqueeze(-1)), None
+
+
 def distill_loss(logits: torch.Tensor, target: torch.Tensor, loss: str) -> torch.Tensor:
     """Per entry: KL(target || head) over the draft vocabulary ("kl"), or the head's cross-entropy
     to the target's argmax ("argmax"); both float32 [..., V] logits."""
-    logq = torch.log_softmax(logits.float(), dim=-1)
     if loss == "kl":
-        logp = torch.log_softmax(target, dim=-1)
-        return (logp.exp() * (logp - logq)).sum(-1)
+        return _KLToTarget.apply(logits.float(), target.float())
+    logq = torch.log_softmax(logits.float(), dim=-1)
     return -logq.gather(-1, target.argmax(-1, keepdim=True))[..., 0]
 
 
