@@ -30,19 +30,20 @@ MESSAGE = "compiling CPU kernels (first run only) ..."
 def _dispatchers() -> list:
     """The Numba kernels a model calls from Python (the rest are compiled into these): the
     k-input matvec, the fused gate/up FFN, the row decoder behind embedding gathers and
-    load-time dequantization, and the fused layer halves of a CPU trunk."""
-    from cpu_kernels import blocks, ffn, layer_fused, matvec, matvec_int
+    load-time dequantization, the fused layer halves of a CPU trunk, and sampling's top-k."""
+    from cpu_kernels import blocks, ffn, layer_fused, matvec, matvec_int, top_k
 
     fused = [layer_fused.attention_block, layer_fused.ffn_block] if layer_fused.FUSED_DEFAULT else []
+    sampling = [top_k.top_k_bits]
     # the path quantized matrices take by default: integer kernels on int8 activations, or the float
     # ones with HYBRIDRT_EXACT_ACTIVATIONS (kernels the run never calls would read as cold forever)
     if matvec.EXACT_DEFAULT:
-        return [matvec._matvec_kernel, ffn._gate_up_kernel, blocks.decode_rows] + fused
+        return [matvec._matvec_kernel, ffn._gate_up_kernel, blocks.decode_rows] + fused + sampling
     # (with fused layer halves, batches of 1-3 tokens never reach ffn's row kernel: the FFN half
     # takes every batch up to ROWWISE_MAX tokens)
     gate_up = [] if fused else [ffn._gate_up_int_kernel]
     return [matvec_int._matvec_int_kernel, matvec_int._matvec_tiled_kernel, ffn._gate_up_tiled_kernel,
-            blocks.decode_rows] + gate_up + fused
+            blocks.decode_rows] + gate_up + fused + sampling
 
 
 def kernels_cold() -> bool:
@@ -90,7 +91,8 @@ def compile_kernels(model: "Model") -> None:
     batches up to ROWWISE_MAX tokens; the output matrix on 4, 8 and 16 tokens as verify steps read
     it: register groups, token quads, and token lanes for the 32-weight types) and prompts
     (cpu_kernels.matvec_int's tiled kernels on token quads and lanes; a batch past ROWWISE_MAX
-    reaches them through the torch trunk), each for the model's quant types only. Once per KV cache
+    reaches them through the torch trunk), each for the model's quant types only, and sampling's
+    top-k (cpu_kernels.top_k, float32 rows). Once per KV cache
     type the fused attention half reads (it compiles once for each): f32 (the Python API's
     default), f16 (`run`'s and `serve`'s) and q8_0 (-ctk / -ctv q8_0) where the head size allows."""
     from .errors import UserError
@@ -103,6 +105,11 @@ def compile_kernels(model: "Model") -> None:
             continue
         for k in (1, 4, 8, 16, 40):
             session.eval([token] * k, logits="all" if k in (4, 8, 16) else "last")
+    import torch
+
+    from .sampling import top_k_rows
+
+    top_k_rows(torch.zeros(2, 4 * 40), 40)      # sampled runs' top-k (float32 rows; any vocabulary)
     compile_head(model)
 
 

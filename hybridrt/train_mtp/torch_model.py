@@ -17,12 +17,12 @@ from torch import nn
 
 from cpu_kernels.attention_batch import attend_decode
 from cpu_kernels.dequant import dequantize, gather_rows
-from cpu_kernels.top_k import top_k_bits
 from gpu_kernels.norms import rms_norm
 from gpu_kernels.rotary import RotaryRows, apply_rotary, rotary_table
 
 from ..models.common import AttentionSpec
 from ..mtp_head import BlockKind, head_attention_spec, layer_attention
+from ..sampling import top_k_rows
 
 ATTN = ("attn_q", "attn_k", "attn_v", "attn_output")
 # the teacher's KV cache: float16, as `hybridrt run`'s (the values the runtime's attention reads); a
@@ -227,20 +227,6 @@ def _attend_cached(q: torch.Tensor, cache: dict, visible: torch.Tensor, scale: f
     attend_decode(np.ascontiguousarray(q[:, 0].float().numpy()), k, v, cache["n"],
                   np.ascontiguousarray(visible.numpy()), np.float32(scale), out)
     return torch.from_numpy(out)[:, None]
-
-
-def top_k_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, ids) of each row's k largest logits (bfloat16 or float32 [b, V], contiguous),
-    largest first, ties lower id first: torch.topk's values in a fifth of its time on Gemma 3's
-    262k-wide rows (cpu_kernels.top_k)."""
-    assert logits.is_contiguous() and logits.dtype in (torch.bfloat16, torch.float32)
-    ids = np.empty((logits.shape[0], k), np.int64)
-    if logits.dtype == torch.bfloat16:
-        top_k_bits(logits.view(torch.int16).numpy().view(np.uint16), 15, ids)
-    else:
-        top_k_bits(logits.view(torch.int32).numpy().view(np.uint32), 31, ids)
-    ids = torch.from_numpy(ids)
-    return logits.gather(1, ids), ids
 
 
 class TorchTeacher:
