@@ -38,8 +38,8 @@ def top_k_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     """(values, ids) of the k largest of each row of logits [n, V], largest first, as
     torch.topk(sorted=True). CPU float32 / bfloat16 rows with a small k go through
     cpu_kernels.top_k (equal values: lower id first): one pass a row, 81 us against torch.topk's
-    434 us for Gemma 3's 262,144-token row on one thread (3 % of a sampled decode step), and a
-    fifth of the train-mtp teacher's time for its 256 rows a step."""
+    434 us for Gemma 3's 262,144-token row on one thread (3 % of a sampled decode step); on the
+    train-mtp teacher's 256 such rows a step (bfloat16, 2 threads) a fifth of torch.topk's time."""
     if (logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16) or logits.dim() != 2
             or k > TOP_K_KERNEL_MAX or logits.shape[1] < 4 * k):
         return torch.topk(logits, k, dim=-1, sorted=True)
