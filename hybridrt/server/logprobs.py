@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..sampling import top_k_rows
+
 MAX_TOP_CHAT = 20          # OpenAI's bounds on top_logprobs (chat) and logprobs (completions);
 MAX_TOP_COMPLETION = 5     # llama-server allows more, clients written for OpenAI never ask it
 
@@ -32,8 +34,8 @@ def token_logprob(row: torch.Tensor, token: int, n_top: int) -> TokenLogprob:
     lp = torch.log_softmax(row.float(), dim=-1)
     top = ()
     if n_top > 0:
-        values, ids = torch.topk(lp, min(n_top, lp.shape[0]))
-        top = tuple(zip(ids.tolist(), values.tolist()))
+        values, ids = top_k_rows(lp[None], min(n_top, lp.shape[0]))
+        top = tuple(zip(ids[0].tolist(), values[0].tolist()))
     return TokenLogprob(token, float(lp[token]), top)
 
 
