@@ -1193,12 +1193,15 @@ GRID_TOKENS = 4      # most tokens a grid_dot pass takes (2 rows by 4 tokens: 8 
 # Q8_0 262144 x 640 (Gemma 3's output layer) 18.7 -> 31.0, Q6_K 17408 x 5120 18 -> 33, Q4_K 25 ->
 # 34, while the 17408-input rows (9.8-18 KB) keep their speed in groups of 4 and the light legacy
 # types (Q4_0 .. Q5_1, IQ4_NL), whose single rows are bound by their folds, run slower alone. At
-# k = 2 single rows win for Q6_K and Q8_0 only (Q8_0 now takes two-phase groups, below). The Xeon
-# measured in sessions 6-8 (and where no measurement says otherwise) keeps the groups of 4. The
-# bits are the same either way.
+# k = 2 single rows win for Q6_K only: Q8_0's short rows take two-phase groups (below), and its
+# 3072-8192-byte rows read faster in groups of 4 rows x 2 tokens (cold, 2 threads, session 23:
+# 17408 x 5120 3.85 vs 5.08 ms, 4096 x 7680 1.39 vs 1.94; 8192 x 3072 and 14336 x 4096 level),
+# where Q6_K's lose by half (17408 x 5120 3.63 vs 2.33 ms in groups). The Xeon measured in
+# sessions 6-8 (and where no measurement says otherwise) keeps the groups of 4. The bits are the
+# same either way.
 SINGLE_ROW_BYTES = 8192
 SINGLE_ROW_CPUS = ("znver",)
-SINGLE_ROW_MAX_K = {int(_T.Q4_K): 1, int(_T.Q5_K): 1, int(_T.Q6_K): 2, int(_T.Q8_0): 2}
+SINGLE_ROW_MAX_K = {int(_T.Q4_K): 1, int(_T.Q5_K): 1, int(_T.Q6_K): 2, int(_T.Q8_0): 1}
 # Q8_0's rows under TWO_PHASE_BYTES on the same CPUs: groups again, each row read on its own before
 # the group's float steps (_two_phase_pairs), for k <= 2. Zen 4, 2 threads, from memory, best of 3
 # `bench_matvec.py` runs against single rows (BENCHMARKS.md, session 15): 262144 x 640 (Gemma 3's
