@@ -35,6 +35,11 @@ TILE_ELEMS = 1 << 22    # weights per dequantized tile: 8 MiB in float16, ~820 r
 # (large enough to keep a GPU GEMV busy, small enough that the planner's budget barely notices it)
 
 
+def tile_rows_of(n_in: int, n_out: int, tile_rows: int | None = None) -> int:
+    """Output rows per dequantized tile of an [n_out, n_in] QuantLinear."""
+    return min(n_out, tile_rows or max(1, TILE_ELEMS // n_in))
+
+
 def fused_kernel_fits(qtype: int, n_in: int) -> bool:
     """Whether the fused Triton matvec has a kernel for this type and row length."""
     return int(qtype) in TRITON_MATVEC_TYPES and n_in % CHUNK == 0
@@ -130,7 +135,7 @@ class QuantLinear:
                              f"got {raw.dtype} {tuple(raw.shape)}")
         self.raw, self.qtype, self.n_in, self.n_out, self.name = raw.contiguous(), int(qtype), n_in, n_out, name
         self.device, self.compute_dtype = raw.device, compute_dtype
-        self.tile_rows = min(n_out, tile_rows or max(1, TILE_ELEMS // n_in))
+        self.tile_rows = tile_rows_of(n_in, n_out, tile_rows)
         self.scratch = scratch if scratch is not None else TileScratch(raw.device, compute_dtype)
         if not _same_device(self.scratch.device, self.device) or self.scratch.dtype != compute_dtype:
             raise ValueError(f"{name or 'QuantLinear'}: scratch is {self.scratch.dtype} on {self.scratch.device}, "

@@ -22,7 +22,7 @@ from cpu_kernels.matvec import matvec, use_int
 from gpu_kernels.attention import ROWWISE_MAX, attend
 from gpu_kernels.linear import linear_rows
 from gpu_kernels.pointwise import per_token
-from gpu_kernels.qlinear import QuantLinear, TileScratch
+from gpu_kernels.qlinear import QuantLinear, TileScratch, tile_rows_of
 from gpu_kernels.quant import QUANTIZED_TYPES
 
 from .executor import Executor, HostExperts, HostFFN, SplitFFN, TracedBackend
@@ -122,6 +122,47 @@ class GluFFN:
         g = per_token(torch.nn.functional.silu, g) if self.act == "silu" else \
             per_token(lambda t: torch.nn.functional.gelu(t, approximate="tanh"), g)
         return self.down(g * self.up(x))
+
+
+STAGING_ALIGN = 256     # byte alignment of each matrix in the op-offload staging buffer
+
+
+def staged_bytes(ffn: CpuGluFFN) -> int:
+    """The staging buffer a CPU FFN layer's three matrices take, each aligned."""
+    return sum(-(-m.raw.nbytes // STAGING_ALIGN) * STAGING_ALIGN for m in (ffn.gate, ffn.up, ffn.down))
+
+
+class StreamedFFN:
+    """A CPU FFN layer run on the device for one prompt batch (llama.cpp's op offload): its GGUF
+    bytes copied from the mmap into the executor's staging buffer, then the device's quantized
+    matmuls over them (QuantLinear's tile path: dequantize a tile, one GEMM). The copy is queued on
+    the device stream like the kernels, so it waits for the previous layer's reads of the buffer."""
+
+    def __init__(self, host: CpuGluFFN, executor: Executor, scratch: TileScratch, int8_activations: bool):
+        self.host, self.executor, self.scratch, self.int8 = host, executor, scratch, int8_activations
+        self.nbytes = staged_bytes(host)
+        for m in (host.gate, host.up, host.down):      # the tile each takes, reserved while binding
+            scratch.reserve(tile_rows_of(m.n_in, m.n_out) * m.n_in)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        buf = self.executor.staging(self.nbytes)
+        linears, off = [], 0
+        for m in (self.host.gate, self.host.up, self.host.down):
+            view = buf[off:off + m.raw.nbytes].view(m.raw.shape)
+            view.copy_(_read_only_tensor(m.raw), non_blocking=True)
+            linears.append(QuantLinear(view, m.qtype, m.n_in, m.n_out, self.scratch.dtype, m.name, self.scratch,
+                                       int8_activations=self.int8, residual=m.residual))
+            off += -(-m.raw.nbytes // STAGING_ALIGN) * STAGING_ALIGN
+        return GluFFN(*linears, self.host.act)(x)
+
+
+def _read_only_tensor(a: np.ndarray) -> torch.Tensor:
+    """A CPU tensor over a read-only array (the mmap) without a copy; only ever read."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)     # "the given NumPy array is not writable"
+        return torch.from_numpy(a)
 
 
 class RoutedExperts:
@@ -314,7 +355,8 @@ class WeightBinder:
     go to `default`. With no GPU everything defaults to "cpu".
 
     With an `executor` (a plan is being executed), FFN layers left on the CPU are bound as
-    `HostFFN` (their rows cross to the host and back), a MoE layer's routed experts left on the CPU
+    `HostFFN` (their rows cross to the host and back; with `op_offload`, prompt batches copy their
+    weights to the device and run there instead: `StreamedFFN`), a MoE layer's routed experts left on the CPU
     as `HostExperts` (likewise, with the routing), `split` = (layer, units) binds that layer's
     first `units` intermediate units on the device and the rest on the CPU, and with tracing on,
     device backends report their calls to the trace.
@@ -327,8 +369,9 @@ class WeightBinder:
                  default: str = "cpu", device_dtype: torch.dtype = torch.float32,
                  executor: Executor | None = None, split: tuple[int, int] | None = None,
                  exact: bool | None = None, fused: bool | None = None, fused_qtypes: list[int] | None = None,
-                 act_residual: bool | None = None):
+                 act_residual: bool | None = None, op_offload: bool = False):
         self.gguf, self.device = gguf, device
+        self.op_offload = op_offload and executor is not None   # prompt batches run CPU layers on the device
         # the second int8 pass where residual_activations says (None: RESIDUAL_DEFAULT)
         self.act_residual = RESIDUAL_DEFAULT if act_residual is None else act_residual
         # False: the torch trunk ops even where the fused kernels could run (None: FUSED_DEFAULT)
@@ -411,7 +454,7 @@ class WeightBinder:
         gate, up, down = (self.linear(n) for n in names)
         if places == {"cpu"}:
             ffn = CpuGluFFN(gate, up, down, act)
-            return ffn if self.executor is None else HostFFN(ffn, self.executor, prefix)
+            return ffn if self.executor is None else HostFFN(ffn, self.executor, prefix, self._streamed(ffn))
         return GluFFN(gate, up, down, act)
 
     def routed_experts(self, prefix: str):
@@ -453,7 +496,14 @@ class WeightBinder:
                          self._cpu(raws[1][units:], u.qtype, n_embd, rest, f"{names[1]}[{units}:]"),
                          self._cpu(_ffn_units(raws[2], d.qtype, n_ff, units, n_ff), d.qtype, rest, n_embd,
                                         f"{names[2]}[:, {units}:]"), act)
-        return SplitFFN(dev, HostFFN(host, self.executor, f"{prefix} [{units}:]"), self.executor, prefix)
+        return SplitFFN(dev, HostFFN(host, self.executor, f"{prefix} [{units}:]", self._streamed(host)),
+                        self.executor, prefix)
+
+    def _streamed(self, ffn: CpuGluFFN) -> StreamedFFN | None:
+        """The op-offload path of a CPU FFN layer, where the plan reserved its staging buffer."""
+        if not self.op_offload:
+            return None
+        return StreamedFFN(ffn, self.executor, self.scratch, int8_activations=not self._exact())
 
     def _fusable(self) -> bool:
         """The fused layer kernels serve a plain CPU trunk: no plan executing (its trunk is

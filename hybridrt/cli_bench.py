@@ -150,6 +150,7 @@ def bench(
     vram: Optional[str] = typer.Option(None, "--vram", help="VRAM budget to plan for and execute (12GiB, 700MiB, auto)."),
     ctx_size: Optional[int] = typer.Option(None, "-c", "--ctx-size", help="Context the plan reserves (default 4096 or the model's)."),
     margin: str = typer.Option("512MiB", "--margin", help="Planned fixed overhead."),
+    no_op_offload: bool = typer.Option(False, "--no-op-offload", help="With a plan: prompt batches run the CPU FFN layers on the CPU instead of copying their weights to the device (frees one layer's VRAM for decoding)."),
     cache_type_k: str = typer.Option("f16", "-ctk", "--cache-type-k", help="KV cache type for K (f16 as `run` and llama.cpp; a plan reserves it)."),
     cache_type_v: str = typer.Option("f16", "-ctv", "--cache-type-v", help="KV cache type for V."),
     cpu_bw: Optional[float] = typer.Option(None, "--cpu-bw", help="CPU memory bandwidth in GB/s for the prediction (default: measured)."),
@@ -175,7 +176,8 @@ def bench(
     check_spec_flags(draft_n_max)
     cbw = cpu_bw * 1e9 if cpu_bw else measure_cpu_bandwidth()
     request = placement_options(model, vram, device, ctx_size, cache_type_k, cache_type_v,
-                                spec_type or "none", draft_n_max, model_draft, margin)
+                                spec_type or "none", draft_n_max, model_draft, margin,
+                                op_offload=not no_op_offload)
     if request is not None:
         request = dataclasses.replace(request, cpu_bw=cbw)
     cache_type = kv_cache_type(cache_type_k, cache_type_v)      # what `run` decodes on

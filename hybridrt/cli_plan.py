@@ -140,6 +140,8 @@ def plan(
     n_cpu_moe: int = typer.Option(0, "-ncmoe", "--n-cpu-moe", help="MoE: keep the routed experts of the "
                                   "first N layers on the CPU (as llama.cpp's flag); the rest are placed "
                                   "front first while they fit"),
+    no_op_offload: bool = typer.Option(False, "--no-op-offload", help="reserve no VRAM for prompt batches to "
+                                       "run the CPU FFN layers on the GPU (one more layer's room for decoding)"),
     as_json: bool = typer.Option(False, "--json", help="print the whole plan as JSON"),
 ):
     """Plan GPU/CPU placement for a model before loading it: memory per category, layers, speed."""
@@ -184,7 +186,8 @@ def plan(
     options = PlanOptions(vram_bytes=budget, margin_bytes=margin_bytes, n_ctx=ctx_size,
                           cache_type_k=cache_type_k, cache_type_v=cache_type_v, spec_type=spec_type,
                           spec_draft_n_max=spec_draft_n_max, draft=draft, accept_rate=accept_rate,
-                          gpu_bw=gbw, cpu_bw=cbw, k_max=k_max, n_cpu_moe=n_cpu_moe)
+                          gpu_bw=gbw, cpu_bw=cbw, k_max=k_max, n_cpu_moe=n_cpu_moe,
+                          op_offload=not no_op_offload)
     try:
         p = make_plan(profile, options)
     except PlanError as exc:

@@ -32,7 +32,7 @@ MAX_DRAFTS = 31
 
 def placement_options(model_path: str, vram: Optional[str], device: str, ctx_size: Optional[int],
                       cache_type_k: str, cache_type_v: str, spec_type: Optional[str], draft_n_max: int,
-                      model_draft: Optional[str], margin: str):
+                      model_draft: Optional[str], margin: str, op_offload: bool = True):
     """The plan request of `run` / `bench`: None (everything in the mmap, the trunk on `device`)
     unless --vram is given or the device is a GPU (then the free VRAM is the budget)."""
     from .place import PlacementRequest, parse_size
@@ -44,7 +44,7 @@ def placement_options(model_path: str, vram: Optional[str], device: str, ctx_siz
         vram_bytes=None if vram in (None, "auto") else parse_size(vram, "--vram"),
         n_ctx=ctx_size or None, cache_type_k=cache_type_k, cache_type_v=cache_type_v, spec_type=spec_type,
         spec_draft_n_max=draft_n_max, draft_path=str(resolve_model(model_draft)) if model_draft else None,
-        margin_bytes=parse_size(margin, "--margin"))
+        margin_bytes=parse_size(margin, "--margin"), op_offload=op_offload)
 
 
 def adaptive_default(spec_type: str) -> bool:
@@ -74,6 +74,7 @@ def run(
     device: str = typer.Option("cpu", "--device", help="Trunk device: cpu or cuda. With cuda (or --vram) the plan is executed: trunk and the FFN layers that fit on the device, the rest from the mmap on the CPU."),
     vram: Optional[str] = typer.Option(None, "--vram", help="VRAM budget to plan for (12GiB, 700MiB, auto = free memory of the GPU). With --device cpu the CPU stands in for the GPU."),
     margin: str = typer.Option("512MiB", "--margin", help="Planned fixed overhead: CUDA context, allocator slack, safety."),
+    no_op_offload: bool = typer.Option(False, "--no-op-offload", help="With a plan: prompt batches run the CPU FFN layers on the CPU instead of copying their weights to the device (frees one layer's VRAM for decoding)."),
     cache_type_k: str = typer.Option("f16", "-ctk", "--cache-type-k", help="KV cache type for K: f16, f32, bf16, q8_0."),
     cache_type_v: str = typer.Option("f16", "-ctv", "--cache-type-v", help="KV cache type for V: f16, f32, bf16, q8_0."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome/Perfetto trace (device work, CPU FFN, transfers, draft, verify) to this file."),
@@ -109,7 +110,7 @@ def run(
         _check_device(device)
         cache_type = kv_cache_type(cache_type_k, cache_type_v)
         request = placement_options(model, vram, device, ctx_size, cache_type_k, cache_type_v, spec_type,
-                                    draft_n_max, model_draft, margin)
+                                    draft_n_max, model_draft, margin, op_offload=not no_op_offload)
         m = load_model(model, device=device, threads=threads, placement=request, trace=trace is not None,
                        exact_activations=True if exact_activations else None, mtp_head=mtp_head,
                        act_residual=act_residual)

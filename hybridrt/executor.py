@@ -16,6 +16,12 @@ What overlaps (see README, "What runs at the same time"):
      ahead of the next layer's kernels without waiting for it: the host launches layer i + 1 while the
      device is still copying layer i's FFN output in.
 Everything else is a chain (layer i + 1 needs layer i's output), so it does not overlap.
+
+Prompt batches (op offload, llama.cpp's name): a batch of OP_OFFLOAD_MIN_BATCH or more tokens
+copies each CPU FFN layer's weights into one device staging buffer (the plan reserves the largest
+layer) and runs the layer there: a layer's bytes over PCIe cost less than the CPU's matmuls of a
+whole prompt batch. The copies are stream-ordered, so a layer's copy waits for the previous layer's
+kernels to finish reading the buffer. Decode and verify steps keep the CPU path.
 """
 from __future__ import annotations
 
@@ -25,6 +31,10 @@ import torch
 
 from .trace import Tracer, maybe_span
 
+# the smallest batch whose CPU FFN layers run on the device (placement.plan.OP_OFFLOAD_MIN_BATCH,
+# restated: the runtime does not import the planner's module for a constant)
+OP_OFFLOAD_MIN_BATCH = 32
+
 
 class Executor:
     def __init__(self, device: torch.device | str, trace: Tracer | None = None):
@@ -33,6 +43,7 @@ class Executor:
         self.cuda = self.device.type == "cuda"
         self._worker: ThreadPoolExecutor | None = None
         self._host: dict[str, torch.Tensor] = {}     # one pair per crossing layer: no reuse hazards
+        self._staging: torch.Tensor | None = None    # op offload: one CPU layer's weights at a time
 
     # --- the step --------------------------------------------------------------------------------
     def forward(self, model, state, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
@@ -83,6 +94,14 @@ class Executor:
         with self.trace.device_span(f"to device {key}", "transfer"):
             return host.to(self.device, non_blocking=True)
 
+    def staging(self, nbytes: int) -> torch.Tensor:
+        """The device buffer prompt batches copy a CPU FFN layer's weights into (uint8, at least
+        nbytes), shared by every layer: the plan reserved the largest layer's bytes."""
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = None        # the old buffer goes before the larger one is taken
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._staging
+
     def close(self) -> None:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
@@ -92,12 +111,18 @@ class Executor:
 class HostFFN:
     """A whole FFN layer left in the mmap, called from a trunk on the device: the k x n_embd rows
     go to a pinned host buffer, the fused k-input Numba FFN runs on the worker thread (each weight
-    block read once for all k rows), and the result is queued back to the device."""
+    block read once for all k rows), and the result is queued back to the device. With `streamed`
+    (op offload), batches of OP_OFFLOAD_MIN_BATCH+ rows run on the device instead, the layer's
+    weights copied up for the call."""
 
-    def __init__(self, ffn, executor: Executor, name: str):
-        self.ffn, self.executor, self.name = ffn, executor, name
+    def __init__(self, ffn, executor: Executor, name: str, streamed=None):
+        self.ffn, self.executor, self.name, self.streamed = ffn, executor, name, streamed
         self.nbytes = ffn.nbytes
         self.n_embd = ffn.down.n_out
+
+    def on_device(self, x: torch.Tensor) -> bool:
+        """Whether this batch takes the op-offload path."""
+        return self.streamed is not None and x.shape[0] >= OP_OFFLOAD_MIN_BATCH
 
     def start(self, x: torch.Tensor) -> Future:
         host_in, ready = self.executor.to_host(x, f"{self.name} in")
@@ -115,6 +140,12 @@ class HostFFN:
         return self.executor.to_device(pending.result(), f"{self.name} out")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.on_device(x):
+            trace = self.executor.trace
+            if trace is None:
+                return self.streamed(x)
+            with trace.device_span(f"op offload {self.name}", "transfer"):    # the copy, then the layer
+                return self.streamed(x)
         return self.finish(self.start(x))
 
 
@@ -159,6 +190,8 @@ class SplitFFN:
         self.nbytes = device_half.nbytes + host_half.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.host_half.on_device(x):         # a prompt batch: both halves on the device, in order
+            return self.device_half(x) + self.host_half(x)
         pending = self.host_half.start(x)
         trace = self.executor.trace
         if trace is None:

@@ -76,7 +76,8 @@ def load_model(model: str | os.PathLike | None = None, device: str = "cpu",
     dtype = torch.float32 if dev.type == "cpu" else torch.float16
     binder = WeightBinder(gguf, dev, tensor_devices, device_dtype=dtype,
                           executor=executor if plan is not None else None, split=split,
-                          exact=exact_activations, act_residual=act_residual)
+                          exact=exact_activations, act_residual=act_residual,
+                          op_offload=plan is not None and plan.line("op_offload").gpu_bytes > 0)
     m = model_class(gguf.arch)(gguf, binder)
     m.executor, m.plan = executor, plan
     if mtp_head is not None:

@@ -45,6 +45,7 @@ class PlacementRequest:
     margin_bytes: int = 512 * MiB
     gpu_bw: float | None = None        # bytes/s, for the predicted speed only
     cpu_bw: float | None = None
+    op_offload: bool = True            # prompt batches run CPU FFN layers on the device (--no-op-offload)
 
 
 def plan_for(path: str, request: PlacementRequest, device, n_ctx_train: int = 4096) -> Plan:
@@ -76,6 +77,7 @@ def plan_for(path: str, request: PlacementRequest, device, n_ctx_train: int = 40
     options = PlanOptions(vram_bytes=budget, margin_bytes=request.margin_bytes, n_ctx=n_ctx,
                           cache_type_k=request.cache_type_k, cache_type_v=request.cache_type_v,
                           spec_type=spec_type, spec_draft_n_max=request.spec_draft_n_max, draft=draft,
+                          op_offload=request.op_offload,
                           **({"gpu_bw": gpu_bw} if gpu_bw else {}), **({"cpu_bw": cpu_bw} if cpu_bw else {}))
     try:
         return make_plan(profile, options)

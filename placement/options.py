@@ -31,6 +31,8 @@ class PlanOptions:
     split_ffn: bool = True              # give the VRAM left after whole layers to part of the next one
     n_cpu_moe: int = 0                  # llama.cpp's --n-cpu-moe: the routed experts of trunk layers
                                         # 0..N-1 stay on the CPU (MoE models; ignored for dense ones)
+    op_offload: bool = True             # llama.cpp's op offload (--no-op-offload: off): VRAM for one
+                                        # CPU FFN layer's weights, copied up for each prompt batch
 
     @property
     def n_draft(self) -> int:

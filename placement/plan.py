@@ -6,7 +6,11 @@ Order of reservation, each a line of the report:
   3. the trunk: embedding (row gather on the CPU), attention / GDN projections, MoE routers and
      shared experts, norms, output head, main KV cache, live recurrent state, activation and logits
      scratch for k_max tokens;
-  4. FFN layers, whole, front layers first, while they fit; the rest run on the CPU from the mmap.
+  4. prompt staging (op offload): when some dense FFN layer must stay on the CPU, VRAM for the
+     largest one's weights, which each prompt batch of OP_OFFLOAD_MIN_BATCH+ tokens copies up layer
+     by layer and runs on the GPU (llama.cpp's op offload: copying a layer over PCIe costs less than
+     the CPU's matmuls of a whole prompt batch); decode and verify steps stay on the CPU. Then FFN
+     layers, whole, front layers first, while they fit; the rest run on the CPU from the mmap.
      For a MoE model an FFN layer is the layer's routed experts (all of them: which ones a token
      needs is known only after its router ran), and `n_cpu_moe` keeps those of the first N layers
      on the CPU before any is placed (llama.cpp's --n-cpu-moe).
@@ -364,6 +368,28 @@ def _split_boundary(profile: ModelProfile, ffn: dict[int, int], on_cpu: list[int
     return FfnSplit(layer=layer, n_ff=n_ff, gpu_units=units, gpu_bytes=gpu, cpu_bytes=ffn[layer] - gpu)
 
 
+# the smallest prompt batch that takes CPU FFN layers' weights to the GPU (llama.cpp's
+# GGML_OP_OFFLOAD_MIN_BATCH); hybridrt.executor restates it (tests/test_placement.py checks)
+OP_OFFLOAD_MIN_BATCH = 32
+
+
+def _staging(profile: ModelProfile, opt: PlanOptions, ffn: dict[int, int], left: int) -> tuple[int, str]:
+    """(bytes, detail) of the prompt staging buffer: the largest FFN layer's weights, when some layer
+    must stay on the CPU and that buffer fits. MoE layers are not staged (a batch's experts are known
+    only after its routers ran; llama.cpp's op offload copies all of them)."""
+    if not opt.op_offload:
+        return 0, "off (--no-op-offload): prompt batches run the CPU FFN layers on the CPU"
+    if profile.n_expert:
+        return 0, "MoE experts are not staged: prompt batches run them on the CPU"
+    if not ffn or sum(ffn.values()) <= left:
+        return 0, "every FFN layer fits on the GPU: nothing to stage"
+    biggest = max(ffn.values())
+    if biggest > left:
+        return 0, f"does not fit ({_mib(biggest)}): prompt batches run the CPU FFN layers on the CPU"
+    return biggest, (f"one CPU FFN layer's weights, copied up layer by layer for prompt batches of "
+                     f"{OP_OFFLOAD_MIN_BATCH}+ tokens (--no-op-offload: none, one more layer's room)")
+
+
 def plan(profile: ModelProfile, options: PlanOptions) -> Plan:
     _check(profile, options)
     lines, device = _fixed_lines(profile, options)
@@ -373,6 +399,9 @@ def plan(profile: ModelProfile, options: PlanOptions) -> Plan:
 
     left = options.vram_bytes - fixed
     ffn = profile.ffn_layer_bytes()
+    staging, staging_detail = _staging(profile, options, ffn, left)
+    lines.append(Line(4, "op_offload", "prompt staging", staging, detail=staging_detail))
+    left -= staging
     kept = [layer for layer in ffn if layer < options.n_cpu_moe] if profile.n_expert else []
     on_gpu: list[int] = []
     for layer, nbytes in ffn.items():          # front first, then any later layer that still fits

@@ -1,11 +1,13 @@
 """A --vram budget that puts a fraction of a model's FFN bytes on the GPU (after everything the
-plan reserves first), for scripts/gpu_check.sh:  python scripts/gpu_check_budget.py MODEL FRACTION
+plan reserves first, and below 1.0 the prompt staging of op offload: the largest FFN layer), for
+scripts/gpu_check.sh:  python scripts/gpu_check_budget.py MODEL FRACTION
 [--spec-type T --spec-draft-n-max N]. Prints the budget in bytes."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 
+from hybridrt.model_profile import load_profile
 from hybridrt.place import PlacementRequest, plan_for
 
 
@@ -20,7 +22,8 @@ def main() -> None:
     roomy = plan_for(args.model, request, "cpu")
     fixed = sum(line.gpu_bytes for line in roomy.lines if line.stage < 4)
     ffn = roomy.line("ffn").gpu_bytes + roomy.line("ffn").cpu_bytes
-    print(int(fixed + args.fraction * ffn) + (1 << 20) * (args.fraction == 1.0))
+    staging = max(load_profile(args.model).ffn_layer_bytes().values()) if args.fraction < 1.0 else 0
+    print(int(fixed + staging + args.fraction * ffn) + (1 << 20) * (args.fraction == 1.0))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ def test_smollm2_700mib_plan_prints_placement_and_same_tokens():
     placed = run_cli(*common, "--vram", "700MiB", "--device", "cpu")
     plain = run_cli(*common, "--device", "cpu")
     assert placed.returncode == 0 and plain.returncode == 0, placed.stderr + plain.stderr
-    assert "placement: offloaded 14/30 FFN layers + 768/1536 units of layer 14 to cpu" in placed.stderr
+    assert "placement: offloaded 13/30 FFN layers + 768/1536 units of layer 13 to cpu" in placed.stderr
     assert "placement:" not in plain.stderr
     assert placed.stdout == plain.stdout and len(placed.stdout) > len(PROMPT) + 10
 
@@ -90,7 +90,7 @@ def test_bench_json_has_predicted_and_measured_speed():
     d = json.loads(r.stdout)
     assert d["measured_tps"] == d["tg_tps"] > 0 and d["predicted_tps"] > 0
     assert d["prediction"].startswith("plan:") and d["placement"]["ffn_split"]["gpu_units"] == 768
-    assert "placement: offloaded 14/30" in r.stderr
+    assert "placement: offloaded 13/30" in r.stderr
     plain = json.loads(run_cli("bench", "-m", str(require(SMOLLM2)), "-p", "8", "-n", "4", "-r", "1", "--json",
                                "--cpu-bw", "20").stdout)
     assert plain["placement"] is None and plain["predicted_tps"] == pytest.approx(20e9 / plain["weight_bytes_per_token"])

@@ -41,8 +41,11 @@ def test_report_of_a_split_gemma3():
     r = invoke("-m", require(GEMMA3), "--vram", "324MiB", "--margin", "64MiB", "-c", "2048", *FIXED_BW)
     assert r.exit_code == 0, r.output
     out = r.stdout
-    assert "FFN on GPU: 0-1 (2 layers), CPU: 2-17 (16 layers)" in out
-    for fragment in ("fixed overhead", "output head", "KV cache", "activations and logits", "host RAM",
+    # one layer's room is the prompt staging (op offload); --no-op-offload gives it to layer 1
+    assert "FFN on GPU: 0 (1 layers), CPU: 1-17 (17 layers)" in out
+    off = invoke("-m", require(GEMMA3), "--vram", "324MiB", "--margin", "64MiB", "-c", "2048", "--no-op-offload", *FIXED_BW)
+    assert "FFN on GPU: 0-1 (2 layers), CPU: 2-17 (16 layers)" in off.stdout and "prompt staging" not in off.stdout
+    for fragment in ("fixed overhead", "prompt staging", "output head", "KV cache", "activations and logits", "host RAM",
                      "plain", "tok/s", "GPU 400 GB/s from --gpu-bw", "did not fit"):
         assert fragment in out, fragment
 
@@ -115,7 +118,7 @@ def test_console_script():
     ok = subprocess.run(["hybridrt", "plan", "-m", str(require(GEMMA3)), "--vram", "324MiB", "--margin", "64MiB",
                          "-c", "2048", *FIXED_BW], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
-    assert "FFN on GPU: 0-1" in ok.stdout
+    assert "FFN on GPU: 0 (1 layers)" in ok.stdout
     bad = subprocess.run(["hybridrt", "plan", "-m", str(require(GEMMA3)), "--vram", "100MiB", *FIXED_BW],
                          capture_output=True, text=True)
     assert bad.returncode == 2

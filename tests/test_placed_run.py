@@ -32,11 +32,13 @@ PROMPT = "The capital of France is a city that has many famous museums, such as"
 
 
 def budget_for(path, request: PlacementRequest, whole_layers: int, extra_granules: float) -> int:
-    """A VRAM budget that fits stages 1-3, `whole_layers` FFN layers and part of the next one."""
+    """A VRAM budget that fits stages 1-3, the prompt staging (the largest FFN layer, where the
+    request keeps op offload), `whole_layers` FFN layers and part of the next one."""
     roomy = plan_for(str(path), dataclasses.replace(request, vram_bytes=1 << 40), "cpu")
     fixed = sum(line.gpu_bytes for line in roomy.lines if line.stage < 4)
     profile = load_profile(str(path))
     ffn = profile.ffn_layer_bytes()
+    fixed += max(ffn.values()) if request.op_offload else 0
     granule = 256 if profile.n_ff % 256 == 0 else 32
     return int(fixed + sum(ffn[i] for i in range(whole_layers)) + extra_granules * ffn[whole_layers] * granule / profile.n_ff)
 
@@ -50,7 +52,8 @@ def ffn_of(model, layer: int):
 
 @pytest.fixture(scope="module")
 def smollm2_placed():
-    """SmolLM2 with the issue's budget: 14 of 30 FFN layers on the device, layer 14 split. Both this
+    """SmolLM2 with the issue's budget: 13 of 30 FFN layers on the device (one layer's room is the
+    prompt staging), layer 13 split. Both this
     and the mmap model run the mmap'd matrices on float32 activations, as the device backends do:
     the default int8 activations would differ from the device layers by their quantization noise."""
     return load_model(require(SMOLLM2), placement=PlacementRequest(vram_bytes=700 * MiB, n_ctx=4096),
@@ -64,7 +67,7 @@ def smollm2_mmap():
 
 def test_smollm2_binds_exactly_what_the_plan_says(smollm2_placed):
     m, plan = smollm2_placed, smollm2_placed.plan
-    assert plan.ffn_gpu_layers == list(range(14)) and plan.ffn_split.layer == 14
+    assert plan.ffn_gpu_layers == list(range(13)) and plan.ffn_split.layer == 13
     for layer in range(30):
         ffn = ffn_of(m, layer)
         if layer in plan.ffn_gpu_layers:
@@ -78,7 +81,7 @@ def test_smollm2_binds_exactly_what_the_plan_says(smollm2_placed):
     attn = m.layers[0][0].attn
     assert isinstance(attn.wqkv, QuantLinear) and isinstance(m.output, QuantLinear)
     line = placement_line(plan, "cpu")
-    assert "offloaded 14/30 FFN layers + 768/1536 units of layer 14" in line
+    assert "offloaded 13/30 FFN layers + 768/1536 units of layer 13" in line
 
 
 def test_smollm2_placed_greedy_tokens_equal_the_mmap_run(smollm2_placed, smollm2_mmap):
@@ -135,9 +138,11 @@ def test_tiny_qwen35_mtp_placed_speculative_parity(tiny_qwen35_mtp):
 
 def test_trace_is_chrome_json_and_the_split_halves_overlap(tmp_path):
     """The split layer's CPU half (worker thread) and device half (queued by the main thread) run at
-    the same time: in the trace their spans intersect."""
+    the same time: in the trace their spans intersect. Op offload is off: it would run a batch of
+    32+ tokens (this one) on the device alone."""
     tracer = Tracer("cpu")
-    m = load_model(require(SMOLLM2), placement=PlacementRequest(vram_bytes=700 * MiB, n_ctx=4096), trace=tracer)
+    m = load_model(require(SMOLLM2), placement=PlacementRequest(vram_bytes=700 * MiB, n_ctx=4096, op_offload=False),
+                   trace=tracer)
     ids = m.tokenize(PROMPT * 4)       # a 60+ token batch: both halves take milliseconds
     s = m.session(512)
     for _ in range(3):
@@ -195,7 +200,7 @@ def test_cuda_placed_verify_batch_bitwise_and_speculative_parity(tiny_qwen35_mtp
 
 def test_python_api_vram_string_plans_like_the_cli():
     m = load_model(require(SMOLLM2), vram="700MiB")
-    assert m.plan.options.vram_bytes == 700 * MiB and len(m.plan.ffn_gpu_layers) == 14
+    assert m.plan.options.vram_bytes == 700 * MiB and len(m.plan.ffn_gpu_layers) == 13
     s = m.session()
     assert (s.n_ctx, s.k_max) == (4096, 1)
     from hybridrt.errors import UserError

@@ -126,10 +126,10 @@ def test_plain_decoding_has_no_ring_and_leaves_mtp_unused():
 def test_ffn_front_first_then_fills_the_remainder():
     sizes = [20 * MiB, 20 * MiB, 30 * MiB, 20 * MiB, 30 * MiB, 20 * MiB, 20 * MiB, 20 * MiB]
     prof = synthetic_profile(ffn_sizes=sizes)
-    opt = PlanOptions(vram_bytes=1024 * MiB, margin_bytes=64 * MiB, n_ctx=1024)
+    opt = PlanOptions(vram_bytes=1024 * MiB, margin_bytes=64 * MiB, n_ctx=1024, op_offload=False)   # the FFN rule alone
     fixed = fixed_gpu(plan(prof, opt))
     # room for layers 0, 1 (40 MiB) plus 25 MiB: layer 2 (30) does not fit, layer 3 (20) does
-    p = plan(prof, PlanOptions(vram_bytes=fixed + 65 * MiB, margin_bytes=64 * MiB, n_ctx=1024))
+    p = plan(prof, PlanOptions(vram_bytes=fixed + 65 * MiB, margin_bytes=64 * MiB, n_ctx=1024, op_offload=False))
     assert p.ffn_gpu_layers == [0, 1, 3]
     assert p.ffn_cpu_layers == [2, 4, 5, 6, 7]
     assert p.line("ffn").gpu_bytes == 60 * MiB and p.free_bytes == 5 * MiB
@@ -163,7 +163,7 @@ def test_speed_reads_cpu_ffn_once_per_verify_step():
     prof = synthetic_profile()
     opt = PlanOptions(vram_bytes=1024 * MiB, margin_bytes=64 * MiB, n_ctx=4096, spec_type="draft-mtp",
                       spec_draft_n_max=3, gpu_bw=400e9, cpu_bw=20e9, layer_overhead_s=0, handoff_overhead_s=0,
-                      split_ffn=False)
+                      split_ffn=False, op_offload=False)
     fixed = fixed_gpu(plan(prof, opt))
     p = plan(prof, PlanOptions(**{**opt.__dict__, "vram_bytes": fixed + 25 * MiB}))
     s = p.speed
@@ -350,7 +350,8 @@ def test_leftover_vram_splits_the_boundary_layer_by_units():
     """What is left after whole FFN layers buys the first CPU layer's leading units, in granules of
     ffn_down's quant block; the speed model credits the two halves running at the same time."""
     prof = synthetic_profile()
-    opt = PlanOptions(vram_bytes=1024 * MiB, margin_bytes=64 * MiB, n_ctx=4096, gpu_bw=400e9, cpu_bw=20e9)
+    opt = PlanOptions(vram_bytes=1024 * MiB, margin_bytes=64 * MiB, n_ctx=4096, gpu_bw=400e9, cpu_bw=20e9,
+                      op_offload=False)
     fixed = fixed_gpu(plan(prof, opt))
     layer = prof.ffn_layer_bytes()[2]
     granule_bytes = layer * 256 // prof.n_ff

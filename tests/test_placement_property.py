@@ -12,7 +12,7 @@ from tests.test_placement import synthetic_profile
 
 STAGE_OF = {"overhead": 1, "gdn_snapshot_ring": 2, "draft_kv": 2, "draft_weights": 2, "draft_state": 2,
             "embedding": 3, "attention_weights": 3, "gdn_weights": 3, "moe_shared": 3, "norms": 3, "output_head": 3,
-            "other_weights": 3, "kv_cache": 3, "recurrent_state": 3, "scratch": 3, "ffn": 4}
+            "other_weights": 3, "kv_cache": 3, "recurrent_state": 3, "scratch": 3, "op_offload": 4, "ffn": 4}
 
 
 def as_moe(prof):
@@ -42,6 +42,7 @@ def cases(draw):
         spec_draft_n_max=draw(st.integers(1, 8)),
         accept_rate=draw(st.floats(0, 1)),
         n_cpu_moe=draw(st.integers(0, 30)),
+        op_offload=draw(st.booleans()),
     )
     return prof, opt
 
@@ -76,6 +77,12 @@ def test_plan_respects_budget_and_order(case):
     if unfit:                                     # otherwise a layer is on the CPU only because it did not fit
         assert p.free_bytes < min(ffn[i] for i in unfit)
     assert p.line("moe_shared").gpu_bytes == prof.role_bytes("moe_shared")
+    staging = p.line("op_offload").gpu_bytes      # op offload: the largest layer, only where one stays on the CPU
+    assert staging in (0, max(ffn.values()))
+    if staging:
+        assert opt.op_offload and not prof.n_expert and p.ffn_cpu_layers
+    elif opt.op_offload and not prof.n_expert and p.ffn_cpu_layers:   # it did not fit before any FFN layer
+        assert max(ffn.values()) > p.line("ffn").gpu_bytes + p.free_bytes
     if split:                                     # the boundary layer takes what is left, in whole granules
         granule = split_granule(split.n_ff)
         assert split.layer == p.ffn_cpu_layers[0] and not prof.n_expert
