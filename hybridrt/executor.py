@@ -33,7 +33,7 @@ from .trace import Tracer, maybe_span
 
 # the smallest batch whose CPU FFN layers run on the device (placement.plan.OP_OFFLOAD_MIN_BATCH,
 # restated: the runtime does not import the planner's module for a constant)
-OP_OFFLOAD_MIN_BATCH = 32
+OP_OFFLOAD_MIN_BATCH = 64
 
 
 class Executor:

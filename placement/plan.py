@@ -368,9 +368,10 @@ def _split_boundary(profile: ModelProfile, ffn: dict[int, int], on_cpu: list[int
     return FfnSplit(layer=layer, n_ff=n_ff, gpu_units=units, gpu_bytes=gpu, cpu_bytes=ffn[layer] - gpu)
 
 
-# the smallest prompt batch that takes CPU FFN layers' weights to the GPU (llama.cpp's
-# GGML_OP_OFFLOAD_MIN_BATCH); hybridrt.executor restates it (tests/test_placement.py checks)
-OP_OFFLOAD_MIN_BATCH = 32
+# the smallest prompt batch that takes CPU FFN layers' weights to the GPU: above the largest verify
+# batch (32 tokens at --spec-draft-n-max 31), so a verify keeps the CPU kernels' bits, which a
+# token's single steps have (llama.cpp takes 32); hybridrt.executor restates it (tests check)
+OP_OFFLOAD_MIN_BATCH = 64
 
 
 def _staging(profile: ModelProfile, opt: PlanOptions, ffn: dict[int, int], left: int) -> tuple[int, str]:

@@ -27,11 +27,16 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 MiB = 1 << 20
 TEXT = ("The capital of France is a city that has many famous museums, such as the Louvre, the Orsay and "
-        "the Pompidou centre, and many parks where people walk on Sunday afternoons in the spring.")
+        "the Pompidou centre, and many parks where people walk on Sunday afternoons in the spring. Its "
+        "river runs from east to west under thirty-seven bridges, the oldest of which is called the New "
+        "Bridge; boats carry visitors past the cathedral, the town hall and the old royal palace.")
 
 
 def test_the_runtime_and_the_planner_agree_on_the_batch():
-    assert OP_OFFLOAD_MIN_BATCH == PLANNED_MIN_BATCH == 32
+    assert OP_OFFLOAD_MIN_BATCH == PLANNED_MIN_BATCH == 64
+    from hybridrt.cli_run import MAX_DRAFTS
+
+    assert OP_OFFLOAD_MIN_BATCH > MAX_DRAFTS + 1        # no verify batch takes it
 
 
 def test_plan_reserves_the_largest_layer_only_when_a_layer_stays_on_the_cpu():
@@ -80,9 +85,9 @@ def test_prompt_batches_take_it_and_small_batches_do_not(placed):
     assert len(ids) >= OP_OFFLOAD_MIN_BATCH + 4
     s = m.session(256)
     n0 = len(_offloads(tracer))
-    s.eval(ids[:OP_OFFLOAD_MIN_BATCH - 1])          # 31 tokens: the CPU path
+    s.eval(ids[:OP_OFFLOAD_MIN_BATCH - 1])          # 63 tokens: the CPU path
     assert len(_offloads(tracer)) == n0
-    s.eval(ids[:OP_OFFLOAD_MIN_BATCH], start_pos=0)     # 32: every CPU layer, the split one's CPU half too
+    s.eval(ids[:OP_OFFLOAD_MIN_BATCH], start_pos=0)     # 64: every CPU layer, the split one's CPU half too
     names = _offloads(tracer)[n0:]
     split = m.plan.ffn_split.layer
     assert len(names) == len(m.plan.ffn_cpu_layers)
@@ -114,13 +119,29 @@ def test_no_op_offload_keeps_prompts_on_the_cpu():
 
 
 def test_streamed_layer_is_the_cpu_layer(placed):
-    """One CPU layer alone: its streamed result against its CPU kernel's on a 40-row batch."""
+    """One CPU layer alone: its streamed result against its CPU kernel's on a 67-row batch."""
     m, _ = placed
     host = ffn_of(m, m.plan.ffn_cpu_layers[-1])
-    x = torch.randn(40, host.n_embd, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(OP_OFFLOAD_MIN_BATCH + 3, host.n_embd, generator=torch.Generator().manual_seed(3))
     want = host.ffn(x).double()
     got = host.streamed(x).double()
     assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item() <= 1e-5
     # the buffer is the executor's one, reused layer after layer
     assert m.executor.staging(1).data_ptr() == m.executor.staging(host.streamed.nbytes).data_ptr()
     assert dataclasses.is_dataclass(m.plan.options) and m.plan.options.op_offload
+
+
+@pytest.mark.cuda
+def test_cuda_prompt_batches_stream_and_agree_with_the_cpu_path():
+    """On a GPU (scripts/gpu_check.sh): a 64+ token prompt streams every CPU layer, and its logits
+    pick the same top-1 as the same plan with prompts left on the CPU."""
+    tracer = Tracer("cuda")
+    req = PlacementRequest(vram_bytes=700 * MiB, n_ctx=4096)
+    on = load_model(require(SMOLLM2), device="cuda", placement=req, trace=tracer)
+    off = load_model(require(SMOLLM2), device="cuda", placement=dataclasses.replace(req, op_offload=False))
+    ids = on.tokenize(TEXT * 2)
+    got = on.session(512).eval(ids, logits="all").cpu()
+    ref = off.session(512).eval(ids, logits="all").cpu()
+    assert len(_offloads(tracer)) == len(on.plan.ffn_cpu_layers)
+    agree = (got.argmax(-1) == ref.argmax(-1)).double().mean().item()
+    assert agree >= 0.95, agree

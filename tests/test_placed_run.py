@@ -138,8 +138,8 @@ def test_tiny_qwen35_mtp_placed_speculative_parity(tiny_qwen35_mtp):
 
 def test_trace_is_chrome_json_and_the_split_halves_overlap(tmp_path):
     """The split layer's CPU half (worker thread) and device half (queued by the main thread) run at
-    the same time: in the trace their spans intersect. Op offload is off: it would run a batch of
-    32+ tokens (this one) on the device alone."""
+    the same time: in the trace their spans intersect. Op offload is off (a longer prompt batch would
+    run the layer on the device alone)."""
     tracer = Tracer("cpu")
     m = load_model(require(SMOLLM2), placement=PlacementRequest(vram_bytes=700 * MiB, n_ctx=4096, op_offload=False),
                    trace=tracer)
