@@ -144,10 +144,16 @@ def _mib(n: int) -> str:
 DEQUANT_TILE_ELEMS = 1 << 22
 
 
+# hybridrt.session.PROMPT_CHUNK, restated likewise: prompts are evaluated in chunks of this many
+# tokens (llama.cpp's n_ubatch), whose activations the device holds at once
+PROMPT_CHUNK = 512
+
+
 def scratch_bytes(profile: ModelProfile, k: int, n_ctx: int) -> int:
-    """Activation and logits buffers for a k-token batch, an upper estimate of the torch path:
-    per token the residual, normed input, mixer and FFN outputs (4 x n_embd), two mixer projection
-    outputs, gate/up/product of the FFN (3 x n_ff); float32 logits for all k rows; and attention's
+    """Activation and logits buffers for a k-token batch and a PROMPT_CHUNK-token prompt chunk, an
+    upper estimate of the torch path: per token of the larger of the two the residual, normed
+    input, mixer and FFN outputs (4 x n_embd), two mixer projection outputs, gate/up/product of the
+    FFN (3 x n_ff); float32 logits for the k rows (a prompt chunk takes its last row's); and attention's
     working set for one layer: its K and V over the context widened to float32 plus the scores of
     k query rows (the row-by-row kernel widens one row's keys at a time); and the tile that
     GPU-resident quantized weights are dequantized into before their matmul (one shared tile of
@@ -156,7 +162,7 @@ def scratch_bytes(profile: ModelProfile, k: int, n_ctx: int) -> int:
     logits = F32 * k * profile.n_vocab
     attention = max((n_ctx * (s.kv_f32_bytes_per_token() + F32 * k * s.n_head) for s in profile.attention_shapes),
                     default=0)
-    return k * per_token + logits + attention + DEQUANT_TILE_ELEMS * (2 + F32)
+    return max(k, PROMPT_CHUNK) * per_token + logits + attention + DEQUANT_TILE_ELEMS * (2 + F32)
 
 
 def _check(profile: ModelProfile, opt: PlanOptions) -> None:
@@ -282,7 +288,8 @@ def _fixed_lines(profile: ModelProfile, opt: PlanOptions) -> tuple[list[Line], d
         Line(3, "recurrent_state", "recurrent state", state,
              detail=f"live S + conv of {profile.n_gdn_layers} GDN layers, float32" if state else "no GDN layers"),
         Line(3, "scratch", "activations and logits", scratch_bytes(profile, k, ctx),
-             detail=f"batches of up to {k} tokens (k_max), attention over {ctx:,} tokens"),
+             detail=f"batches of up to {k} tokens (k_max), prompt chunks of {PROMPT_CHUNK}, "
+                    f"attention over {ctx:,} tokens"),
     ]
     return lines, device
 

@@ -38,12 +38,12 @@ def test_parse_size_rejects(text):
 
 
 def test_report_of_a_split_gemma3():
-    r = invoke("-m", require(GEMMA3), "--vram", "324MiB", "--margin", "64MiB", "-c", "2048", *FIXED_BW)
+    r = invoke("-m", require(GEMMA3), "--vram", "345MiB", "--margin", "64MiB", "-c", "2048", *FIXED_BW)
     assert r.exit_code == 0, r.output
     out = r.stdout
     # one layer's room is the prompt staging (op offload); --no-op-offload gives it to layer 1
     assert "FFN on GPU: 0 (1 layers), CPU: 1-17 (17 layers)" in out
-    off = invoke("-m", require(GEMMA3), "--vram", "324MiB", "--margin", "64MiB", "-c", "2048", "--no-op-offload", *FIXED_BW)
+    off = invoke("-m", require(GEMMA3), "--vram", "345MiB", "--margin", "64MiB", "-c", "2048", "--no-op-offload", *FIXED_BW)
     assert "FFN on GPU: 0-1 (2 layers), CPU: 2-17 (16 layers)" in off.stdout and "prompt staging" not in off.stdout
     for fragment in ("fixed overhead", "prompt staging", "output head", "KV cache", "activations and logits", "host RAM",
                      "plain", "tok/s", "GPU 400 GB/s from --gpu-bw", "did not fit"):
@@ -115,7 +115,7 @@ def _console_script_has_plan() -> bool:
 
 @pytest.mark.skipif(not _console_script_has_plan(), reason="the hybridrt console script has no plan command yet")
 def test_console_script():
-    ok = subprocess.run(["hybridrt", "plan", "-m", str(require(GEMMA3)), "--vram", "324MiB", "--margin", "64MiB",
+    ok = subprocess.run(["hybridrt", "plan", "-m", str(require(GEMMA3)), "--vram", "345MiB", "--margin", "64MiB",
                          "-c", "2048", *FIXED_BW], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert "FFN on GPU: 0 (1 layers)" in ok.stdout
@@ -130,7 +130,7 @@ def test_warns_when_cpu_side_weights_will_not_stay_resident(monkeypatch):
 
     real = psutil.virtual_memory()
     monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=1 << 20))
-    r = invoke("-m", require(GEMMA3), "--vram", "324MiB", "--margin", "64MiB", "-c", "2048", *FIXED_BW)
+    r = invoke("-m", require(GEMMA3), "--vram", "345MiB", "--margin", "64MiB", "-c", "2048", *FIXED_BW)
     assert r.exit_code == 0, r.output
     assert "will NOT stay resident" in r.stdout
 

@@ -52,11 +52,12 @@ def ffn_of(model, layer: int):
 
 @pytest.fixture(scope="module")
 def smollm2_placed():
-    """SmolLM2 with the issue's budget: 13 of 30 FFN layers on the device (one layer's room is the
-    prompt staging), layer 13 split. Both this
+    """SmolLM2 at the issue's 700 MiB plus what a 512-token prompt chunk's activations take (16
+    MiB): 13 of 30 FFN layers on the device (one layer's room is the prompt staging), layer 13
+    split. Both this
     and the mmap model run the mmap'd matrices on float32 activations, as the device backends do:
     the default int8 activations would differ from the device layers by their quantization noise."""
-    return load_model(require(SMOLLM2), placement=PlacementRequest(vram_bytes=700 * MiB, n_ctx=4096),
+    return load_model(require(SMOLLM2), placement=PlacementRequest(vram_bytes=716 * MiB, n_ctx=4096),
                       exact_activations=True)
 
 
@@ -81,7 +82,7 @@ def test_smollm2_binds_exactly_what_the_plan_says(smollm2_placed):
     attn = m.layers[0][0].attn
     assert isinstance(attn.wqkv, QuantLinear) and isinstance(m.output, QuantLinear)
     line = placement_line(plan, "cpu")
-    assert "offloaded 13/30 FFN layers + 768/1536 units of layer 13" in line
+    assert "offloaded 13/30 FFN layers + 1024/1536 units of layer 13" in line
 
 
 def test_smollm2_placed_greedy_tokens_equal_the_mmap_run(smollm2_placed, smollm2_mmap):
@@ -94,7 +95,7 @@ def test_smollm2_placed_greedy_tokens_equal_the_mmap_run(smollm2_placed, smollm2
 def test_smollm2_placed_logits_within_1e4(smollm2_mmap):
     """With an f32 cache (an f16 cache rounds K/V, which turns 1e-7 matvec differences into
     1e-3 jumps of single elements), the placed logits are the mmap ones to float32 reordering."""
-    req = PlacementRequest(vram_bytes=790 * MiB, n_ctx=4096, cache_type_k="f32", cache_type_v="f32")
+    req = PlacementRequest(vram_bytes=806 * MiB, n_ctx=4096, cache_type_k="f32", cache_type_v="f32")
     placed = load_model(require(SMOLLM2), placement=req, exact_activations=True)
     assert len(placed.plan.ffn_gpu_layers) >= 10 and placed.plan.ffn_cpu_layers
     ids = smollm2_mmap.tokenize(PROMPT)
@@ -141,7 +142,7 @@ def test_trace_is_chrome_json_and_the_split_halves_overlap(tmp_path):
     the same time: in the trace their spans intersect. Op offload is off (a longer prompt batch would
     run the layer on the device alone)."""
     tracer = Tracer("cpu")
-    m = load_model(require(SMOLLM2), placement=PlacementRequest(vram_bytes=700 * MiB, n_ctx=4096, op_offload=False),
+    m = load_model(require(SMOLLM2), placement=PlacementRequest(vram_bytes=716 * MiB, n_ctx=4096, op_offload=False),
                    trace=tracer)
     ids = m.tokenize(PROMPT * 4)       # a 60+ token batch: both halves take milliseconds
     s = m.session(512)
@@ -167,7 +168,7 @@ def test_trace_is_chrome_json_and_the_split_halves_overlap(tmp_path):
 @pytest.mark.cuda
 def test_cuda_placed_smollm2_agrees_with_the_mmap_run(smollm2_mmap):
     """Device weights in float16 / fused kernels: teacher-forced top-1 agrees with the CPU run."""
-    placed = load_model(require(SMOLLM2), device="cuda", placement=PlacementRequest(vram_bytes=700 * MiB, n_ctx=4096))
+    placed = load_model(require(SMOLLM2), device="cuda", placement=PlacementRequest(vram_bytes=716 * MiB, n_ctx=4096))
     assert placed.plan.ffn_split is not None
     ids = smollm2_mmap.tokenize(PROMPT * 8)
     ref = smollm2_mmap.session(1024, "f16").eval(ids)
@@ -199,8 +200,8 @@ def test_cuda_placed_verify_batch_bitwise_and_speculative_parity(tiny_qwen35_mtp
 
 
 def test_python_api_vram_string_plans_like_the_cli():
-    m = load_model(require(SMOLLM2), vram="700MiB")
-    assert m.plan.options.vram_bytes == 700 * MiB and len(m.plan.ffn_gpu_layers) == 13
+    m = load_model(require(SMOLLM2), vram="716MiB")
+    assert m.plan.options.vram_bytes == 716 * MiB and len(m.plan.ffn_gpu_layers) == 13
     s = m.session()
     assert (s.n_ctx, s.k_max) == (4096, 1)
     from hybridrt.errors import UserError
@@ -215,7 +216,7 @@ def test_default_int8_activations_placed_equals_mmap():
     """By default the mmap'd layers run on int8 activations; device layers quantize theirs the same
     way (QuantLinear's int8 round trip), so the placed run keeps the all-mmap run's tokens."""
     mmap = load_model(require(SMOLLM2))
-    placed = load_model(require(SMOLLM2), placement=PlacementRequest(vram_bytes=700 * MiB, n_ctx=4096))
+    placed = load_model(require(SMOLLM2), placement=PlacementRequest(vram_bytes=716 * MiB, n_ctx=4096))
     assert all(w.act_block for w in (ffn_of(placed, 0).gate, placed.output))
     ids = mmap.tokenize(PROMPT)
     ref, _ = generate(mmap, mmap.session(512, "f16"), ids, 32, GREEDY)

@@ -346,6 +346,22 @@ def test_dequant_tile_matches_gpu_kernels():
     assert DEQUANT_TILE_ELEMS == TILE_ELEMS
 
 
+def test_prompt_chunk_matches_the_session():
+    from hybridrt.session import PROMPT_CHUNK as SESSION_CHUNK
+    from placement.plan import PROMPT_CHUNK
+
+    assert PROMPT_CHUNK == SESSION_CHUNK
+
+
+def test_scratch_holds_a_prompt_chunk_of_activations():
+    """A verify batch's logits, a prompt chunk's per-token activations: the larger batch counts."""
+    prof = synthetic_profile()
+    per_token = 4 * (4 * prof.n_embd + 2 * prof.mixer_width + 3 * prof.n_ff)
+    grow = scratch_bytes(prof, 4, 1024) - scratch_bytes(prof, 1, 1024)
+    assert grow == 3 * 4 * prof.n_vocab + 3 * 1024 * 4 * max(s.n_head for s in prof.attention_shapes)
+    assert scratch_bytes(prof, 600, 1024) - scratch_bytes(prof, 512, 1024) > 88 * per_token
+
+
 def test_leftover_vram_splits_the_boundary_layer_by_units():
     """What is left after whole FFN layers buys the first CPU layer's leading units, in granules of
     ffn_down's quant block; the speed model credits the two halves running at the same time."""
