@@ -44,7 +44,9 @@ def load_model(model: str | os.PathLike | None = None, device: str = "cpu",
     With `placement` (or just `vram`: a byte count or a size like "12GiB"), the planner decides
     where every tensor goes and the model is bound exactly as planned: the trunk, output head and
     the FFN layers it fits on `device`, the boundary layer split, the rest left in the mmap and run
-    by the executor's CPU worker. `model.plan` holds the plan. A device of "cpu" stands in for a GPU
+    by the executor's CPU worker (prompt batches of 64+ tokens copy those layers to the device and
+    run them there when the plan reserved its staging buffer: op offload, `PlacementRequest.op_offload`).
+    `model.plan` holds the plan. A device of "cpu" stands in for a GPU
     (device backends on CPU tensors), which is how the placed path is tested without one.
     Without either, `tensor_devices` maps tensor names to "cpu" / "device" by hand, and by default
     every matrix stays quantized in the mmap and the trunk math runs on `device`.
