@@ -5,7 +5,7 @@ Order of reservation, each a line of the report:
   2. speculation state: the GDN snapshot ring, the draft's KV cache, the draft's weights;
   3. the trunk: embedding (row gather on the CPU), attention / GDN projections, MoE routers and
      shared experts, norms, output head, main KV cache, live recurrent state, activation and logits
-     scratch for k_max tokens;
+     scratch for k_max tokens and a PROMPT_CHUNK-token prompt chunk;
   4. prompt staging (op offload): when some dense FFN layer must stay on the CPU, VRAM for the
      largest one's weights, which each prompt batch of OP_OFFLOAD_MIN_BATCH+ tokens copies up layer
      by layer and runs on the GPU (llama.cpp's op offload: copying a layer over PCIe costs less than

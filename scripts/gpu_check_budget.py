@@ -22,7 +22,8 @@ def main() -> None:
     roomy = plan_for(args.model, request, "cpu")
     fixed = sum(line.gpu_bytes for line in roomy.lines if line.stage < 4)
     ffn = roomy.line("ffn").gpu_bytes + roomy.line("ffn").cpu_bytes
-    staging = max(load_profile(args.model).ffn_layer_bytes().values()) if args.fraction < 1.0 else 0
+    profile = load_profile(args.model)       # the staging the planner reserves for dense layers
+    staging = max(profile.ffn_layer_bytes().values()) if args.fraction < 1.0 and not profile.n_expert else 0
     print(int(fixed + staging + args.fraction * ffn) + (1 << 20) * (args.fraction == 1.0))
 
 
