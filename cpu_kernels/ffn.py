@@ -142,8 +142,8 @@ def _gate_up_int_kernel(w_gate, t_gate, w_up, t_up, xq, xd, xs, hidden, act, n_g
 
 
 @njit(cache=CACHE, nogil=True, parallel=True)
-def _gate_up_tiled_kernel(w_gate, t_gate, w_up, t_up, xa, xb, xc, k_pad, hidden, act, n_steps, chunk, row_tile,
-                          n_groups):
+def _gate_up_tiled_kernel(w_gate, t_gate, w_up, t_up, xa, xb, xc, k_pad, hidden, act, n_steps, chunk, units,
+                          row_tile, n_groups):
     """As _gate_up_int_kernel for k >= tiled_min_k (of both types): a tile of rows' gate and up sums
     for all tokens (matvec_int.tile_sums: each weight chunk decoded once per pass of tokens), then act(gate) * up."""
     rows = w_gate.shape[0]
@@ -155,8 +155,8 @@ def _gate_up_tiled_kernel(w_gate, t_gate, w_up, t_up, xa, xb, xc, k_pad, hidden,
         for tile in range(g * n_tiles // n_groups, (g + 1) * n_tiles // n_groups):
             r0 = tile * row_tile
             n_rows = min(row_tile, rows - r0)
-            tile_sums(t_gate, w_gate, r0, n_rows, xa, xb, xc, n_steps, chunk, gate)
-            tile_sums(t_up, w_up, r0, n_rows, xa, xb, xc, n_steps, chunk, up)
+            tile_sums(t_gate, w_gate, r0, n_rows, xa, xb, xc, n_steps, chunk, units, gate)
+            tile_sums(t_up, w_up, r0, n_rows, xa, xb, xc, n_steps, chunk, units, up)
             for t in range(k):
                 for r in range(n_rows):
                     hidden[t, r0 + r] = _act_times(gate[r, t], up[r, t], act)

@@ -201,7 +201,8 @@ def _project_group(g, n_groups, int_types, float_path, w0, t0, e0, i0, n0, w1, t
             if be == QK_LEGACY and k_pad:
                 # a batch of 14+ rows: the prompt GEMM's token lanes, one pass over the weights for
                 # up to 64 rows where block_dots takes one per 4 (the same bits)
-                tile_sums((qt,) + int_types, w, r_lo, r_hi - r_lo, la, lb, lc, lane_steps, lane_chunk, lane_acc)
+                tile_sums((qt,) + int_types, w, r_lo, r_hi - r_lo, la, lb, lc, lane_steps, lane_chunk, TILE_UNITS,
+                          lane_acc)
                 for t in range(kr):
                     for r in range(r_hi - r_lo):
                         out[t, off + r_lo + r] = lane_acc[r, t]

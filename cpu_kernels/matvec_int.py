@@ -1144,6 +1144,13 @@ def row_acc(typingctx, qtype, w, r, xa, xb, xc, u0, n, s0, s1, acc, ar):
 ROW_TILE = 8          # rows sharing an L1-resident chunk of the activations (token quads)
 ROW_TILE_LANES = 32   # the same for token lanes: the activations of 16+ tokens cost more to stream
 TILE_UNITS = 4        # token quads (16 tokens) or token vectors (64) per pass over a chunk
+# K-quants on token lanes take a whole prompt chunk (512 tokens) in one pass: a super-block's decode
+# (Q6_K's bit assembly, Q4_K's scales and mins) is paid once per row for all its tokens, where passes
+# of 4 vectors paid it 8 times. Their chunks are one super-block either way (ACT_L1_BYTES); the
+# legacy types' pairs are cheap to decode and want their chunks L1-sized (32 units: ~1.4x slower).
+# Side by side, 2 threads, 17408 x 5120, k = 512 (BENCHMARKS.md, session 23): Q4_K 1.14-1.28x, Q6_K
+# 1.07-1.32x faster.
+TILE_UNITS_K_LANES = 32
 ACT_L1_BYTES = 24576  # activation bytes of a chunk (all the pass's tokens) kept in L1
 # k from which matvec runs the tiled kernels (below: block_dots, state in registers). Measured on
 # the 27B FFN shapes, 2 threads (bench_matvec.py --quick --ks 1,3,4,5,8 --tiled-from 999 against
@@ -1170,15 +1177,15 @@ def uses_lanes(qtype: int, k: int) -> bool:
 
 
 @njit(cache=CACHE, nogil=True, inline="always")
-def tile_sums(qtype, w, r0, n_rows, xa, xb, xc, n_steps, chunk, acc):
+def tile_sums(qtype, w, r0, n_rows, xa, xb, xc, n_steps, chunk, units, acc):
     """acc[r, t] = row r0 + r (r < n_rows) . token t, for all tokens of the (padded) activations:
-    column chunks of `chunk` steps, each swept by the tile's rows for TILE_UNITS units of tokens.
+    column chunks of `chunk` steps, each swept by the tile's rows for `units` units of tokens.
     xa, xb, xc: quantize_tiled's token quads (4 tokens) or token vectors (16)."""
     k_pad = acc.shape[1]
     n_units = xa.shape[0]           # token quads (4 tokens) or token vectors (16)
     acc[:n_rows] = 0.0
-    for u0 in range(0, n_units, TILE_UNITS):
-        n = min(TILE_UNITS, n_units - u0)
+    for u0 in range(0, n_units, units):
+        n = min(units, n_units - u0)
         for s0 in range(0, n_steps, chunk):
             s1 = min(n_steps, s0 + chunk)
             for r in range(n_rows):
@@ -1313,7 +1320,7 @@ def _matvec_int_kernel(w, qtype, xq, xd, xs, out, n_groups):
 
 
 @njit(cache=CACHE, nogil=True, parallel=True)
-def _matvec_tiled_kernel(w, qtype, xa, xb, xc, k_pad, out, n_steps, chunk, row_tile, n_groups):
+def _matvec_tiled_kernel(w, qtype, xa, xb, xc, k_pad, out, n_steps, chunk, units, row_tile, n_groups):
     rows = w.shape[0]
     k = out.shape[0]
     n_tiles = (rows + row_tile - 1) // row_tile
@@ -1322,7 +1329,7 @@ def _matvec_tiled_kernel(w, qtype, xa, xb, xc, k_pad, out, n_steps, chunk, row_t
         for tile in range(g * n_tiles // n_groups, (g + 1) * n_tiles // n_groups):
             r0 = tile * row_tile
             n_rows = min(row_tile, rows - r0)
-            tile_sums(qtype, w, r0, n_rows, xa, xb, xc, n_steps, chunk, acc)
+            tile_sums(qtype, w, r0, n_rows, xa, xb, xc, n_steps, chunk, units, acc)
             for t in range(k):
                 for r in range(n_rows):
                     out[t, r0 + r] = acc[r, t]
@@ -1333,17 +1340,19 @@ def n_row_groups(rows: int) -> int:
     return max(1, min(rows, GROUPS_PER_THREAD * numba.get_num_threads()))
 
 
-def tiling(qtype: int, w_shape: tuple[int, int], k: int) -> tuple[int, int, int, int]:
-    """(steps per row, steps per column chunk, rows per tile, parallel work items) of the tiled
-    kernel for k tokens and a (rows, row_bytes) weight matrix."""
+def tiling(qtype: int, w_shape: tuple[int, int], k: int) -> tuple[int, int, int, int, int]:
+    """(steps per row, steps per column chunk, token units per pass, rows per tile, parallel work
+    items) of the tiled kernel for k tokens and a (rows, row_bytes) weight matrix."""
     rows, row_bytes = w_shape
-    step_cols = QK_K if SPECS[int(qtype)][0] == "k" else 2 * QK_LEGACY
+    k_quant = SPECS[int(qtype)][0] == "k"
+    step_cols = QK_K if k_quant else 2 * QK_LEGACY
     unit = 16 if uses_lanes(qtype, k) else 4
-    tokens = min(-(-k // unit) * unit, unit * TILE_UNITS)
+    units = TILE_UNITS_K_LANES if k_quant and unit == 16 else TILE_UNITS
+    tokens = min(-(-k // unit) * unit, unit * units)
     # big tiles share each activation chunk among more rows, but leave 2 tiles per thread at least
     row_tile = max(ROW_TILE, min(ROW_TILE_LANES if unit == 16 else ROW_TILE, rows // (2 * numba.get_num_threads())))
     n_tiles = -(-rows // row_tile)
-    return steps_per_row(qtype, row_bytes), chunk_steps(tokens, step_cols), row_tile, n_row_groups(n_tiles)
+    return steps_per_row(qtype, row_bytes), chunk_steps(tokens, step_cols), units, row_tile, n_row_groups(n_tiles)
 
 
 @njit(cache=CACHE, nogil=True)
