@@ -1148,8 +1148,8 @@ TILE_UNITS = 4        # token quads (16 tokens) or token vectors (64) per pass o
 # (Q6_K's bit assembly, Q4_K's scales and mins) is paid once per row for all its tokens, where passes
 # of 4 vectors paid it 8 times. Their chunks are one super-block either way (ACT_L1_BYTES); the
 # legacy types' pairs are cheap to decode and want their chunks L1-sized (32 units: ~1.4x slower).
-# Side by side, 2 threads, 17408 x 5120, k = 512 (BENCHMARKS.md, session 23): Q4_K 1.14-1.28x, Q6_K
-# 1.07-1.32x faster.
+# Side by side, 2 threads, the 27B FFN shapes, k = 512 (BENCHMARKS.md, session 23): Q4_K 1.46x,
+# Q5_K and Q3_K 1.3-1.4x, Q6_K 1.04-1.07x faster; a Q4_K_M llama's pp512 1.20x end to end.
 TILE_UNITS_K_LANES = 32
 ACT_L1_BYTES = 24576  # activation bytes of a chunk (all the pass's tokens) kept in L1
 # k from which matvec runs the tiled kernels (below: block_dots, state in registers). Measured on
