@@ -127,9 +127,14 @@ class GluFFN:
 STAGING_ALIGN = 256     # byte alignment of each matrix in the op-offload staging buffer
 
 
+def _staged(nbytes: int) -> int:
+    """A matrix's room in the staging buffer: its bytes rounded up to STAGING_ALIGN."""
+    return -(-nbytes // STAGING_ALIGN) * STAGING_ALIGN
+
+
 def staged_bytes(ffn: CpuGluFFN) -> int:
     """The staging buffer a CPU FFN layer's three matrices take, each aligned."""
-    return sum(-(-m.raw.nbytes // STAGING_ALIGN) * STAGING_ALIGN for m in (ffn.gate, ffn.up, ffn.down))
+    return sum(_staged(m.raw.nbytes) for m in (ffn.gate, ffn.up, ffn.down))
 
 
 class StreamedFFN:
@@ -152,7 +157,7 @@ class StreamedFFN:
             view.copy_(_read_only_tensor(m.raw), non_blocking=True)
             linears.append(QuantLinear(view, m.qtype, m.n_in, m.n_out, self.scratch.dtype, m.name, self.scratch,
                                        int8_activations=self.int8, residual=m.residual))
-            off += -(-m.raw.nbytes // STAGING_ALIGN) * STAGING_ALIGN
+            off += _staged(m.raw.nbytes)
         return GluFFN(*linears, self.host.act)(x)
 
 
