@@ -31,7 +31,10 @@ of the kernels below computed it (tested for every type):
     k >= 40     tiled, token lanes (legacy types: k >= 14), the prompt GEMM: the activations
                 transposed, 16 tokens' 4-byte groups in one vector (k padded to 16); each 4
                 weight bytes broadcast and one vpdpbusd adds 4 products for 16 tokens, so every
-                integer lands in its token's lane.
+                integer lands in its token's lane. K-quants take rows 4 at a time: each
+                activation vector loaded once for the 4 rows, each weight broadcast folded into
+                its vpdpbusd as a memory operand (the weights are its signed side, the
+                activations stored as a + 128 its unsigned side, the offset taken off per row).
 
 Accuracy: the integer parts are exact, so the result is the float64 product of the dequantized
 weights with the *dequantized int8 activations* up to float32 rounding of the scaling steps; vs
@@ -485,6 +488,31 @@ def _pair_terms(b, ab, toks, d2, m2, off, i, facc):
 # so a token's integers land in its own lane: no folding, and every scaling step is one vector
 # instruction for 16 tokens. This is the prompt-processing GEMM: per 16 tokens and 256 weights
 # 64 vpdpbusd plus about 25 instructions of scales, vs about 16 instructions per token above.
+# K-quant rows go 4 at a time (_k_lanes): one row alone loaded a 64-byte activation vector per
+# vpdpbusd and L1 could not feed more than ~1 a cycle; 4 rows share it, and their weights, stored
+# once per step (not once per token vector: LLVM spilled and reloaded the decoded step then), are
+# read back through an opaque pointer as broadcasts that fold into the vpdpbusd. Q4_K at k = 512,
+# one core, an L2-resident matrix: 78 -> 157 G multiply-adds/s (BENCHMARKS.md, session 24).
+
+def _opaque(b, ptr):
+    """ptr through an empty asm: LLVM can no longer see it is the stack buffer just written, so it
+    neither forwards the stores (building each broadcast with shuffles) nor hoists the broadcasts
+    out of the loop over token vectors (spilling 64 of them and reloading each as a 64-byte vector):
+    each stays one 4-byte broadcast load."""
+    return b.call(ir.InlineAsm(ir.FunctionType(ptr.type, [ptr.type]), "", "=r,0"), [ptr])
+
+
+def _offset_128(v, blk):
+    """128 sum_j sc(j) w_j over a decoded K super-block, splat to i32 x 16: what activations offset
+    by 128 add to its scaled integer sum (sc(j): weight j's sub-block scale)."""
+    b = v.b
+    ones = v.bconst(1, 64)
+    acc = v.zeros(I32, 16)
+    for c in range(4):
+        acc = b.add(acc, b.mul(dpbusd(b, v.zeros(I32, 16), blk.chunks[c], ones), blk.sc32(v, c)))
+    total = _intrinsic(b, "llvm.vector.reduce.add.v16i32", I32, [acc])
+    return _splat(b, b.shl(total, ir.Constant(I32, 7)), 16)
+
 
 def _bcast32(b, buf, j):
     """The i32 at dword j of the byte buffer, broadcast to 64 bytes (a load-port broadcast)."""
@@ -520,8 +548,7 @@ class _QuadStep:
         # read back through a pointer LLVM cannot see is wbuf: else it forwards the stores and
         # broadcasts each 16 bytes with a shuffle (16 more vector instructions a step) instead
         # of a broadcast load (a load port, free)
-        opaque = ir.InlineAsm(ir.FunctionType(wbuf.type, [wbuf.type]), "", "=r,0")
-        self.wbuf = b.call(opaque, [wbuf])
+        self.wbuf = _opaque(b, wbuf)
         if self.blks:
             return
         self.blk = blk
@@ -644,47 +671,82 @@ def _pair_quad(v, st, i, rows, facc):
     return facc
 
 
-def _k_lanes(v, blk, i, vecs, faccs, bufs, sub):
-    """faccs (16 tokens each) after super-block i; vecs: per token vector its (qT, dT, sT) rows.
-    Each broadcast weight dword serves all vectors (1 or 2)."""
-    b = v.b
-    wbuf, sbuf, mbuf, obuf = bufs
-    for c in range(4):
-        _store_bytes(b, wbuf, 64 * c, blk.chunks[c])
-        _store_bytes(b, sbuf, 64 * c, b.bitcast(blk.sc16[c], ir.VectorType(I8, 64)))
+def _k_lanes_stage(rows, bufs):
+    """Before a step's loop over token vectors: each row's decoded weights and scales to its stack
+    buffers (once per step, not per vector), and the offsets _k_lanes takes off (None: wide)."""
+    for (v, blk), (wbuf, sbuf, mbuf, obuf) in zip(rows, bufs):
+        b = v.b
+        for c in range(4):
+            _store_bytes(b, wbuf, 64 * c, blk.chunks[c])
+            _store_bytes(b, sbuf, 64 * c, b.bitcast(blk.sc32(v, c), ir.VectorType(I8, 64)))
+        if blk.off16 is not None:
+            _store_bytes(b, obuf, 0, blk.off16)
+        if blk.min16 is not None:
+            _store_bytes(b, mbuf, 0, blk.min16)
+    return None if rows[0][1].wide else [_offset_128(v, blk) for v, blk in rows]
+
+
+def _k_lanes(rows, i, vecs, faccs, bufs, sub, offset):
+    """faccs[r][n] (16 tokens each) after super-block i of each row; rows: the rows' decoded steps
+    (v, blk), bufs[r] their stack buffers; vecs: per token vector its (qT, dT, sT) rows. A row group
+    shares each activation load among its rows and each broadcast weight dword among the vectors
+    (1 or 2): per 4-byte column of 4 rows x 2 vectors, 2 vector loads and 4 broadcasts feed 8
+    vpdpbusd (one row alone: 2 loads and a broadcast for 2)."""
+    b = rows[0][0].b
+    v0 = rows[0][0]
+    wide = rows[0][1].wide
+    wbufs = [_opaque(b, x[0]) for x in bufs]
+    sbufs = [_opaque(b, x[1]) for x in bufs]
     step_q = [b.gep(q, [b.mul(i, _c64(64 * 64))]) for q, _, _ in vecs]
-    isum = [v.zeros(I32, 16) for _ in vecs]
+    rn = [(r, n) for r in range(len(rows)) for n in range(len(vecs))]
+    isum = {x: v0.zeros(I32, 16) for x in rn}
+    # Weights of at most 63 are vpdpbusd's signed side, so their broadcast folds into the instruction
+    # as a memory operand; the activations become its unsigned side as a + 128 (one xor per vector,
+    # shared by the rows), and the 128 sum(sc w) this adds is taken off each row once (exact).
+    swap = offset is not None
     for e0 in range(0, QK_K, sub):
-        raw = [v.zeros(I32, 16) for _ in vecs]
+        raw = {x: v0.zeros(I32, 16) for x in rn}
         for j in range(e0 // 4, (e0 + sub) // 4):
-            wj = _bcast32(b, wbuf, j)
-            for n, p in enumerate(step_q):
-                raw[n] = dpbusd(b, raw[n], wj, _load_vec(b, b.gep(p, [_c64(64 * j)]), I8, 64, 1), blk.wide)
-        sc_ptr = b.bitcast(b.gep(sbuf, [_c64(64 * (e0 // 64) + 2 * ((e0 % 64) // 2))]), I16.as_pointer())
-        sc = _splat(b, b.sext(b.load(sc_ptr, align=2), I32), 16)
-        isum = [b.add(x, b.mul(r, sc)) for x, r in zip(isum, raw)]
+            acts = [_load_vec(b, b.gep(p, [_c64(64 * j)]), I8, 64, 1) for p in step_q]
+            if not swap:        # token_lanes stores a K-quant's activations as a + 128
+                acts = [v0.bxor(a, 0x80) for a in acts]
+            for r, wbuf in enumerate(wbufs):
+                wj = _bcast32(b, wbuf, j)
+                for n, a in enumerate(acts):
+                    raw[r, n] = dpbusd(b, raw[r, n], a, wj) if swap else dpbusd(b, raw[r, n], wj, a, wide)
+        for r, sbuf in enumerate(sbufs):
+            sc = _bcast32(b, sbuf, 16 * (e0 // 64) + (e0 % 64) // 4)
+            sc = b.bitcast(sc, ir.VectorType(I32, 16))
+            for n in range(len(vecs)):
+                isum[r, n] = b.add(isum[r, n], b.mul(raw[r, n], sc))
     i16x32 = ir.VectorType(I16, 32)
     bs = []
     for _, _, s in vecs:
         step_s = b.gep(s, [b.mul(i, _c64(8 * 16))])          # int32 elements: 8 pairs of 16 tokens
         bs.append([_load_vec(b, b.gep(step_s, [_c64(16 * j)]), I16, 32, 4) for j in range(8)])
-    if blk.off16 is not None:
-        _store_bytes(b, obuf, 0, blk.off16)
-        for j in range(8):
-            oj = b.bitcast(_bcast32(b, obuf, j), i16x32)
-            isum = [dpwssd(b, x, bsn[j], oj) for x, bsn in zip(isum, bs)]
     fv = ir.VectorType(F32, 16)
     dx = [_load_vec(b, b.gep(d, [b.mul(i, _c64(16))]), F32, 16, 4) for _, d, _ in vecs]
-    faccs = [_fma(b, b.sitofp(x, fv), b.fmul(v.fsplat(blk.d, 16), dxn), f) for x, dxn, f in zip(isum, dx, faccs)]
-    if blk.min16 is not None:
-        _store_bytes(b, mbuf, 0, blk.min16)
-        msum = [v.zeros(I32, 16) for _ in vecs]
-        for j in range(8):
-            mj = b.bitcast(_bcast32(b, mbuf, j), i16x32)
-            msum = [dpwssd(b, x, bsn[j], mj) for x, bsn in zip(msum, bs)]
-        faccs = [_fma(b, b.sitofp(x, fv), b.fmul(v.fsplat(blk.negdmin, 16), dxn), f)
-                 for x, dxn, f in zip(msum, dx, faccs)]
-    return faccs
+    out = []
+    for r, ((v, blk), (_, _, mbuf, obuf)) in enumerate(zip(rows, bufs)):
+        xs = [isum[r, n] for n in range(len(vecs))]
+        if swap:
+            xs = [b.sub(x, offset[r]) for x in xs]
+        if blk.off16 is not None:
+            ob = _opaque(b, obuf)
+            for j in range(8):
+                oj = b.bitcast(_bcast32(b, ob, j), i16x32)
+                xs = [dpwssd(b, x, bsn[j], oj) for x, bsn in zip(xs, bs)]
+        fr = [_fma(b, b.sitofp(x, fv), b.fmul(v.fsplat(blk.d, 16), dxn), f) for x, dxn, f in zip(xs, dx, faccs[r])]
+        if blk.min16 is not None:
+            mb = _opaque(b, mbuf)
+            msum = [v.zeros(I32, 16) for _ in vecs]
+            for j in range(8):
+                mj = b.bitcast(_bcast32(b, mb, j), i16x32)
+                msum = [dpwssd(b, x, bsn[j], mj) for x, bsn in zip(msum, bs)]
+            fr = [_fma(b, b.sitofp(x, fv), b.fmul(v.fsplat(blk.negdmin, 16), dxn), f)
+                  for x, dxn, f in zip(msum, dx, fr)]
+        out.append(fr)
+    return out
 
 
 def _pair_lanes(v, blk, i, vecs, faccs, bufs, sub):
@@ -1052,64 +1114,83 @@ rows_dot = _make_grid_dot("rows_dot", {4: (4, 1, 1), 2: (2, 1, 1), 1: (1, 1, 1)}
 grid_dot = _make_grid_dot("grid_dot", {4: (2, 4, 4), 3: (2, 4, 3), 2: (4, 2, 2)})
 
 
-@intrinsic
-def row_acc(typingctx, qtype, w, r, xa, xb, xc, u0, n, s0, s1, acc, ar):
-    """acc[ar, unit (u0 + j) + l] for l < unit, j < n, after steps s0 .. s1-1 of row r.
+def _make_row_acc(n_rows: int):
+    """row_acc for groups of n_rows rows: n_rows > 1 only for the K-quants on token lanes (it emits
+    nothing for other types and layouts; rows_acc_rows says which take it)."""
 
-    xa, xb, xc from quantize_tiled: token quads (xc int16) -> unit 4; transposed
-    token vectors (xc int32) -> unit 16, token lanes. Each step is decoded once into registers
-    (token lanes: and a stack buffer) and applied to all n units before the next step is read.
-    """
-    if not _c_2d(w, xa, xb, xc, acc):
-        return None
-    unit = 16 if xc.dtype == types.int32 else 4
-    qt_type, only = _qtype_arg(qtype)
-    sig = types.void(qt_type, w, types.intp, xa, xb, xc, types.intp, types.intp, types.intp, types.intp,
-                     acc, types.intp)
+    def row_acc(typingctx, qtype, w, r, xa, xb, xc, u0, n, s0, s1, acc, ar):
+        if not _c_2d(w, xa, xb, xc, acc):
+            return None
+        unit = 16 if xc.dtype == types.int32 else 4
+        qt_type, only = _qtype_arg(qtype)
+        sig = types.void(qt_type, w, types.intp, xa, xb, xc, types.intp, types.intp, types.intp, types.intp,
+                         acc, types.intp)
 
-    def codegen(context, builder, signature, args):
-        b = builder
+        def codegen(context, builder, signature, args):
+            return _row_acc_code(context, builder, signature, args, unit, only, n_rows)
+        return sig, codegen
+    row_acc.__name__ = "row_acc" if n_rows == 1 else f"rows{n_rows}_acc"
+    return intrinsic(row_acc)
+
+
+def _row_acc_code(context, b, signature, args, unit, only, n_rows):
         qt_, w_, r_, xa_, xb_, xc_, u0_, n_, s0_, s1_, acc_, ar_ = args
         done = b.append_basic_block("row_acc.done")
-        bufs = [cgutils.alloca_once(b, ir.ArrayType(I8, 256)) for _ in range(2)] + \
-            [cgutils.alloca_once(b, ir.ArrayType(I8, 32)) for _ in range(2)]
-        bufs = [b.bitcast(p, I8.as_pointer()) for p in bufs]
+        bufs = []
+        for _ in range(n_rows):
+            row_bufs = [cgutils.alloca_once(b, ir.ArrayType(I8, 256)) for _ in range(2)] + \
+                [cgutils.alloca_once(b, ir.ArrayType(I8, 32)) for _ in range(2)]
+            bufs.append([b.bitcast(p, I8.as_pointer()) for p in row_bufs])
 
         def emit(qt, kind, decode, nbytes):
-            wrow, rb = _weight_row(context, b, signature.args[1], w_, r_)
+            if n_rows > 1 and (kind != "k" or unit != 16):
+                return
+            wrows, rbs = zip(*[_weight_row(context, b, signature.args[1], w_, b.add(r_, _c64(j)))
+                               for j in range(n_rows)])
+            rb = rbs[0]
             tok = _Tokens(context, b, signature.args[3:6], (xa_, xb_, xc_))
             A = _array(context, b, signature.args[10], acc_)
-            acc_row = b.gep(A.data, [b.mul(ar_, cgutils.unpack_tuple(b, A.shape, 2)[1])])
+            acc_width = cgutils.unpack_tuple(b, A.shape, 2)[1]
+            acc_rows = [b.gep(A.data, [b.mul(b.add(ar_, _c64(j)), acc_width)]) for j in range(n_rows)]
+            acc_row = acc_rows[0]
+            wrow = wrows[0]
             fv = ir.VectorType(F32, unit)
 
             def apply(vbs, i, state):
-                vb = _decoded(vbs[0])       # before the loop over units: decoded once per step
-                quad = _QuadStep(*vb, bufs[0], K_SUB.get(qt)) if unit == 4 else None
+                decoded = [_decoded(x) for x in vbs]      # before the loop over units: once per step
+                vb = decoded[0]
+                quad = _QuadStep(*vb, bufs[0][0], K_SUB.get(qt)) if unit == 4 else None
+                staged = _k_lanes_stage(decoded, bufs) if unit == 16 and kind == "k" else None
 
                 def units(first, count):
                     """count (1 or 2) consecutive units from unit `first`."""
                     us = [b.add(first, _c64(x)) for x in range(count)]
-                    ps = [b.bitcast(b.gep(acc_row, [b.mul(u, _c64(unit))]), fv.as_pointer()) for u in us]
-                    faccs = [b.load(p, align=4) for p in ps]
-                    if unit == 16:
-                        lanes = _k_lanes if kind == "k" else _pair_lanes
-                        faccs = lanes(*vb, i, [tok.rows(u) for u in us], faccs, bufs, K_SUB.get(qt))
+                    ps = [[b.bitcast(b.gep(row, [b.mul(u, _c64(unit))]), fv.as_pointer()) for u in us]
+                          for row in acc_rows]
+                    faccs = [[b.load(p, align=4) for p in pr] for pr in ps]
+                    if unit == 16 and kind == "k":
+                        faccs = _k_lanes(decoded, i, [tok.rows(u) for u in us], faccs, bufs,
+                                         K_SUB.get(qt), staged)
+                    elif unit == 16:
+                        faccs = [_pair_lanes(*vb, i, [tok.rows(u) for u in us], faccs[0], bufs[0], K_SUB.get(qt))]
                     else:
-                        faccs = [(_k_quad if kind == "k" else _pair_quad)(vb[0], quad, i, tok.rows(us[0]), faccs[0])]
-                    for p, f in zip(ps, faccs):
-                        b.store(f, p, align=4)
+                        faccs = [[(_k_quad if kind == "k" else _pair_quad)(vb[0], quad, i, tok.rows(us[0]),
+                                                                            faccs[0][0])]]
+                    for pr, fr in zip(ps, faccs):
+                        for p, f in zip(pr, fr):
+                            b.store(f, p, align=4)
 
                 # token lanes: vectors in pairs (each broadcast weight dword serves two), then the odd one
-                per = 2 if unit == 16 else 1
+                per = 2 if unit == 16 and n_rows == 1 else 1
                 _loop(b, _c64(0), b.sdiv(n_, _c64(per)), [], lambda j, _: units(b.add(u0_, b.mul(j, _c64(per))), per) or [])
                 if per == 2:
                     odd = b.icmp_signed("!=", b.srem(n_, _c64(2)), _c64(0))
                     with b.if_then(odd):
                         units(b.add(u0_, b.sub(n_, _c64(1))), 1)
                 return []
-            # the tile's next row reads this chunk next
+            # the tile's next row (group) reads this chunk next
             step_bytes = nbytes if kind == "k" else 2 * nbytes
-            nxt = b.add(rb, b.mul(s0_, _c64(step_bytes)))
+            nxt = b.add(b.mul(rb, _c64(n_rows)), b.mul(s0_, _c64(step_bytes)))
             s_rest = s0_
             if unit == 4 and kind == "pair":
                 # legacy quads take two full block pairs a step: their folds and float terms share
@@ -1123,7 +1204,7 @@ def row_acc(typingctx, qtype, w, r, xa, xb, xc, u0, n, s0, s1, acc, ar):
                     _prefetch_ahead(b, [wrow], b.mul(i, _c64(step_bytes)), b.mul(s0_, _c64(step_bytes)),
                                     b.mul(s1_, _c64(step_bytes)), nxt, 2 * step_bytes)
                     vs = [IntBlockIR(b, b.gep(wrow, [b.mul(b.add(i, _c64(h)), _c64(step_bytes))]), None) for h in (0, 1)]
-                    st = _QuadStep(vs[0], [decode(x, 2) for x in vs], bufs[0], None)
+                    st = _QuadStep(vs[0], [decode(x, 2) for x in vs], bufs[0][0], None)
 
                     def one_unit(u, _):
                         p = b.bitcast(b.gep(acc_row, [b.mul(u, _c64(unit))]), fv.as_pointer())
@@ -1133,12 +1214,21 @@ def row_acc(typingctx, qtype, w, r, xa, xb, xc, u0, n, s0, s1, acc, ar):
                     return []
                 _loop(b, _c64(0), n_dbl, [], double)
                 s_rest = b.add(s0_, b.mul(n_dbl, _c64(2)))
-            _steps(b, kind, decode, nbytes, [wrow], rb, s_rest, s1_, [], apply, nxt)
+            _steps(b, kind, decode, nbytes, list(wrows), rb, s_rest, s1_, [], apply, nxt)
 
         _by_type(b, qt_, done, emit, only)
         b.position_at_end(done)
         return context.get_dummy_value()
-    return sig, codegen
+
+
+# row_acc(qtype, w, r, xa, xb, xc, u0, n, s0, s1, acc, ar): acc[ar, unit (u0 + j) + l] for l < unit,
+# j < n, after steps s0 .. s1-1 of row r. xa, xb, xc from quantize_tiled: token quads (xc int16) ->
+# unit 4; transposed token vectors (xc int32) -> unit 16, token lanes. Each step is decoded once into
+# registers (token lanes: and a stack buffer) and applied to all n units before the next step is read.
+row_acc = _make_row_acc(1)
+# the same for rows r .. r + 3 into acc rows ar .. ar + 3: K-quants on token lanes only
+rows4_acc = _make_row_acc(4)
+LANE_ROWS = 4
 
 
 ROW_TILE = 8          # rows sharing an L1-resident chunk of the activations (token quads)
@@ -1176,6 +1266,29 @@ def uses_lanes(qtype: int, k: int) -> bool:
     return k >= LANES_MIN_K[SPECS[int(qtype)][0]]
 
 
+@intrinsic
+def lane_rows(typingctx, qtype, xc):
+    """LANE_ROWS for a K-quant on token lanes (xc int32: quantize_tiled's transposed sums), else 1:
+    a constant for one type's tag, a select for a set of types or a plain int."""
+    qt_type, only = _qtype_arg(qtype)
+    sig = types.intp(qt_type, xc)
+    lanes = isinstance(xc, types.Array) and xc.dtype == types.int32
+    k_types = [qt for qt, spec in SPECS.items() if spec[0] == "k"]
+
+    def codegen(context, builder, signature, args):
+        if not lanes:
+            return _c64(1)
+        if isinstance(only, int):
+            return _c64(LANE_ROWS if only in k_types else 1)
+        q = args[0] if only is None else builder.extract_value(args[0], 0)
+        out = _c64(1)
+        for qt in k_types:
+            if only is None or qt in only:
+                out = builder.select(builder.icmp_signed("==", q, _c64(qt)), _c64(LANE_ROWS), out)
+        return out
+    return sig, codegen
+
+
 @njit(cache=CACHE, nogil=True, inline="always")
 def tile_sums(qtype, w, r0, n_rows, xa, xb, xc, n_steps, chunk, units, acc):
     """acc[r, t] = row r0 + r (r < n_rows) . token t, for all tokens of the (padded) activations:
@@ -1188,8 +1301,14 @@ def tile_sums(qtype, w, r0, n_rows, xa, xb, xc, n_steps, chunk, units, acc):
         n = min(units, n_units - u0)
         for s0 in range(0, n_steps, chunk):
             s1 = min(n_steps, s0 + chunk)
-            for r in range(n_rows):
+            r = 0
+            if lane_rows(qtype, xc) > 1:
+                while r + LANE_ROWS <= n_rows:
+                    rows4_acc(qtype, w, r0 + r, xa, xb, xc, u0, n, s0, s1, acc, r)
+                    r += LANE_ROWS
+            while r < n_rows:
                 row_acc(qtype, w, r0 + r, xa, xb, xc, u0, n, s0, s1, acc, r)
+                r += 1
 
 
 GRID_TOKENS = 4      # most tokens a grid_dot pass takes (2 rows by 4 tokens: 8 lanes)
@@ -1414,7 +1533,8 @@ def token_lanes(q, d, s, k_quant):
     kernels' (layer_fused) for their legacy matrices' batches of 14+ rows."""
     k = q.shape[0]
     xa = _lanes_of(q.view(np.int32), k).view(np.int8)
-    if k_quant:
+    if k_quant:         # as a + 128: the unsigned side of _k_lanes' vpdpbusd
+        xa ^= np.int8(-128)
         xc = _lanes_of(s.view(np.int32), k)
     else:
         xc = _lanes_of(s.astype(np.int32), k)

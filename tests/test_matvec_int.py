@@ -174,8 +174,8 @@ req = json.load(open(sys.argv[1]))
 data = np.load(req["data"])
 res = {}
 for name in req["types"]:
-    x = data["x_" + name]          # 1 and 2 tokens (row kernels), 5 (token quads)
-    res[name] = [matvec(data["w_" + name], int(data["t_" + name]), x[:k]).view(np.uint32).tolist() for k in (1, 2, 5)]
+    x = data["x_" + name]          # 1 and 2 tokens (row kernels), 5 (register groups), 41 (token lanes)
+    res[name] = [matvec(data["w_" + name], int(data["t_" + name]), x[:k]).view(np.uint32).tolist() for k in (1, 2, 5, 41)]
 json.dump({"isa": simd_int.ISA, "res": res}, open(req["out"], "w"))
 """
 
@@ -200,7 +200,7 @@ def test_every_lowering_gives_the_same_bits(tmp_path, isa):
         cols = _cols(qtype)
         arrays[f"w_{qtype.name}"] = random_weights(qtype, 9, cols, rng)
         arrays[f"t_{qtype.name}"] = np.int64(qtype)
-        arrays[f"x_{qtype.name}"] = _x(rng, 5, cols)
+        arrays[f"x_{qtype.name}"] = _x(rng, 41, cols)
         names.append(qtype.name)
     np.savez(tmp_path / "data.npz", **arrays)
     req = {"data": str(tmp_path / "data.npz"), "types": names, "out": str(tmp_path / "out.json")}
@@ -213,7 +213,7 @@ def test_every_lowering_gives_the_same_bits(tmp_path, isa):
     assert got["isa"] == isa
     for qtype in INT:
         x = arrays[f"x_{qtype.name}"]
-        here = [matvec(arrays[f"w_{qtype.name}"], qtype, x[:k]).view(np.uint32).tolist() for k in (1, 2, 5)]
+        here = [matvec(arrays[f"w_{qtype.name}"], qtype, x[:k]).view(np.uint32).tolist() for k in (1, 2, 5, 41)]
         assert here == got["res"][qtype.name], f"{qtype.name}: {isa} differs from {ISA}"
 
 
