@@ -28,7 +28,7 @@ of the kernels below computed it (tested for every type):
                 interleaved by 16 bytes per 4 tokens, each 16 weight bytes broadcast to the 4
                 tokens: one vpdpbusd per 64 products, each token's integers in its own 4 lanes,
                 float state in an L1 buffer.
-    k >= 40     tiled, token lanes (legacy types: k >= 14), the prompt GEMM: the activations
+    k >= 12     tiled, token lanes (legacy types: k >= 14), the prompt GEMM: the activations
                 transposed, 16 tokens' 4-byte groups in one vector (k padded to 16); each 4
                 weight bytes broadcast and one vpdpbusd adds 4 products for 16 tokens, so every
                 integer lands in its token's lane. K-quants take rows 4 at a time: each
@@ -1253,13 +1253,12 @@ TILED_MIN_K = 6
 def tiled_min_k(qtype: int) -> int:
     return TILED_MIN_K
 # k from which the tiled kernel runs on token lanes (transposed activations, padded to 16 tokens)
-# instead of token quads. Measured on the 27B FFN shapes, one core (bench_matvec.py --lanes-from 1
-# against 999, BENCHMARKS.md's "second pass"): legacy types, lanes / quads 1.25-1.38 at 12 tokens,
-# 0.92-0.95 at 14; K-quants 1.12-1.38 at 32, 1.01-1.57 at 48, 0.92-1.34 at 64 (a K quad shares a
-# step's decode among 16 tokens and its scales among 4, one vpdpwssd per two sub-blocks). K from
-# 40, not 64: hybridrt.warmup compiles batches of up to 40 tokens, and a longer first prompt would
-# otherwise compile the token-lane kernel (its own signature) in the middle of a run
-LANES_MIN_K = {"k": 40, "pair": 14}
+# instead of token quads. Measured on the 27B FFN shapes (bench_matvec.py --lanes-from 1 against
+# 999): legacy types, one core (BENCHMARKS.md's "second pass"), lanes / quads 1.25-1.38 at 12
+# tokens, 0.92-0.95 at 14; K-quants with their rows 4 at a time (_k_lanes), 2 threads, from memory
+# (BENCHMARKS.md, session 24): 1.09-1.63 at 8 tokens, 0.76-0.91 at 12, 0.48-0.87 at 16-32.
+# hybridrt.warmup's batches (1, 4, 8, 16, 40 tokens) compile both layouts for either kind.
+LANES_MIN_K = {"k": 12, "pair": 14}
 
 
 def uses_lanes(qtype: int, k: int) -> bool:

@@ -89,7 +89,7 @@ def compile_kernels(model: "Model") -> None:
     """Batches of 1, 4, 8, 16 and 40 tokens: compiles (or loads) every kernel the model uses, for
     decode and verify (register groups, or the fused layer halves of a CPU trunk, which take
     batches up to ROWWISE_MAX tokens; the output matrix on 4, 8 and 16 tokens as verify steps read
-    it: register groups, token quads, and token lanes for the 32-weight types) and prompts
+    it: register groups, token quads, and token lanes) and prompts
     (cpu_kernels.matvec_int's tiled kernels on token quads and lanes; a batch past ROWWISE_MAX
     reaches them through the torch trunk), each for the model's quant types only, and sampling's
     top-k (cpu_kernels.top_k, float32 rows). Once per KV cache
