@@ -31,10 +31,10 @@ of the kernels below computed it (tested for every type):
     k >= 12     tiled, token lanes (legacy types: k >= 14), the prompt GEMM: the activations
                 transposed, 16 tokens' 4-byte groups in one vector (k padded to 16); each 4
                 weight bytes broadcast and one vpdpbusd adds 4 products for 16 tokens, so every
-                integer lands in its token's lane. K-quants take rows 4 at a time: each
-                activation vector loaded once for the 4 rows, each weight broadcast folded into
-                its vpdpbusd as a memory operand (the weights are its signed side, the
-                activations stored as a + 128 its unsigned side, the offset taken off per row).
+                integer lands in its token's lane. Rows go 4 at a time: each activation
+                vector loaded once for the 4 rows, each weight broadcast folded into its
+                vpdpbusd as a memory operand (the weights are its signed side, the activations
+                stored as a + 128 its unsigned side, the offset taken off per row and block).
 
 Accuracy: the integer parts are exact, so the result is the float64 product of the dequantized
 weights with the *dequantized int8 activations* up to float32 rounding of the scaling steps; vs
@@ -488,7 +488,7 @@ def _pair_terms(b, ab, toks, d2, m2, off, i, facc):
 # so a token's integers land in its own lane: no folding, and every scaling step is one vector
 # instruction for 16 tokens. This is the prompt-processing GEMM: per 16 tokens and 256 weights
 # 64 vpdpbusd plus about 25 instructions of scales, vs about 16 instructions per token above.
-# K-quant rows go 4 at a time (_k_lanes): one row alone loaded a 64-byte activation vector per
+# Rows go 4 at a time (_k_lanes, _pair_lanes): one row alone loaded a 64-byte activation vector per
 # vpdpbusd and L1 could not feed more than ~1 a cycle; 4 rows share it, and their weights, stored
 # once per step (not once per token vector: LLVM spilled and reloaded the decoded step then), are
 # read back through an opaque pointer as broadcasts that fold into the vpdpbusd. Q4_K at k = 512,
@@ -749,30 +749,61 @@ def _k_lanes(rows, i, vecs, faccs, bufs, sub, offset):
     return out
 
 
-def _pair_lanes(v, blk, i, vecs, faccs, bufs, sub):
-    """faccs (16 tokens each) after block pair i: block A's terms, then block B's."""
-    b = v.b
-    wbuf = bufs[0]
-    _store_bytes(b, wbuf, 0, blk.w)
+def _pair_lanes_stage(rows, bufs):
+    """Before a step's loop over token vectors: each row's block pair to its weight buffer as
+    vpdpbusd's signed side (a wide type's offset bytes back to its signed weights), and 128 sum(w)
+    of each block, splat to i32 x 16 (rows[r] -> [A's, B's]): what activations stored as a + 128
+    add to a block's raw sum."""
+    out = []
+    for (v, blk), wb in zip(rows, bufs):
+        b = v.b
+        w = v.bxor(blk.w, 0x80) if blk.wide else blk.w
+        _store_bytes(b, wb[0], 0, w)
+        sums = dpbusd(b, v.zeros(I32, 16), v.bconst(1, 64), w)       # 4-weight sums, A in lanes 0-7
+        corr = []
+        for h in range(2):
+            half = v.shuf(sums, list(range(8 * h, 8 * h + 8)))
+            total = _intrinsic(b, "llvm.vector.reduce.add.v8i32", I32, [half])
+            corr.append(_splat(b, b.shl(total, ir.Constant(I32, 7)), 16))
+        out.append(corr)
+    return out
+
+
+def _pair_lanes(rows, i, vecs, faccs, bufs, corr):
+    """faccs[r][n] (16 tokens each) after block pair i of each row: block A's terms, then block
+    B's; rows 4 at a time as _k_lanes' (one activation load for the rows, each weight broadcast
+    folded into its vpdpbusd), a block's raw sums less corr (_pair_lanes_stage). A wide type's
+    integer offset (-128) is the one its staged weights already took off."""
+    b = rows[0][0].b
+    v0, blk0 = rows[0]
+    wbufs = [_opaque(b, x[0]) for x in bufs]
+    off = 0 if blk0.wide else blk0.off
     fv = ir.VectorType(F32, 16)
+    out = [list(f) for f in faccs]
     for h in range(2):
         blk_i = b.add(b.mul(i, _c64(2)), _c64(h))
         blk_q = [b.gep(q, [b.mul(blk_i, _c64(8 * 64))]) for q, _, _ in vecs]
-        raw = [v.zeros(I32, 16) for _ in vecs]
+        raw = {(r, n): v0.zeros(I32, 16) for r in range(len(rows)) for n in range(len(vecs))}
         for j in range(8):
-            wj = _bcast32(b, wbuf, 8 * h + j)
-            for n, p in enumerate(blk_q):
-                raw[n] = dpbusd(b, raw[n], wj, _load_vec(b, b.gep(p, [_c64(64 * j)]), I8, 64, 1), blk.wide)
-        dh = v.fsplat(b.extract_element(blk.d2, ir.Constant(I32, h)), 16)
-        mh = None if blk.m2 is None else v.fsplat(b.extract_element(blk.m2, ir.Constant(I32, h)), 16)
+            acts = [_load_vec(b, b.gep(p, [_c64(64 * j)]), I8, 64, 1) for p in blk_q]
+            for r, wbuf in enumerate(wbufs):
+                wj = _bcast32(b, wbuf, 8 * h + j)
+                for n, a in enumerate(acts):
+                    # wide: avx2's vpmaddubsw would saturate on a + 128 times |w| up to 128
+                    raw[r, n] = dpbusd(b, raw[r, n], a, wj, blk0.wide)
         for n, (_, d, s) in enumerate(vecs):
             bs = _load_vec(b, b.gep(s, [b.mul(blk_i, _c64(16))]), I32, 16, 4)
-            x = raw[n] if not blk.off else b.add(raw[n], b.mul(bs, ir.Constant(bs.type, [blk.off] * 16)))
             dx = _load_vec(b, b.gep(d, [b.mul(blk_i, _c64(16))]), F32, 16, 4)
-            faccs[n] = _fma(b, b.sitofp(x, fv), b.fmul(dh, dx), faccs[n])
-            if mh is not None:
-                faccs[n] = _fma(b, b.sitofp(bs, fv), b.fmul(mh, dx), faccs[n])
-    return faccs
+            for r, (v, blk) in enumerate(rows):
+                x = b.sub(raw[r, n], corr[r][h])
+                if off:
+                    x = b.add(x, b.mul(bs, ir.Constant(bs.type, [off] * 16)))
+                dh = v.fsplat(b.extract_element(blk.d2, ir.Constant(I32, h)), 16)
+                out[r][n] = _fma(b, b.sitofp(x, fv), b.fmul(dh, dx), out[r][n])
+                if blk.m2 is not None:
+                    mh = v.fsplat(b.extract_element(blk.m2, ir.Constant(I32, h)), 16)
+                    out[r][n] = _fma(b, b.sitofp(bs, fv), b.fmul(mh, dx), out[r][n])
+    return out
 
 
 # --------------------------------------------------------------------------- the row kernels
@@ -1115,8 +1146,8 @@ grid_dot = _make_grid_dot("grid_dot", {4: (2, 4, 4), 3: (2, 4, 3), 2: (4, 2, 2)}
 
 
 def _make_row_acc(n_rows: int):
-    """row_acc for groups of n_rows rows: n_rows > 1 only for the K-quants on token lanes (it emits
-    nothing for other types and layouts; rows_acc_rows says which take it)."""
+    """row_acc for groups of n_rows rows: n_rows > 1 only on token lanes (it emits nothing for
+    token quads; lane_rows says which layout takes it)."""
 
     def row_acc(typingctx, qtype, w, r, xa, xb, xc, u0, n, s0, s1, acc, ar):
         if not _c_2d(w, xa, xb, xc, acc):
@@ -1143,7 +1174,7 @@ def _row_acc_code(context, b, signature, args, unit, only, n_rows):
             bufs.append([b.bitcast(p, I8.as_pointer()) for p in row_bufs])
 
         def emit(qt, kind, decode, nbytes):
-            if n_rows > 1 and (kind != "k" or unit != 16):
+            if n_rows > 1 and unit != 16:
                 return
             wrows, rbs = zip(*[_weight_row(context, b, signature.args[1], w_, b.add(r_, _c64(j)))
                                for j in range(n_rows)])
@@ -1160,7 +1191,9 @@ def _row_acc_code(context, b, signature, args, unit, only, n_rows):
                 decoded = [_decoded(x) for x in vbs]      # before the loop over units: once per step
                 vb = decoded[0]
                 quad = _QuadStep(*vb, bufs[0][0], K_SUB.get(qt)) if unit == 4 else None
-                staged = _k_lanes_stage(decoded, bufs) if unit == 16 and kind == "k" else None
+                staged = None
+                if unit == 16:
+                    staged = (_k_lanes_stage if kind == "k" else _pair_lanes_stage)(decoded, bufs)
 
                 def units(first, count):
                     """count (1 or 2) consecutive units from unit `first`."""
@@ -1172,7 +1205,7 @@ def _row_acc_code(context, b, signature, args, unit, only, n_rows):
                         faccs = _k_lanes(decoded, i, [tok.rows(u) for u in us], faccs, bufs,
                                          K_SUB.get(qt), staged)
                     elif unit == 16:
-                        faccs = [_pair_lanes(*vb, i, [tok.rows(u) for u in us], faccs[0], bufs[0], K_SUB.get(qt))]
+                        faccs = _pair_lanes(decoded, i, [tok.rows(u) for u in us], faccs, bufs, staged)
                     else:
                         faccs = [[(_k_quad if kind == "k" else _pair_quad)(vb[0], quad, i, tok.rows(us[0]),
                                                                             faccs[0][0])]]
@@ -1226,7 +1259,7 @@ def _row_acc_code(context, b, signature, args, unit, only, n_rows):
 # unit 4; transposed token vectors (xc int32) -> unit 16, token lanes. Each step is decoded once into
 # registers (token lanes: and a stack buffer) and applied to all n units before the next step is read.
 row_acc = _make_row_acc(1)
-# the same for rows r .. r + 3 into acc rows ar .. ar + 3: K-quants on token lanes only
+# the same for rows r .. r + 3 into acc rows ar .. ar + 3, on token lanes only
 rows4_acc = _make_row_acc(4)
 LANE_ROWS = 4
 
@@ -1266,26 +1299,10 @@ def uses_lanes(qtype: int, k: int) -> bool:
 
 
 @intrinsic
-def lane_rows(typingctx, qtype, xc):
-    """LANE_ROWS for a K-quant on token lanes (xc int32: quantize_tiled's transposed sums), else 1:
-    a constant for one type's tag, a select for a set of types or a plain int."""
-    qt_type, only = _qtype_arg(qtype)
-    sig = types.intp(qt_type, xc)
-    lanes = isinstance(xc, types.Array) and xc.dtype == types.int32
-    k_types = [qt for qt, spec in SPECS.items() if spec[0] == "k"]
-
-    def codegen(context, builder, signature, args):
-        if not lanes:
-            return _c64(1)
-        if isinstance(only, int):
-            return _c64(LANE_ROWS if only in k_types else 1)
-        q = args[0] if only is None else builder.extract_value(args[0], 0)
-        out = _c64(1)
-        for qt in k_types:
-            if only is None or qt in only:
-                out = builder.select(builder.icmp_signed("==", q, _c64(qt)), _c64(LANE_ROWS), out)
-        return out
-    return sig, codegen
+def lane_rows(typingctx, xc):
+    """LANE_ROWS on token lanes (xc int32: quantize_tiled's transposed sums), 1 on token quads."""
+    n = LANE_ROWS if isinstance(xc, types.Array) and xc.dtype == types.int32 else 1
+    return types.intp(xc), lambda context, builder, signature, args: _c64(n)
 
 
 @njit(cache=CACHE, nogil=True, inline="always")
@@ -1301,7 +1318,7 @@ def tile_sums(qtype, w, r0, n_rows, xa, xb, xc, n_steps, chunk, units, acc):
         for s0 in range(0, n_steps, chunk):
             s1 = min(n_steps, s0 + chunk)
             r = 0
-            if lane_rows(qtype, xc) > 1:
+            if lane_rows(xc) > 1:
                 while r + LANE_ROWS <= n_rows:
                     rows4_acc(qtype, w, r0 + r, xa, xb, xc, u0, n, s0, s1, acc, r)
                     r += LANE_ROWS
@@ -1526,14 +1543,15 @@ def _lanes_of(a, k):
 @njit(cache=CACHE, nogil=True)
 def token_lanes(q, d, s, k_quant):
     """Quantized activation rows (quantize_rows' q, d, s) as the token-lane tiled kernel reads them,
-    padded with zero rows to 16 tokens: xa int8 (16 tokens' 4-byte groups side by side), xb
+    padded with zero rows to 16 tokens: xa int8 (16 tokens' 4-byte groups side by side, each value
+    as a + 128 in its byte: the kernels' unsigned side), xb
     float32 (the scales, 16 tokens a vector), xc int32 (the sums: K-quants' 16-value sums as i16
     pairs, legacy types' 32-value sums widened). quantize_tiled's layout, and the fused layer
     kernels' (layer_fused) for their legacy matrices' batches of 14+ rows."""
     k = q.shape[0]
     xa = _lanes_of(q.view(np.int32), k).view(np.int8)
-    if k_quant:         # as a + 128: the unsigned side of _k_lanes' vpdpbusd
-        xa ^= np.int8(-128)
+    xa ^= np.int8(-128)     # as a + 128: the unsigned side of _k_lanes' and _pair_lanes' vpdpbusd
+    if k_quant:
         xc = _lanes_of(s.view(np.int32), k)
     else:
         xc = _lanes_of(s.astype(np.int32), k)
