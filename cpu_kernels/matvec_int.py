@@ -688,10 +688,10 @@ def _k_lanes_stage(rows, bufs):
 
 def _k_lanes(rows, i, vecs, faccs, bufs, sub, offset):
     """faccs[r][n] (16 tokens each) after super-block i of each row; rows: the rows' decoded steps
-    (v, blk), bufs[r] their stack buffers; vecs: per token vector its (qT, dT, sT) rows. A row group
-    shares each activation load among its rows and each broadcast weight dword among the vectors
-    (1 or 2): per 4-byte column of 4 rows x 2 vectors, 2 vector loads and 4 broadcasts feed 8
-    vpdpbusd (one row alone: 2 loads and a broadcast for 2)."""
+    (v, blk), bufs[r] their stack buffers; vecs: per token vector its (qT, dT, sT) rows. A group of
+    4 rows takes one vector a pass: per 4-byte column one activation load and 4 broadcasts (folded
+    into the instructions) feed 4 vpdpbusd; a row alone takes vectors in pairs, each broadcast
+    serving both."""
     b = rows[0][0].b
     v0 = rows[0][0]
     wide = rows[0][1].wide
@@ -1165,93 +1165,93 @@ def _make_row_acc(n_rows: int):
 
 
 def _row_acc_code(context, b, signature, args, unit, only, n_rows):
-        qt_, w_, r_, xa_, xb_, xc_, u0_, n_, s0_, s1_, acc_, ar_ = args
-        done = b.append_basic_block("row_acc.done")
-        bufs = []
-        for _ in range(n_rows):
-            row_bufs = [cgutils.alloca_once(b, ir.ArrayType(I8, 256)) for _ in range(2)] + \
-                [cgutils.alloca_once(b, ir.ArrayType(I8, 32)) for _ in range(2)]
-            bufs.append([b.bitcast(p, I8.as_pointer()) for p in row_bufs])
+    qt_, w_, r_, xa_, xb_, xc_, u0_, n_, s0_, s1_, acc_, ar_ = args
+    done = b.append_basic_block("row_acc.done")
+    bufs = []
+    for _ in range(n_rows):
+        row_bufs = [cgutils.alloca_once(b, ir.ArrayType(I8, 256)) for _ in range(2)] + \
+            [cgutils.alloca_once(b, ir.ArrayType(I8, 32)) for _ in range(2)]
+        bufs.append([b.bitcast(p, I8.as_pointer()) for p in row_bufs])
 
-        def emit(qt, kind, decode, nbytes):
-            if n_rows > 1 and unit != 16:
-                return
-            wrows, rbs = zip(*[_weight_row(context, b, signature.args[1], w_, b.add(r_, _c64(j)))
-                               for j in range(n_rows)])
-            rb = rbs[0]
-            tok = _Tokens(context, b, signature.args[3:6], (xa_, xb_, xc_))
-            A = _array(context, b, signature.args[10], acc_)
-            acc_width = cgutils.unpack_tuple(b, A.shape, 2)[1]
-            acc_rows = [b.gep(A.data, [b.mul(b.add(ar_, _c64(j)), acc_width)]) for j in range(n_rows)]
-            acc_row = acc_rows[0]
-            wrow = wrows[0]
-            fv = ir.VectorType(F32, unit)
+    def emit(qt, kind, decode, nbytes):
+        if n_rows > 1 and unit != 16:
+            return
+        wrows, rbs = zip(*[_weight_row(context, b, signature.args[1], w_, b.add(r_, _c64(j)))
+                           for j in range(n_rows)])
+        rb = rbs[0]
+        tok = _Tokens(context, b, signature.args[3:6], (xa_, xb_, xc_))
+        A = _array(context, b, signature.args[10], acc_)
+        acc_width = cgutils.unpack_tuple(b, A.shape, 2)[1]
+        acc_rows = [b.gep(A.data, [b.mul(b.add(ar_, _c64(j)), acc_width)]) for j in range(n_rows)]
+        acc_row = acc_rows[0]
+        wrow = wrows[0]
+        fv = ir.VectorType(F32, unit)
 
-            def apply(vbs, i, state):
-                decoded = [_decoded(x) for x in vbs]      # before the loop over units: once per step
-                vb = decoded[0]
-                quad = _QuadStep(*vb, bufs[0][0], K_SUB.get(qt)) if unit == 4 else None
-                staged = None
-                if unit == 16:
-                    staged = (_k_lanes_stage if kind == "k" else _pair_lanes_stage)(decoded, bufs)
+        def apply(vbs, i, state):
+            decoded = [_decoded(x) for x in vbs]      # before the loop over units: once per step
+            vb = decoded[0]
+            quad = _QuadStep(*vb, bufs[0][0], K_SUB.get(qt)) if unit == 4 else None
+            staged = None
+            if unit == 16:
+                staged = (_k_lanes_stage if kind == "k" else _pair_lanes_stage)(decoded, bufs)
 
-                def units(first, count):
-                    """count (1 or 2) consecutive units from unit `first`."""
-                    us = [b.add(first, _c64(x)) for x in range(count)]
-                    ps = [[b.bitcast(b.gep(row, [b.mul(u, _c64(unit))]), fv.as_pointer()) for u in us]
-                          for row in acc_rows]
-                    faccs = [[b.load(p, align=4) for p in pr] for pr in ps]
-                    if unit == 16 and kind == "k":
-                        faccs = _k_lanes(decoded, i, [tok.rows(u) for u in us], faccs, bufs,
-                                         K_SUB.get(qt), staged)
-                    elif unit == 16:
-                        faccs = _pair_lanes(decoded, i, [tok.rows(u) for u in us], faccs, bufs, staged)
-                    else:
-                        faccs = [[(_k_quad if kind == "k" else _pair_quad)(vb[0], quad, i, tok.rows(us[0]),
-                                                                            faccs[0][0])]]
-                    for pr, fr in zip(ps, faccs):
-                        for p, f in zip(pr, fr):
-                            b.store(f, p, align=4)
+            def units(first, count):
+                """count (1 or 2) consecutive units from unit `first`."""
+                us = [b.add(first, _c64(x)) for x in range(count)]
+                ps = [[b.bitcast(b.gep(row, [b.mul(u, _c64(unit))]), fv.as_pointer()) for u in us]
+                      for row in acc_rows]
+                faccs = [[b.load(p, align=4) for p in pr] for pr in ps]
+                if unit == 16 and kind == "k":
+                    faccs = _k_lanes(decoded, i, [tok.rows(u) for u in us], faccs, bufs,
+                                     K_SUB.get(qt), staged)
+                elif unit == 16:
+                    faccs = _pair_lanes(decoded, i, [tok.rows(u) for u in us], faccs, bufs, staged)
+                else:
+                    faccs = [[(_k_quad if kind == "k" else _pair_quad)(vb[0], quad, i, tok.rows(us[0]),
+                                                                        faccs[0][0])]]
+                for pr, fr in zip(ps, faccs):
+                    for p, f in zip(pr, fr):
+                        b.store(f, p, align=4)
 
-                # token lanes: vectors in pairs (each broadcast weight dword serves two), then the odd one
-                per = 2 if unit == 16 and n_rows == 1 else 1
-                _loop(b, _c64(0), b.sdiv(n_, _c64(per)), [], lambda j, _: units(b.add(u0_, b.mul(j, _c64(per))), per) or [])
-                if per == 2:
-                    odd = b.icmp_signed("!=", b.srem(n_, _c64(2)), _c64(0))
-                    with b.if_then(odd):
-                        units(b.add(u0_, b.sub(n_, _c64(1))), 1)
-                return []
-            # the tile's next row (group) reads this chunk next
-            step_bytes = nbytes if kind == "k" else 2 * nbytes
-            nxt = b.add(b.mul(rb, _c64(n_rows)), b.mul(s0_, _c64(step_bytes)))
-            s_rest = s0_
-            if unit == 4 and kind == "pair":
-                # legacy quads take two full block pairs a step: their folds and float terms share
-                # vectors (16 lanes instead of 8); an odd pair and the odd last block after
-                n_full = b.sdiv(b.sdiv(rb, _c64(nbytes)), _c64(2))
-                e = b.select(b.icmp_signed("<", s1_, n_full), s1_, n_full)
-                n_dbl = b.select(b.icmp_signed(">", e, s0_), b.sdiv(b.sub(e, s0_), _c64(2)), _c64(0))
+            # token lanes: vectors in pairs (each broadcast weight dword serves two), then the odd one
+            per = 2 if unit == 16 and n_rows == 1 else 1
+            _loop(b, _c64(0), b.sdiv(n_, _c64(per)), [], lambda j, _: units(b.add(u0_, b.mul(j, _c64(per))), per) or [])
+            if per == 2:
+                odd = b.icmp_signed("!=", b.srem(n_, _c64(2)), _c64(0))
+                with b.if_then(odd):
+                    units(b.add(u0_, b.sub(n_, _c64(1))), 1)
+            return []
+        # the tile's next row (group) reads this chunk next
+        step_bytes = nbytes if kind == "k" else 2 * nbytes
+        nxt = b.add(b.mul(rb, _c64(n_rows)), b.mul(s0_, _c64(step_bytes)))
+        s_rest = s0_
+        if unit == 4 and kind == "pair":
+            # legacy quads take two full block pairs a step: their folds and float terms share
+            # vectors (16 lanes instead of 8); an odd pair and the odd last block after
+            n_full = b.sdiv(b.sdiv(rb, _c64(nbytes)), _c64(2))
+            e = b.select(b.icmp_signed("<", s1_, n_full), s1_, n_full)
+            n_dbl = b.select(b.icmp_signed(">", e, s0_), b.sdiv(b.sub(e, s0_), _c64(2)), _c64(0))
 
-                def double(j, _):
-                    i = b.add(s0_, b.mul(j, _c64(2)))
-                    _prefetch_ahead(b, [wrow], b.mul(i, _c64(step_bytes)), b.mul(s0_, _c64(step_bytes)),
-                                    b.mul(s1_, _c64(step_bytes)), nxt, 2 * step_bytes)
-                    vs = [IntBlockIR(b, b.gep(wrow, [b.mul(b.add(i, _c64(h)), _c64(step_bytes))]), None) for h in (0, 1)]
-                    st = _QuadStep(vs[0], [decode(x, 2) for x in vs], bufs[0][0], None)
+            def double(j, _):
+                i = b.add(s0_, b.mul(j, _c64(2)))
+                _prefetch_ahead(b, [wrow], b.mul(i, _c64(step_bytes)), b.mul(s0_, _c64(step_bytes)),
+                                b.mul(s1_, _c64(step_bytes)), nxt, 2 * step_bytes)
+                vs = [IntBlockIR(b, b.gep(wrow, [b.mul(b.add(i, _c64(h)), _c64(step_bytes))]), None) for h in (0, 1)]
+                st = _QuadStep(vs[0], [decode(x, 2) for x in vs], bufs[0][0], None)
 
-                    def one_unit(u, _):
-                        p = b.bitcast(b.gep(acc_row, [b.mul(u, _c64(unit))]), fv.as_pointer())
-                        b.store(_pair_quad(vs[0], st, i, tok.rows(u), b.load(p, align=4)), p, align=4)
-                        return []
-                    _loop(b, u0_, b.add(u0_, n_), [], one_unit)
+                def one_unit(u, _):
+                    p = b.bitcast(b.gep(acc_row, [b.mul(u, _c64(unit))]), fv.as_pointer())
+                    b.store(_pair_quad(vs[0], st, i, tok.rows(u), b.load(p, align=4)), p, align=4)
                     return []
-                _loop(b, _c64(0), n_dbl, [], double)
-                s_rest = b.add(s0_, b.mul(n_dbl, _c64(2)))
-            _steps(b, kind, decode, nbytes, list(wrows), rb, s_rest, s1_, [], apply, nxt)
+                _loop(b, u0_, b.add(u0_, n_), [], one_unit)
+                return []
+            _loop(b, _c64(0), n_dbl, [], double)
+            s_rest = b.add(s0_, b.mul(n_dbl, _c64(2)))
+        _steps(b, kind, decode, nbytes, list(wrows), rb, s_rest, s1_, [], apply, nxt)
 
-        _by_type(b, qt_, done, emit, only)
-        b.position_at_end(done)
-        return context.get_dummy_value()
+    _by_type(b, qt_, done, emit, only)
+    b.position_at_end(done)
+    return context.get_dummy_value()
 
 
 # row_acc(qtype, w, r, xa, xb, xc, u0, n, s0, s1, acc, ar): acc[ar, unit (u0 + j) + l] for l < unit,
