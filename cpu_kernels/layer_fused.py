@@ -39,7 +39,7 @@ from .ffn import _act_times, ffn_glu
 from .formats import format_of
 from .matvec import tile_products
 from .matvec_amx import MAX_TOKENS, uses_amx
-from .matvec_int import (LANES_MIN_K, TILE_UNITS, act_block, block_dots, chunk_steps, tile_sums, token_lanes,
+from .matvec_int import (TILE_UNITS, act_block, block_dots, chunk_steps, tile_sums, token_lanes,
                          types_tag)
 from .kv_attention import attend, cache_store
 from .matvec_simd import TILE_ROWS
@@ -55,8 +55,10 @@ GROUPS_PER_THREAD = 4       # work items per thread, so a slow core does not hol
 PARALLEL_MIN_WEIGHTS = 1 << 17   # below this a projection runs on the calling thread alone
 # rows of int8 activations (2 per token with the residual pass) from which a legacy matrix runs on
 # matvec_int's token lanes instead of block_dots: 1.5-2.4x faster at 16-32 rows on small matrices
-# (Zen 4, BENCHMARKS.md session 16); the K-quants' tiles lose to block_dots at <= 32 rows there
-LANES_MIN_ROWS = LANES_MIN_K["pair"]
+# (Zen 4, BENCHMARKS.md session 16); the K-quants' tiles lose to block_dots at <= 32 rows there.
+# Measured before the token lanes took rows 4 at a time (session 24), so kept apart from
+# matvec_int.LANES_MIN_K, which was re-measured then on the 27B's shapes.
+LANES_MIN_ROWS = 14
 
 # _project_serial is compiled with parallel=True on purpose and has no prange
 # ((?s): the text follows Numba's colour codes and a newline)

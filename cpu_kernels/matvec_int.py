@@ -1286,12 +1286,12 @@ TILED_MIN_K = 6
 def tiled_min_k(qtype: int) -> int:
     return TILED_MIN_K
 # k from which the tiled kernel runs on token lanes (transposed activations, padded to 16 tokens)
-# instead of token quads. Measured on the 27B FFN shapes (bench_matvec.py --lanes-from 1 against
-# 999): legacy types, one core (BENCHMARKS.md's "second pass"), lanes / quads 1.25-1.38 at 12
-# tokens, 0.92-0.95 at 14; K-quants with their rows 4 at a time (_k_lanes), 2 threads, from memory
-# (BENCHMARKS.md, session 24): 1.09-1.63 at 8 tokens, 0.76-0.91 at 12, 0.48-0.87 at 16-32.
+# instead of token quads. Measured on the 27B FFN shapes, 2 threads, from memory, with the lanes'
+# rows 4 at a time (bench_matvec.py --lanes-from 1 against 999, BENCHMARKS.md session 24), lanes /
+# quads: K-quants 1.09-1.63 at 8 tokens, 0.76-0.91 at 12, 0.48-0.87 at 16-32; legacy types
+# (Q4_0, Q5_0, Q8_0) 0.93-1.10 at 8, 0.66-0.74 at 10, 0.64-0.74 at 12.
 # hybridrt.warmup's batches (1, 4, 8, 16, 40 tokens) compile both layouts for either kind.
-LANES_MIN_K = {"k": 12, "pair": 14}
+LANES_MIN_K = {"k": 12, "pair": 10}
 
 
 def uses_lanes(qtype: int, k: int) -> bool:

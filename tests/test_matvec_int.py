@@ -6,7 +6,7 @@
    |y - W x| <= sum_i |W[r, i]| * d[t, block(i)] / 2 (each value is off by at most half a step).
 3. Every lowering (avx512vnni, avxvnni, avx2, portable) gives the same bits: integer sums are exact
    and the float steps after them are the same.
-4. Prompt-sized batches (token quads, and token lanes from 14 (legacy) or 12 (K) tokens, several
+4. Prompt-sized batches (token quads, and token lanes from 10 (legacy) or 12 (K) tokens, several
    column chunks and row tiles)
    give every token the bits it gets alone, on 1 and 2 threads; so do block_dots (a row at a time)
    and rows_dots, the entry points of fused kernels.
