@@ -25,7 +25,7 @@ from numba.extending import intrinsic
 
 from .matvec import CHUNK, TOKEN_TILE, check_operands, matvec, n_groups_for, tile_products, use_int
 from .matvec_amx import matvec_amx_into, uses_amx
-from .matvec_int import (act_block, block_dots, n_row_groups, quantize_for, quantize_tiled, tile_sums,
+from .matvec_int import (act_block, block_dots, group_rows, n_row_groups, quantize_for, quantize_tiled, tile_sums,
                          tiled_min_k, tiling, type_tag)
 from .matvec_simd import TILE_ROWS
 from .simd_int import CACHE
@@ -131,7 +131,7 @@ def _gate_up_int_kernel(w_gate, t_gate, w_up, t_up, xq, xd, xs, hidden, act, n_g
     rows = w_gate.shape[0]
     k = xq.shape[0]
     for g in prange(n_groups):
-        lo, hi = g * rows // n_groups, (g + 1) * rows // n_groups
+        lo, hi = group_rows(g, n_groups, rows)
         gate = np.empty((k, hi - lo), np.float32)
         up = np.empty((k, hi - lo), np.float32)
         block_dots(t_gate, w_gate, lo, hi - lo, xq, xd, xs, gate, 0)

@@ -42,7 +42,8 @@ from numba.extending import intrinsic
 from gguf.constants import GGMLQuantizationType as _T
 
 from .formats import type_tag
-from .matvec_int import SPECS, _k_scales_mins16, block_dots
+from .int_blocks import SPECS, _k_scales_mins16
+from .matvec_int import block_dots
 from .matvec_simd import _fma, _load_vec
 from .quantize_act import QK_K, QK_LEGACY, quantize_rows
 from .simd_int import CACHE, F32, I32, I64, ISA, ISA_FORCED, IntBlockIR, host_features, prefetch
@@ -212,7 +213,7 @@ def k_row_to_tiles(typingctx, qtype, w, r, base, abuf, a_off, scm, s_off, dw, mw
         v = IntBlockIR(builder, row, None)
         blk = decoder(v)
         if offset_in_mins:      # IQ4_XS: lanes 8-15 the offset coefficients off * sc_j
-            scm16 = v.concat(blk.sc8, v.bmul(blk.sc8, off))
+            scm16 = v.concat(blk.sub_sc, v.bmul(blk.sub_sc, off))
             negdmin = ir.Constant(F32, 0.0)
         else:
             scm16, negdmin = _k_scales_mins16(v), blk.negdmin

@@ -212,15 +212,16 @@ def lut16(b, idx, table):
     return out
 
 
-def prefetch(b, ptr):
-    """Ask for the cache line at ptr (an i8*) ahead of its use: a hint, never a fault (prefetcht0).
-    The row kernels stream short weight rows side by side; the hardware prefetcher loses time
-    finding each new stream, and a decode-heavy loop leaves too few loads in flight on its own."""
+def prefetch(b, ptr, locality=3):
+    """Ask for the cache line at ptr (an i8*) ahead of its use: a hint, never a fault (locality 3:
+    prefetcht0, into L1; 2: prefetcht1, into L2). The row kernels stream short weight rows side by
+    side; the hardware prefetcher loses time finding each new stream, and a decode-heavy loop
+    leaves too few loads in flight on its own."""
     fn = b.module.globals.get("llvm.prefetch.p0i8")
     if fn is None:
         fn = ir.Function(b.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]),
                          name="llvm.prefetch.p0i8")
-    b.call(fn, [ptr, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+    b.call(fn, [ptr, ir.Constant(I32, 0), ir.Constant(I32, locality), ir.Constant(I32, 1)])
 
 
 # ------------------------------------------------------------------------------ byte-vector helpers

@@ -28,9 +28,10 @@ from gguf.quants import dequantize
 
 from cpu_kernels.matvec import matvec
 from cpu_kernels.formats import type_tag
-from cpu_kernels.matvec_int import (INT_TYPES, PHASE_STEPS, SPECS, TWO_PHASE_BYTES, _make_grid_dot, act_block,
-                                    block_dots, grid_dot, quantize_for, row_dot, rows_dot, rows_dots, single_row_table,
-                                    two_phase_table)
+from cpu_kernels.matvec_int import (INT_TYPES, LANES_MIN_K, PHASE_STEPS, SPECS, TILED_MIN_K, TWO_PHASE_BYTES,
+                                    _make_grid_dot, act_block, block_dots, grid_dot, quantize_for, row_dot, rows_dot,
+                                    rows_dots, single_row_table, tiled_min_k, two_phase_table)
+from cpu_kernels.matvec_rowlanes import PASS_TOKENS, ROW_LANES, ROW_LANES_HOST, row_lanes_dot
 from cpu_kernels.matvec_testdata import random_weights
 from cpu_kernels.quantize_act import RESIDUAL_MAX_TOKENS, dequantize_rows, quantize_rows, with_residual_rows
 from cpu_kernels.simd_int import ISA, host_features
@@ -199,7 +200,7 @@ def test_every_lowering_gives_the_same_bits(tmp_path, isa):
     arrays, names = {}, []
     for qtype in INT:
         cols = _cols(qtype)
-        arrays[f"w_{qtype.name}"] = random_weights(qtype, 9, cols, rng)
+        arrays[f"w_{qtype.name}"] = random_weights(qtype, 21, cols, rng)      # a row-lane group and 5 rows
         arrays[f"t_{qtype.name}"] = np.int64(qtype)
         arrays[f"x_{qtype.name}"] = _x(rng, 41, cols)
         names.append(qtype.name)
@@ -344,6 +345,50 @@ def test_two_phase_groups_give_the_same_bits(qtype):
                 _two_phase_groups(type_tag(qtype), w, q, d, s, out, per)
                 assert np.array_equal(out.view(np.uint32), alone.view(np.uint32)), \
                     f"{qtype.name}: {n_blocks} blocks, k = {k}, {per} rows a group"
+
+
+@numba.njit
+def _row_lane_groups(qtype, w, r0, n_groups, xq, xd, xs, out, oc0):
+    k = xq.shape[0]
+    for g in range(n_groups):
+        t0 = 0
+        while t0 < k:
+            n = min(PASS_TOKENS, k - t0)
+            row_lanes_dot(qtype, n, w, r0 + ROW_LANES * g, xq, xd, xs, t0, out, oc0 + ROW_LANES * g)
+            t0 += n
+
+
+@pytest.mark.parametrize("qtype", [t for t in INT if SPECS[int(t)][0] == "k"], ids=lambda t: t.name)
+def test_row_lanes_give_the_register_groups_bits(qtype):
+    """matvec_rowlanes (16 rows in the lanes of a vector, the weights transposed; Q4_K, Q5_K and
+    Q6_K decoded in the lanes from their raw bytes) gives every (row, token) the bits of the
+    register groups, a row at a time: every pass size (1, 2, 4 with a repeated token, 8) and two
+    passes (11 tokens), groups at an odd row offset written at an offset column."""
+    rng = np.random.default_rng(700 + int(qtype))
+    rows, cols = 37, 256 * 3
+    w = random_weights(qtype, rows, cols, rng)
+    x = _x(rng, 11, cols)
+    x[4] *= 1e3
+    for k in (1, 2, 3, 5, 8, 11):
+        q, d, s = quantize_for(qtype, x[:k])
+        ref = np.empty((k, rows), np.float32)
+        _by_rows(type_tag(qtype), w, q, d, s, ref, False)       # block_dots a row at a time: no row lanes
+        out = np.full((k, 2 * ROW_LANES + 2), np.nan, np.float32)
+        _row_lane_groups(type_tag(qtype), w, 3, 2, q, d, s, out, 1)
+        assert np.array_equal(out[:, 1:-1].view(np.uint32), ref[:, 3:3 + 2 * ROW_LANES].view(np.uint32)), \
+            f"{qtype.name}: k = {k}"
+        assert np.isnan(out[:, 0]).all() and np.isnan(out[:, -1]).all()     # nothing outside the groups
+
+
+def test_row_lanes_where_measured():
+    """block_dots takes row lanes for the K-quants on the AVX-512 VNNI lowering only, Q6_K from 3
+    tokens; matvec keeps their batches out of the token quads (tiled from the token lanes' k)."""
+    if ISA != "avx512vnni":
+        assert ROW_LANES_HOST == {}
+        return
+    assert ROW_LANES_HOST[int(T.Q4_K)] == 1 and ROW_LANES_HOST[int(T.Q6_K)] == 3
+    assert int(T.Q8_0) not in ROW_LANES_HOST
+    assert tiled_min_k(T.Q4_K) == LANES_MIN_K["k"] and tiled_min_k(T.Q8_0) == TILED_MIN_K
 
 
 @numba.njit

@@ -1,0 +1,430 @@
+"""Row lanes: 16 weight rows in the 16 int32 lanes of a vector, one vector per token (K-quants).
+
+Why: the register groups (matvec_int.block_dots) dot each (row, token) pair in 64-byte vectors, so
+every pair's 16 partial sums must be folded to one lane and every sub-block scale applied per pair:
+at 4 tokens ~19 vector instructions per (row, token, super-block), of which 4 are vpdpbusd (session
+17's count), and k = 4 costs 1.4-1.8x k = 1 on the 27B shapes. Here 16 rows' decoded steps are
+transposed (vector j, lane r: weight dword j of row r), so one vpdpbusd multiplies 4 weights of 16
+rows by the same 4 activation bytes of one token, broadcast from memory into the instruction: every
+integer lands in its row's lane, nothing is folded, and a sub-block's scales are one vpmulld for
+16 rows. The transposes are paid once per step for all the tokens of a pass.
+
+Per (token, row) the integers and the float steps are matvec_int's numerics block, in its order, so
+the bits are those of every other kernel there.
+"""
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from gguf.constants import GGMLQuantizationType as _T
+
+from .int_blocks import (K_SUB, _by_type, _c64, _c_2d, _decoded, _loop, _max_k_lookup, _opaque, _qtype_arg, _steps,
+                         _Tokens, _weight_row)
+from .matvec_simd import _array, _fma, _load_vec, _splat
+from .quantize_act import QK_K
+from .simd_int import F32, I8, I16, I32, ISA, IntBlockIR, dpbusd, dpwssd, prefetch
+
+ROW_LANES = 16
+
+
+# Two-source shuffles of <16 x i32> that x86 runs as one non-destructive instruction each, as
+# (low, high) output masks: vpunpck{l,h}dq, vpunpck{l,h}qdq (within 128-bit lanes), vshufi32x4.
+def _lane_masks():
+    def per_lane(f):
+        return [x for L in range(4) for x in f(4 * L)]
+
+    def lanes(sel):         # 128-bit lanes 0-3 of A, 4-7 of B
+        return [4 * x + j if x < 4 else 16 + 4 * (x - 4) + j for x in sel for j in range(4)]
+    return {"dq": (per_lane(lambda o: [o, 16 + o, o + 1, 17 + o]), per_lane(lambda o: [o + 2, 18 + o, o + 3, 19 + o])),
+            "qdq": (per_lane(lambda o: [o, o + 1, 16 + o, 17 + o]), per_lane(lambda o: [o + 2, o + 3, 18 + o, 19 + o])),
+            "l01": (lanes([0, 1, 4, 5]), lanes([2, 3, 6, 7])),
+            "l02": (lanes([0, 2, 4, 6]), lanes([1, 3, 5, 7]))}
+
+
+LANE_MASKS = _lane_masks()
+
+
+def _stage(V, kind, dist):
+    lo, hi = LANE_MASKS[kind]
+    out = list(V)
+    for i in range(len(V)):
+        if (i // dist) % 2 == 0:
+            src = V[i] + V[i + dist]
+            out[i], out[i + dist] = [src[k] for k in lo], [src[k] for k in hi]
+    return out
+
+
+def _transpose_plan(n):
+    """(slot order, concat levels, stages, column of each output) of a transpose of 16 rows of n
+    dwords: rows concatenated in pairs up to 16 lanes, then log2(16 / levels) stages of the
+    shuffles above (found by trying them on labels); the slot order puts row r in lane r."""
+    import itertools
+    V = [[(s, c) for c in range(n)] for s in range(16)]
+    levels = 0
+    while len(V[0]) < 16:
+        h = len(V) // 2
+        V = [V[i] + V[i + h] for i in range(h)]
+        levels += 1
+    dists = [1 << k for k in range(4 - levels)]
+    for kinds in itertools.permutations(LANE_MASKS, len(dists)):
+        for order in itertools.permutations(dists):
+            W = V
+            for kind, dist in zip(kinds, order):
+                W = _stage(W, kind, dist)
+            lane_slot = [x for x, _ in W[0]]
+            if all(len({c for _, c in w}) == 1 and [x for x, _ in w] == lane_slot for w in W) \
+                    and sorted(lane_slot) == list(range(16)):
+                slot_row = [0] * 16
+                for lane, slot in enumerate(lane_slot):
+                    slot_row[slot] = lane
+                return slot_row, levels, list(zip(kinds, order)), [w[0][1] for w in W]
+    raise AssertionError(f"no transpose of 16 x {n}")
+
+
+TRANSPOSE_PLANS = {n: _transpose_plan(n) for n in (4, 8, 16)}
+
+
+def _transpose16(b, rows):
+    """16 vectors <n x i32> (n = 4, 8, 16) -> n vectors <16 x i32>: out[j] lane r = rows[r][j]."""
+    n = rows[0].type.count
+    slot_row, levels, stages, cols = TRANSPOSE_PLANS[n]
+    V = [rows[r] for r in slot_row]
+    for _ in range(levels):
+        h = len(V) // 2
+        m = V[0].type.count
+        V = [b.shuffle_vector(V[i], V[i + h], ir.Constant(ir.VectorType(I32, 2 * m), list(range(2 * m))))
+             for i in range(h)]
+    for kind, dist in stages:
+        lo, hi = (ir.Constant(ir.VectorType(I32, 16), m) for m in LANE_MASKS[kind])
+        out = list(V)
+        for i in range(len(V)):
+            if (i // dist) % 2 == 0:
+                out[i] = b.shuffle_vector(V[i], V[i + dist], lo)
+                out[i + dist] = b.shuffle_vector(V[i], V[i + dist], hi)
+        V = out
+    by_col = [None] * n
+    for c, vec in zip(cols, V):
+        by_col[c] = vec
+    return by_col
+
+
+def _as_i32(b, vec):
+    n = vec.type.count * vec.type.element.width // 32
+    return b.bitcast(vec, ir.VectorType(I32, n))
+
+
+def _bcast_dword(b, ptr, byte_off, elty, n):
+    """The 4 bytes at ptr + byte_off in every dword of an <n x elty> vector (a broadcast load)."""
+    x = b.load(b.bitcast(b.gep(ptr, [_c64(byte_off)]) if byte_off else ptr, I32.as_pointer()), align=1)
+    return b.bitcast(_splat(b, x, 16), ir.VectorType(elty, n))
+
+
+def _row_vector(b, scalars):
+    vec = ir.Constant(ir.VectorType(scalars[0].type, len(scalars)), ir.Undefined)
+    for j, x in enumerate(scalars):
+        vec = b.insert_element(vec, x, ir.Constant(I32, j))
+    return vec
+
+
+class LaneStep:
+    """A step (super-block) of 16 rows in row lanes: chunks() yields (c, W) for c = 0..3, W the 16
+    weight vectors of chunk c (lane r: bytes 64 c + 4 j .. + 3 of row r, unsigned); scale(s) the
+    sub-block scales (i32 per lane); coef(p) the 8 i16-pair vectors that dot the activations' 16-value
+    sums (coef_scale times the type's off16 or min16 pairs; off: they enter the integer sum, else the
+    mins' float term); d, negdmin <16 x float>; wide as KBlock's."""
+
+    def __init__(self, chunks, scale, coef, coef_scale, off, d, negdmin, wide=False):
+        self.chunks, self.scale, self.coef, self.coef_scale, self.off = chunks, scale, coef, coef_scale, off
+        self.d, self.negdmin, self.wide = d, negdmin, wide
+
+
+def _lanes_i32(v, n, x):
+    return v.bconst(x, n, I32)
+
+
+def _raw_dwords(b, ptrs, off, n):
+    """Dwords off .. off + 4n of 16 rows' steps (ptrs), transposed: n vectors, lane r row r's."""
+    return _transpose16(b, [_load_vec(b, b.gep(p, [_c64(off)]), I32, n, 1) for p in ptrs])
+
+
+def _half_floats(b, x, shift):
+    """The float16 in bits shift .. shift + 15 of each i32 lane, as <16 x float> (exact)."""
+    if shift:
+        x = b.lshr(x, ir.Constant(x.type, [shift] * 16))
+    h = b.bitcast(b.trunc(x, ir.VectorType(I16, 16)), ir.VectorType(ir.HalfType(), 16))
+    return b.fpext(h, ir.VectorType(F32, 16))
+
+
+def _q4_k_lanes(b, v0, ptrs, fifth=False):
+    """Q4_K (fifth=False) / Q5_K: d @0, dmin @2, scales @4 (matvec_int._k_scales_mins16), Q5_K's
+    qh[32] @16, qs[128] @16 / @48. Everything decoded in the lanes, after the transposes of the raw
+    bytes: one vector instruction per 16 rows where the row decoders spent one per row."""
+    c32 = lambda x: _lanes_i32(v0, 16, x)
+    h0, q0, q4, q8 = _raw_dwords(b, ptrs, 0, 4)
+
+    def byte(x, j, shift, mask):          # (byte j of x) >> shift & mask, per lane
+        return b.and_(b.lshr(x, c32(8 * j + shift)), c32(mask))
+    def scale(j):
+        if j < 4:
+            return byte(q0, j, 0, 63)
+        return b.or_(byte(q8, j - 4, 0, 15), b.shl(byte(q0, j - 4, 6, 3), c32(4)))
+
+    def coef(j):            # min16 pairs (m_j, m_j): sub-block j's two 16-value sums share its min
+        m = byte(q4, j, 0, 63) if j < 4 else b.or_(byte(q8, j - 4, 4, 15), b.shl(byte(q4, j - 4, 6, 3), c32(4)))
+        return b.bitcast(b.mul(m, c32(0x10001)), ir.VectorType(I16, 32))
+    qs_off = 48 if fifth else 16
+    bytes64 = ir.VectorType(I8, 64)
+
+    def chunks():
+        qh = _raw_dwords(b, ptrs, 16, 8) if fifth else None
+        for h in range(2):
+            # qs byte 32 c + l: element 64 c + l (low nibble), 64 c + 32 + l (high); c = 2h, 2h + 1
+            T = _raw_dwords(b, ptrs, qs_off + 64 * h, 16)
+            for cc in range(2):
+                c = 2 * h + cc
+                W = [None] * 16
+                for m in range(8):
+                    x = b.bitcast(T[8 * cc + m], bytes64)
+                    lo, hi = _as_i32(b, v0.band(x, 15)), _as_i32(b, v0.bshr(x, 4))     # byte shift: no mask
+                    if fifth:       # bit j of qh[l]: the fifth bit of element l of sub-block j
+                        lo = b.or_(lo, b.shl(b.and_(b.lshr(qh[m], c32(2 * c)), c32(0x01010101)), c32(4)))
+                        hi = b.or_(hi, b.shl(b.and_(b.lshr(qh[m], c32(2 * c + 1)), c32(0x01010101)), c32(4)))
+                    W[m], W[8 + m] = b.bitcast(lo, bytes64), b.bitcast(hi, bytes64)
+                yield c, W
+    return LaneStep(chunks, scale, coef, 1, False, _half_floats(b, h0, 0),
+                    b.fneg(_half_floats(b, h0, 16)))
+
+
+def _q6_k_lanes(b, v0, ptrs):
+    """Q6_K: ql[128] @0, qh[64] @128, int8 scales[16] @192, d @208. Element 128 h + 32 t + l: nibble
+    t >> 1 of ql[64 h + 32 (t & 1) + l], bits 2t of qh[32 h + l] (matvec_int._q6_k). The offset
+    -32 sc of each 16-value sum: its pairs are the scales themselves, the -32 applied to their sum."""
+    c32 = lambda x: _lanes_i32(v0, 16, x)
+    tail = _raw_dwords(b, ptrs, 178, 8)         # qh's last 14 bytes, the scales, d (bytes 206..209)
+
+    def scale(s):           # where used: 16 vectors kept from the start would not fit the registers
+        byte = 14 + s
+        return b.ashr(b.shl(tail[byte // 4], c32(24 - 8 * (byte % 4))), c32(24))
+
+    def coef(p):
+        return b.bitcast(b.or_(b.and_(scale(2 * p), c32(0xFFFF)), b.shl(scale(2 * p + 1), c32(16))),
+                         ir.VectorType(I16, 32))
+    bytes64 = ir.VectorType(I8, 64)
+
+    def chunks():
+        for h in range(2):
+            qh = [None] * 8 * h + _raw_dwords(b, ptrs, 128 + 32 * h, 8)     # qh dword 8 h + l / 4
+            ql = _raw_dwords(b, ptrs, 64 * h, 16)    # ql dword 8 (t & 1) + l / 4 of half h
+            for tt in range(2):
+                W = [None] * 16
+                for t in (2 * tt, 2 * tt + 1):
+                    for m in range(8):
+                        x = ql[8 * (t & 1) + m]
+                        low = b.and_(b.lshr(x, c32(4)) if t >> 1 else x, c32(0x0F0F0F0F))
+                        # bits 2t, 2t + 1 of each qh byte to bits 4, 5 (dword shifts: what crosses
+                        # a byte boundary lands outside the mask)
+                        y = qh[8 * h + m]
+                        y = b.shl(y, c32(4 - 2 * t)) if t < 3 else b.lshr(y, c32(2))
+                        W[8 * (t % 2) + m] = b.bitcast(b.or_(low, b.and_(y, c32(0x30303030))), bytes64)
+                yield 2 * h + tt, W
+    return LaneStep(chunks, scale, coef, -32, True, _half_floats(b, tail[7], 16), None)
+
+
+def _decoded_lanes(b, dec):
+    """Any K-quant, from its row decoders (matvec_int.KBlock): each row's decoded chunks and
+    scales transposed."""
+    v0, blk0 = dec[0]
+    sixteen = _lanes_i32(v0, 16, 16)
+    sc_pairs = _transpose16(b, [_as_i32(b, blk.sub_sc) for _, blk in dec])
+
+    def scale(s):
+        p = sc_pairs[s // 2]
+        return b.ashr(b.shl(p, sixteen), sixteen) if s % 2 == 0 else b.ashr(p, sixteen)
+    off = blk0.off16 is not None
+    coefs = [b.bitcast(x, ir.VectorType(I16, 32))
+             for x in _transpose16(b, [_as_i32(b, blk.off16 if off else blk.min16) for _, blk in dec])]
+    coef = coefs.__getitem__
+
+    def chunks():
+        for c in range(4):
+            yield c, [b.bitcast(x, ir.VectorType(I8, 64))
+                      for x in _transpose16(b, [_as_i32(b, blk.chunks[c]) for _, blk in dec])]
+    negdmin = None if blk0.min16 is None else _row_vector(b, [blk.negdmin for _, blk in dec])
+    return LaneStep(chunks, scale, coef, 1, off, _row_vector(b, [blk.d for _, blk in dec]), negdmin, blk0.wide)
+
+
+def lane_step(b, qt, vbs, ptrs):
+    """The LaneStep of 16 rows' step: ptrs their step pointers, vbs their row decoders (the types
+    without a lane decoder)."""
+    v0 = IntBlockIR(b, ptrs[0], None)
+    if qt == int(_T.Q4_K):
+        return _q4_k_lanes(b, v0, ptrs)
+    if qt == int(_T.Q5_K):
+        return _q4_k_lanes(b, v0, ptrs, fifth=True)
+    if qt == int(_T.Q6_K):
+        return _q6_k_lanes(b, v0, ptrs)
+    return _decoded_lanes(b, [_decoded(x) for x in vbs])
+
+
+def _k_row_lanes(b, st, i, trows, ybufs, sub, wbuf, prefetch_part):
+    """ybufs[u] (<16 x float>* each, token u's float state) after super-block i of the 16 rows
+    (st: their LaneStep); trows: the tokens' (q, d, s) activation rows. The float state lives in
+    an L1 buffer, not in registers: a chunk's weight vectors and each token's integer sum must fit
+    the 32 vector registers."""
+    i32x16, f32x16 = ir.VectorType(I32, 16), ir.VectorType(F32, 16)
+    zero = ir.Constant(i32x16, [0] * 16)
+    step_q = [b.gep(q, [b.mul(i, _c64(QK_K))]) for q, _, _ in trows]
+    isum = [zero for _ in trows]
+    per_sub = sub // 4
+    bytes64 = ir.VectorType(I8, 64)
+    if wbuf is None:            # one token: each weight vector used once, straight from its transpose
+        for c, W in st.chunks():
+            prefetch_part(c)
+            for j0 in range(0, 16, per_sub):
+                raw = zero
+                for j in range(j0, j0 + per_sub):
+                    raw = dpbusd(b, raw, W[j], _bcast_dword(b, step_q[0], 64 * c + 4 * j, I8, 64), st.wide)
+                isum[0] = b.add(isum[0], b.mul(raw, st.scale((64 * c + 4 * j0) // sub)))
+    else:
+        # the weights and scales to L1 (the transposes need the registers), then a loop over the
+        # sub-blocks: its weight vectors loaded once for all tokens and kept in registers (straight
+        # line code let LLVM order the work token by token and spill the weights)
+        n_sub = QK_K // sub
+        for c, W in st.chunks():
+            prefetch_part(c)
+            for j, x in enumerate(W):
+                b.store(x, b.bitcast(b.gep(wbuf, [_c64(64 * (16 * c + j))]), bytes64.as_pointer()), align=64)
+        for s in range(n_sub):
+            b.store(st.scale(s), b.bitcast(b.gep(wbuf, [_c64(64 * (64 + s))]), i32x16.as_pointer()), align=64)
+        wb = _opaque(b, wbuf)
+
+        def one_sub(s, acc):
+            W = [b.load(b.bitcast(b.gep(wb, [b.add(b.mul(s, _c64(sub * 16)), _c64(64 * jj))]), bytes64.as_pointer()),
+                        align=64) for jj in range(per_sub)]
+            sc = b.load(b.bitcast(b.gep(wb, [b.add(b.mul(s, _c64(64)), _c64(64 * 64))]), i32x16.as_pointer()),
+                        align=64)
+            a0 = [b.gep(sq, [b.mul(s, _c64(sub))]) for sq in step_q]
+            raw = [zero for _ in step_q]
+            for jj in range(per_sub):        # the tokens' chains interleaved: vpdpbusd's latency hidden
+                raw = [dpbusd(b, x, W[jj], _bcast_dword(b, a, 4 * jj, I8, 64), st.wide) for x, a in zip(raw, a0)]
+            return [b.add(x, b.mul(r, sc)) for x, r in zip(acc, raw)]
+        isum = _loop(b, _c64(0), _c64(n_sub), isum, one_sub)
+    coefs = [st.coef(p) for p in range(8)]
+    for u, ((q, d, s), yb) in enumerate(zip(trows, ybufs)):
+        step_s = b.bitcast(b.gep(s, [b.mul(i, _c64(16))]), I8.as_pointer())
+        cs = zero
+        for p in range(8):
+            cs = dpwssd(b, cs, coefs[p], _bcast_dword(b, step_s, 4 * p, I16, 32))
+        if st.coef_scale != 1:
+            cs = b.mul(cs, ir.Constant(i32x16, [st.coef_scale] * 16))
+        x = b.add(isum[u], cs) if st.off else isum[u]
+        dx = _splat(b, b.load(b.gep(d, [i])), 16)
+        y = _fma(b, b.sitofp(x, f32x16), b.fmul(st.d, dx), b.load(yb, align=64))
+        if not st.off:
+            y = _fma(b, b.sitofp(cs, f32x16), b.fmul(st.negdmin, dx), y)
+        b.store(y, yb, align=64)
+
+
+STAGE_MIN_TOKENS = 2
+TOKEN_PASSES = {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 6: 8, 7: 8, 8: 8}
+PASS_TOKENS = 8         # the most tokens of a pass (a row group takes more in several passes)
+
+# The fewest tokens from which each type's matrices run in row lanes (matvec_int.block_dots),
+# measured on the 27B FFN shapes on Zen 4, 2 threads, from memory, against the register groups
+# (BENCHMARKS.md, session 25). Q6_K's single rows stream faster at 1-2 tokens.
+ROW_LANES_MIN_K = {int(_T.Q4_K): 1, int(_T.Q5_K): 1, int(_T.Q6_K): 3, int(_T.Q3_K): 1, int(_T.Q2_K): 4,
+                   int(_T.IQ4_XS): 1}
+# where they run: the AVX-512 VNNI lowering they were measured on (on ymm ISAs the 16-lane vectors
+# split in two and the transposes cross halves: unmeasured)
+ROW_LANES_HOST = dict(ROW_LANES_MIN_K) if ISA == "avx512vnni" else {}
+NEVER = 1 << 30
+
+
+row_lanes_from = _max_k_lookup(ROW_LANES_HOST, "row_lanes_from", NEVER)   # ROW_LANES_HOST[qtype], else NEVER
+
+
+@intrinsic
+def row_lanes_dot(typingctx, qtype, n, w, r0, xq, xd, xs, t0, out, oc):
+    """out[t0 + u, oc + j] = (row r0 + j) . (activation row t0 + u) for j < 16, u < n (1..8):
+    K-quants only (other types write nothing). Unchecked: the caller validated shapes."""
+    if not _c_2d(w, xq, xd, xs, out):
+        return None
+    qt_type, only = _qtype_arg(qtype)
+    sig = types.void(qt_type, types.intp, w, types.intp, xq, xd, xs, types.intp, out, types.intp)
+
+    def codegen(context, builder, signature, args):
+        b = builder
+        qt_, n_, w_, r0_, xq_, xd_, xs_, t0_, out_, oc_ = args
+        done = b.append_basic_block("row_lanes.done")
+
+        def emit(qt, kind, decode, nbytes):
+            if kind != "k":
+                return
+            by_n = b.switch(n_, done)
+            for n_toks in sorted(set(TOKEN_PASSES.values())):
+                bb = b.append_basic_block(f"row_lanes.t{n_toks}")
+                for n, t in TOKEN_PASSES.items():
+                    if t == n_toks:
+                        by_n.add_case(ir.Constant(ir.IntType(64), n), bb)
+                b.position_at_end(bb)
+                token_pass(qt, decode, nbytes, n_toks)
+                b.branch(done)
+            b.position_at_end(b.append_basic_block("row_lanes.unreachable"))
+
+        def token_pass(qt, decode, nbytes, n_toks):
+            wrows, rbs = zip(*[_weight_row(context, b, signature.args[2], w_, b.add(r0_, _c64(j)))
+                               for j in range(ROW_LANES)])
+            tok = _Tokens(context, b, signature.args[4:7], (xq_, xd_, xs_))
+            last = b.sub(n_, _c64(1))
+            toks = [b.add(t0_, b.select(b.icmp_signed("<", _c64(u), n_), _c64(u), last)) for u in range(n_toks)]
+            trows = [tok.rows(t) for t in toks]
+            n_steps = b.sdiv(rbs[0], _c64(nbytes))
+            f32x16 = ir.VectorType(F32, 16)
+            ybuf = cgutils.alloca_once(b, ir.ArrayType(f32x16, n_toks))
+            ybuf.align = 64
+            ybufs = [b.gep(ybuf, [ir.Constant(I32, 0), ir.Constant(I32, u)]) for u in range(n_toks)]
+            for yb in ybufs:
+                b.store(ir.Constant(f32x16, [0.0] * 16), yb, align=64)
+
+            wbuf = None
+            if n_toks >= STAGE_MIN_TOKENS:
+                p = cgutils.alloca_once(b, ir.ArrayType(I8, 64 * 80))
+                p.align = 64
+                wbuf = b.bitcast(p, I8.as_pointer())
+
+            # the next group's rows (16 rows further on: one contiguous block) are prefetched into L2
+            # a slice per step: 16 short rows side by side stream from memory at ~60 % of the speed
+            # of one (Zen 4), a linear read runs at full speed
+            next_group = b.gep(wrows[0], [b.mul(rbs[0], _c64(ROW_LANES))])
+            slice_bytes = ROW_LANES * nbytes
+
+            def step(vbs, i, _):
+                base = b.gep(next_group, [b.mul(i, _c64(slice_bytes))])
+                lines = list(range(0, slice_bytes, 64))
+
+                def prefetch_part(c):       # a quarter of the lines with each chunk
+                    for line in lines[c * len(lines) // 4:(c + 1) * len(lines) // 4]:
+                        prefetch(b, b.gep(base, [_c64(line)]), locality=2)
+                st = lane_step(b, qt, vbs, [b.gep(w, [b.mul(i, _c64(nbytes))]) for w in wrows])
+                _k_row_lanes(b, st, i, trows, ybufs, K_SUB[qt], wbuf, prefetch_part)
+                return []
+            _steps(b, "k", decode, nbytes, list(wrows), rbs[0], _c64(0), n_steps, [], step)
+            O = _array(context, b, signature.args[8], out_)
+            width = cgutils.unpack_tuple(b, O.shape, 2)[1]
+            for u, yb in enumerate(ybufs):
+                def store(u=u, yb=yb):
+                    p = b.gep(O.data, [b.add(b.mul(toks[u], width), oc_)])
+                    b.store(b.load(yb, align=64), b.bitcast(p, f32x16.as_pointer()), align=4)
+                if u == 0:
+                    store()
+                else:
+                    with b.if_then(b.icmp_signed("<", _c64(u), n_)):
+                        store()
+
+        _by_type(b, qt_, done, emit, only)
+        b.position_at_end(done)
+        return context.get_dummy_value()
+    return sig, codegen
