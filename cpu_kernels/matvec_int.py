@@ -28,7 +28,13 @@ of the kernels below computed it (tested for every type):
                 interleaved by 16 bytes per 4 tokens, each 16 weight bytes broadcast to the 4
                 tokens: one vpdpbusd per 64 products, each token's integers in its own 4 lanes,
                 float state in an L1 buffer.
-    k >= 12     tiled, token lanes (legacy types: k >= 14), the prompt GEMM: the activations
+    row lanes   on AVX-512 VNNI (ROW_LANES_HOST), in place of both above from 1-4 tokens (per
+                type) to the token lanes' k: block_dots takes 16 rows at a time, transposed so
+                each lane holds one row (matvec_rowlanes): one vpdpbusd multiplies 4 weights of
+                16 rows by a token's broadcast activation dword, nothing is folded, and a step's
+                transposes are shared by the tokens of a pass (up to 8). Q8_0 on the 27B FFN
+                shapes: 8 tokens cost 1.3x one, against 2.5x in the token quads.
+    k >= 12     tiled, token lanes (legacy types: k >= 10), the prompt GEMM: the activations
                 transposed, 16 tokens' 4-byte groups in one vector (k padded to 16); each 4
                 weight bytes broadcast and one vpdpbusd adds 4 products for 16 tokens, so every
                 integer lands in its token's lane. Rows go 4 at a time: each activation
@@ -867,7 +873,7 @@ TILED_MIN_K = 6
 def tiled_min_k(qtype: int) -> int:
     """The k from which matvec runs the tiled kernels: a type in row lanes keeps them (block_dots)
     up to the token lanes' k, where the token quads would take over at TILED_MIN_K."""
-    return LANES_MIN_K["k"] if int(qtype) in ROW_LANES_HOST else TILED_MIN_K
+    return LANES_MIN_K[SPECS[int(qtype)][0]] if int(qtype) in ROW_LANES_HOST else TILED_MIN_K
 # k from which the tiled kernel runs on token lanes (transposed activations, padded to 16 tokens)
 # instead of token quads. Measured on the 27B FFN shapes, 2 threads, from memory, with the lanes'
 # rows 4 at a time (bench_matvec.py --lanes-from 1 against 999, BENCHMARKS.md session 24), lanes /
@@ -981,7 +987,7 @@ def block_dots(qtype, w, r0, n_rows, xq, xd, xs, out, oc0):
             t0 = 0
             while t0 < k:
                 n = min(PASS_TOKENS, k - t0)
-                row_lanes_dot(qtype, n, w, r0 + j, xq, xd, xs, t0, out, oc0 + j)
+                row_lanes_dot(qtype, n, w, r0 + j, xq, xd, xs, t0, out, oc0 + j, j == 0 and t0 == 0)
                 t0 += n
         r0, n_rows, oc0 = r0 + n16, n_rows - n16, oc0 + n16
     t0 = 0

@@ -1,13 +1,21 @@
-"""Row lanes: 16 weight rows in the 16 int32 lanes of a vector, one vector per token (K-quants).
+"""Row lanes: 16 weight rows in the 16 int32 lanes of a vector, one vector per token.
 
 Why: the register groups (matvec_int.block_dots) dot each (row, token) pair in 64-byte vectors, so
 every pair's 16 partial sums must be folded to one lane and every sub-block scale applied per pair:
 at 4 tokens ~19 vector instructions per (row, token, super-block), of which 4 are vpdpbusd (session
-17's count), and k = 4 costs 1.4-1.8x k = 1 on the 27B shapes. Here 16 rows' decoded steps are
-transposed (vector j, lane r: weight dword j of row r), so one vpdpbusd multiplies 4 weights of 16
-rows by the same 4 activation bytes of one token, broadcast from memory into the instruction: every
-integer lands in its row's lane, nothing is folded, and a sub-block's scales are one vpmulld for
-16 rows. The transposes are paid once per step for all the tokens of a pass.
+17's count), and k = 4 cost 1.4-1.8x k = 1 on the 27B shapes, k = 8 2.5-4x (token quads). Here 16
+rows' steps are transposed (vector j, lane r: weight dword j of row r), so one vpdpbusd multiplies 4
+weights of 16 rows by the same 4 activation bytes of one token, broadcast from memory into the
+instruction: every integer lands in its row's lane, nothing is folded, and a sub-block's scales are
+one vpmulld for 16 rows. The transposes (4 stages of in-lane and 128-bit-lane shuffles per 16 x 16
+dwords) are paid once per step for all the tokens of a pass; Q4_K, Q5_K and Q6_K transpose their raw
+bytes and decode in the lanes (one instruction per 16 rows where the row decoders spend one per
+row), the other types transpose their rows' decoded steps. A K-quant pass of 2+ tokens stages the
+weights in L1 and loops over sub-blocks, each sub-block's weight vectors kept in registers for all
+the tokens (straight-line code let LLVM order the work token by token and spill them).
+
+Memory: the 16 rows of a group are one contiguous block; the next group is prefetched into L2 a
+slice per step (16 short rows read side by side stream at ~60 % of one row's speed on Zen 4).
 
 Per (token, row) the integers and the float steps are matvec_int's numerics block, in its order, so
 the bits are those of every other kernel there.
@@ -24,8 +32,8 @@ from gguf.constants import GGMLQuantizationType as _T
 from .int_blocks import (K_SUB, _by_type, _c64, _c_2d, _decoded, _loop, _max_k_lookup, _opaque, _qtype_arg, _steps,
                          _Tokens, _weight_row)
 from .matvec_simd import _array, _fma, _load_vec, _splat
-from .quantize_act import QK_K
-from .simd_int import F32, I8, I16, I32, ISA, IntBlockIR, dpbusd, dpwssd, prefetch
+from .quantize_act import QK_K, QK_LEGACY
+from .simd_int import F32, I8, I16, I32, ISA, IntBlockIR, _intrinsic, dpbusd, dpwssd, prefetch
 
 ROW_LANES = 16
 
@@ -328,15 +336,54 @@ def _k_row_lanes(b, st, i, trows, ybufs, sub, wbuf, prefetch_part):
         b.store(y, yb, align=64)
 
 
+def _pair_row_lanes(b, dec, i, trows, ybufs, prefetch_part):
+    """ybufs[u] after block pair i of the 16 rows (dec: their decoded PairBlocks, any 32-weight
+    type), the numerics block's terms per block (A, then B): the rows' 64 weight bytes transposed
+    (vectors 0-7 block A, 8-15 block B), a block's offset and min from the token's block sum."""
+    i32x16, f32x16 = ir.VectorType(I32, 16), ir.VectorType(F32, 16)
+    v0, blk0 = dec[0]
+    zero = ir.Constant(i32x16, [0] * 16)
+    W = [b.bitcast(x, ir.VectorType(I8, 64)) for x in _transpose16(b, [_as_i32(b, blk.w) for _, blk in dec])]
+    for c in range(4):
+        prefetch_part(c)
+    d2 = [_row_vector(b, [b.extract_element(blk.d2, ir.Constant(I32, h)) for _, blk in dec]) for h in range(2)]
+    m2 = None
+    if blk0.m2 is not None:
+        m2 = [_row_vector(b, [b.extract_element(blk.m2, ir.Constant(I32, h)) for _, blk in dec]) for h in range(2)]
+    step_q = [b.gep(q, [b.mul(i, _c64(2 * QK_LEGACY))]) for q, _, _ in trows]
+    raws = []
+    for h in range(2):
+        raw = [zero for _ in trows]
+        for j in range(8 * h, 8 * h + 8):       # the tokens' chains interleaved
+            raw = [dpbusd(b, x, W[j], _bcast_dword(b, a, 4 * j, I8, 64), blk0.wide) for x, a in zip(raw, step_q)]
+        raws.append(raw)
+    for u, ((q, d, s), yb) in enumerate(zip(trows, ybufs)):
+        bs2 = b.sext(_load_vec(b, b.gep(s, [b.mul(i, _c64(2))]), I16, 2, 2), ir.VectorType(I32, 2))
+        dx2 = _load_vec(b, b.gep(d, [b.mul(i, _c64(2))]), F32, 2, 4)
+        y = b.load(yb, align=64)
+        for h in range(2):
+            bs = b.extract_element(bs2, ir.Constant(I32, h))
+            x = raws[h][u]
+            if blk0.off:
+                x = b.add(x, _splat(b, b.mul(bs, ir.Constant(I32, blk0.off)), 16))
+            dx = _splat(b, b.extract_element(dx2, ir.Constant(I32, h)), 16)
+            y = _fma(b, b.sitofp(x, f32x16), b.fmul(d2[h], dx), y)
+            if m2 is not None:
+                y = _fma(b, _splat(b, b.sitofp(bs, F32), 16), b.fmul(m2[h], dx), y)
+        b.store(y, yb, align=64)
+
+
 STAGE_MIN_TOKENS = 2
 TOKEN_PASSES = {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 6: 8, 7: 8, 8: 8}
 PASS_TOKENS = 8         # the most tokens of a pass (a row group takes more in several passes)
 
 # The fewest tokens from which each type's matrices run in row lanes (matvec_int.block_dots),
 # measured on the 27B FFN shapes on Zen 4, 2 threads, from memory, against the register groups
-# (BENCHMARKS.md, session 25). Q6_K's single rows stream faster at 1-2 tokens.
+# (BENCHMARKS.md, session 25): Q6_K's single rows stream faster at 1-2 tokens, the register groups
+# fold Q4_1 / Q5_1's mins more cheaply at 1-2.
 ROW_LANES_MIN_K = {int(_T.Q4_K): 1, int(_T.Q5_K): 1, int(_T.Q6_K): 3, int(_T.Q3_K): 1, int(_T.Q2_K): 4,
-                   int(_T.IQ4_XS): 1}
+                   int(_T.IQ4_XS): 1, int(_T.Q8_0): 1, int(_T.Q4_0): 1, int(_T.Q5_0): 1, int(_T.Q4_1): 3,
+                   int(_T.Q5_1): 3, int(_T.IQ4_NL): 2}
 # where they run: the AVX-512 VNNI lowering they were measured on (on ymm ISAs the 16-lane vectors
 # split in two and the transposes cross halves: unmeasured)
 ROW_LANES_HOST = dict(ROW_LANES_MIN_K) if ISA == "avx512vnni" else {}
@@ -347,22 +394,21 @@ row_lanes_from = _max_k_lookup(ROW_LANES_HOST, "row_lanes_from", NEVER)   # ROW_
 
 
 @intrinsic
-def row_lanes_dot(typingctx, qtype, n, w, r0, xq, xd, xs, t0, out, oc):
-    """out[t0 + u, oc + j] = (row r0 + j) . (activation row t0 + u) for j < 16, u < n (1..8):
-    K-quants only (other types write nothing). Unchecked: the caller validated shapes."""
+def row_lanes_dot(typingctx, qtype, n, w, r0, xq, xd, xs, t0, out, oc, cold):
+    """out[t0 + u, oc + j] = (row r0 + j) . (activation row t0 + u) for j < 16, u < n (1..8).
+    cold: nothing prefetched this group (the first of a run of groups): all its lines are asked
+    for before its first step. Unchecked: the caller validated shapes."""
     if not _c_2d(w, xq, xd, xs, out):
         return None
     qt_type, only = _qtype_arg(qtype)
-    sig = types.void(qt_type, types.intp, w, types.intp, xq, xd, xs, types.intp, out, types.intp)
+    sig = types.void(qt_type, types.intp, w, types.intp, xq, xd, xs, types.intp, out, types.intp, types.boolean)
 
     def codegen(context, builder, signature, args):
         b = builder
-        qt_, n_, w_, r0_, xq_, xd_, xs_, t0_, out_, oc_ = args
+        qt_, n_, w_, r0_, xq_, xd_, xs_, t0_, out_, oc_, cold_ = args
         done = b.append_basic_block("row_lanes.done")
 
         def emit(qt, kind, decode, nbytes):
-            if kind != "k":
-                return
             by_n = b.switch(n_, done)
             for n_toks in sorted(set(TOKEN_PASSES.values())):
                 bb = b.append_basic_block(f"row_lanes.t{n_toks}")
@@ -370,11 +416,11 @@ def row_lanes_dot(typingctx, qtype, n, w, r0, xq, xd, xs, t0, out, oc):
                     if t == n_toks:
                         by_n.add_case(ir.Constant(ir.IntType(64), n), bb)
                 b.position_at_end(bb)
-                token_pass(qt, decode, nbytes, n_toks)
+                token_pass(qt, kind, decode, nbytes, n_toks)
                 b.branch(done)
             b.position_at_end(b.append_basic_block("row_lanes.unreachable"))
 
-        def token_pass(qt, decode, nbytes, n_toks):
+        def token_pass(qt, kind, decode, nbytes, n_toks):
             wrows, rbs = zip(*[_weight_row(context, b, signature.args[2], w_, b.add(r0_, _c64(j)))
                                for j in range(ROW_LANES)])
             tok = _Tokens(context, b, signature.args[4:7], (xq_, xd_, xs_))
@@ -382,24 +428,36 @@ def row_lanes_dot(typingctx, qtype, n, w, r0, xq, xd, xs, t0, out, oc):
             toks = [b.add(t0_, b.select(b.icmp_signed("<", _c64(u), n_), _c64(u), last)) for u in range(n_toks)]
             trows = [tok.rows(t) for t in toks]
             n_steps = b.sdiv(rbs[0], _c64(nbytes))
+            step_bytes = nbytes
+            if kind != "k":         # block pairs, an odd last block a step of its own
+                n_steps = b.sdiv(b.add(n_steps, _c64(1)), _c64(2))
+                step_bytes = 2 * nbytes
             f32x16 = ir.VectorType(F32, 16)
-            ybuf = cgutils.alloca_once(b, ir.ArrayType(f32x16, n_toks))
+            # the buffers allocated here, freed at the end (not entry-block allocas: ~5 KB per
+            # type and pass size in every frame of block_dots' callers cost the fused layer
+            # kernels' old paths ~1.5x, as matvec_int's two-phase buffers did, session 15)
+            sp = _intrinsic(b, "llvm.stacksave", I8.as_pointer(), [])
+            ybuf = b.alloca(ir.ArrayType(f32x16, n_toks))
             ybuf.align = 64
             ybufs = [b.gep(ybuf, [ir.Constant(I32, 0), ir.Constant(I32, u)]) for u in range(n_toks)]
             for yb in ybufs:
                 b.store(ir.Constant(f32x16, [0.0] * 16), yb, align=64)
 
             wbuf = None
-            if n_toks >= STAGE_MIN_TOKENS:
-                p = cgutils.alloca_once(b, ir.ArrayType(I8, 64 * 80))
+            if kind == "k" and n_toks >= STAGE_MIN_TOKENS:
+                p = b.alloca(ir.ArrayType(I8, 64 * 80))
                 p.align = 64
                 wbuf = b.bitcast(p, I8.as_pointer())
 
             # the next group's rows (16 rows further on: one contiguous block) are prefetched into L2
             # a slice per step: 16 short rows side by side stream from memory at ~60 % of the speed
             # of one (Zen 4), a linear read runs at full speed
-            next_group = b.gep(wrows[0], [b.mul(rbs[0], _c64(ROW_LANES))])
-            slice_bytes = ROW_LANES * nbytes
+            group_bytes = b.mul(rbs[0], _c64(ROW_LANES))
+            with b.if_then(cold_):
+                _loop(b, _c64(0), b.sdiv(b.add(group_bytes, _c64(63)), _c64(64)), [],
+                      lambda j, _: prefetch(b, b.gep(wrows[0], [b.mul(j, _c64(64))]), locality=2) or [])
+            next_group = b.gep(wrows[0], [group_bytes])
+            slice_bytes = ROW_LANES * step_bytes
 
             def step(vbs, i, _):
                 base = b.gep(next_group, [b.mul(i, _c64(slice_bytes))])
@@ -408,10 +466,13 @@ def row_lanes_dot(typingctx, qtype, n, w, r0, xq, xd, xs, t0, out, oc):
                 def prefetch_part(c):       # a quarter of the lines with each chunk
                     for line in lines[c * len(lines) // 4:(c + 1) * len(lines) // 4]:
                         prefetch(b, b.gep(base, [_c64(line)]), locality=2)
-                st = lane_step(b, qt, vbs, [b.gep(w, [b.mul(i, _c64(nbytes))]) for w in wrows])
-                _k_row_lanes(b, st, i, trows, ybufs, K_SUB[qt], wbuf, prefetch_part)
+                if kind == "k":
+                    st = lane_step(b, qt, vbs, [b.gep(w, [b.mul(i, _c64(nbytes))]) for w in wrows])
+                    _k_row_lanes(b, st, i, trows, ybufs, K_SUB[qt], wbuf, prefetch_part)
+                else:
+                    _pair_row_lanes(b, [_decoded(x) for x in vbs], i, trows, ybufs, prefetch_part)
                 return []
-            _steps(b, "k", decode, nbytes, list(wrows), rbs[0], _c64(0), n_steps, [], step)
+            _steps(b, kind, decode, nbytes, list(wrows), rbs[0], _c64(0), n_steps, [], step)
             O = _array(context, b, signature.args[8], out_)
             width = cgutils.unpack_tuple(b, O.shape, 2)[1]
             for u, yb in enumerate(ybufs):
@@ -423,6 +484,7 @@ def row_lanes_dot(typingctx, qtype, n, w, r0, xq, xd, xs, t0, out, oc):
                 else:
                     with b.if_then(b.icmp_signed("<", _c64(u), n_)):
                         store()
+            _intrinsic(b, "llvm.stackrestore", ir.VoidType(), [sp])
 
         _by_type(b, qt_, done, emit, only)
         b.position_at_end(done)

@@ -28,7 +28,7 @@ from gguf.quants import dequantize
 
 from cpu_kernels.matvec import matvec
 from cpu_kernels.formats import type_tag
-from cpu_kernels.matvec_int import (INT_TYPES, LANES_MIN_K, PHASE_STEPS, SPECS, TILED_MIN_K, TWO_PHASE_BYTES,
+from cpu_kernels.matvec_int import (INT_TYPES, LANES_MIN_K, PHASE_STEPS, SPECS, TWO_PHASE_BYTES,
                                     _make_grid_dot, act_block, block_dots, grid_dot, quantize_for, row_dot, rows_dot,
                                     rows_dots, single_row_table, tiled_min_k, two_phase_table)
 from cpu_kernels.matvec_rowlanes import PASS_TOKENS, ROW_LANES, ROW_LANES_HOST, row_lanes_dot
@@ -354,18 +354,19 @@ def _row_lane_groups(qtype, w, r0, n_groups, xq, xd, xs, out, oc0):
         t0 = 0
         while t0 < k:
             n = min(PASS_TOKENS, k - t0)
-            row_lanes_dot(qtype, n, w, r0 + ROW_LANES * g, xq, xd, xs, t0, out, oc0 + ROW_LANES * g)
+            row_lanes_dot(qtype, n, w, r0 + ROW_LANES * g, xq, xd, xs, t0, out, oc0 + ROW_LANES * g, g == 0)
             t0 += n
 
 
-@pytest.mark.parametrize("qtype", [t for t in INT if SPECS[int(t)][0] == "k"], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", INT, ids=lambda t: t.name)
 def test_row_lanes_give_the_register_groups_bits(qtype):
     """matvec_rowlanes (16 rows in the lanes of a vector, the weights transposed; Q4_K, Q5_K and
     Q6_K decoded in the lanes from their raw bytes) gives every (row, token) the bits of the
     register groups, a row at a time: every pass size (1, 2, 4 with a repeated token, 8) and two
-    passes (11 tokens), groups at an odd row offset written at an offset column."""
+    passes (11 tokens), groups at an odd row offset written at an offset column; a 32-weight type's
+    rows end in an odd block (a step of one)."""
     rng = np.random.default_rng(700 + int(qtype))
-    rows, cols = 37, 256 * 3
+    rows, cols = 37, 32 * 25 if act_block(qtype) == 32 else 256 * 3
     w = random_weights(qtype, rows, cols, rng)
     x = _x(rng, 11, cols)
     x[4] *= 1e3
@@ -381,14 +382,14 @@ def test_row_lanes_give_the_register_groups_bits(qtype):
 
 
 def test_row_lanes_where_measured():
-    """block_dots takes row lanes for the K-quants on the AVX-512 VNNI lowering only, Q6_K from 3
-    tokens; matvec keeps their batches out of the token quads (tiled from the token lanes' k)."""
+    """block_dots takes row lanes on the AVX-512 VNNI lowering only, Q6_K from 3 tokens, Q4_1 from 3;
+    matvec keeps their batches out of the token quads (tiled from the token lanes' k)."""
     if ISA != "avx512vnni":
         assert ROW_LANES_HOST == {}
         return
     assert ROW_LANES_HOST[int(T.Q4_K)] == 1 and ROW_LANES_HOST[int(T.Q6_K)] == 3
-    assert int(T.Q8_0) not in ROW_LANES_HOST
-    assert tiled_min_k(T.Q4_K) == LANES_MIN_K["k"] and tiled_min_k(T.Q8_0) == TILED_MIN_K
+    assert ROW_LANES_HOST[int(T.Q8_0)] == 1 and ROW_LANES_HOST[int(T.Q4_1)] == 3
+    assert tiled_min_k(T.Q4_K) == LANES_MIN_K["k"] and tiled_min_k(T.Q8_0) == LANES_MIN_K["pair"]
 
 
 @numba.njit
