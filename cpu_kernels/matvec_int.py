@@ -33,7 +33,7 @@ of the kernels below computed it (tested for every type):
                 each lane holds one row (matvec_rowlanes): one vpdpbusd multiplies 4 weights of
                 16 rows by a token's broadcast activation dword, nothing is folded, and a step's
                 transposes are shared by the tokens of a pass (up to 8). Q8_0 on the 27B FFN
-                shapes: 8 tokens cost 1.3x one, against 2.5x in the token quads.
+                shapes: 8 tokens cost 1.2-1.5x one, against 2.2-2.9x in the token quads.
     k >= 12     tiled, token lanes (legacy types: k >= 10), the prompt GEMM: the activations
                 transposed, 16 tokens' 4-byte groups in one vector (k padded to 16); each 4
                 weight bytes broadcast and one vpdpbusd adds 4 products for 16 tokens, so every
