@@ -256,8 +256,6 @@ def act_block(qtype: int) -> int:
     return QK_K if SPECS[int(qtype)][0] == "k" else QK_LEGACY
 
 
-
-
 def steps_per_row(qtype: int, row_bytes: int) -> int:
     """Steps of a weight row: super-blocks (K-quants) or pairs of blocks, the odd last one a step."""
     kind, _, nbytes = SPECS[int(qtype)]

@@ -22,6 +22,8 @@ the bits are those of every other kernel there.
 """
 from __future__ import annotations
 
+import itertools
+
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -55,21 +57,26 @@ def _lane_masks():
 LANE_MASKS = _lane_masks()
 
 
-def _stage(V, kind, dist):
-    lo, hi = LANE_MASKS[kind]
-    out = list(V)
-    for i in range(len(V)):
-        if (i // dist) % 2 == 0:
-            src = V[i] + V[i + dist]
-            out[i], out[i + dist] = [src[k] for k in lo], [src[k] for k in hi]
-    return out
+def _run_stages(V, stages, shuffle):
+    """V after the stages, each pairing vectors dist apart: shuffle(a, b, mask) makes one output."""
+    for kind, dist in stages:
+        lo, hi = LANE_MASKS[kind]
+        out = list(V)
+        for i in range(len(V)):
+            if (i // dist) % 2 == 0:
+                out[i], out[i + dist] = shuffle(V[i], V[i + dist], lo), shuffle(V[i], V[i + dist], hi)
+        V = out
+    return V
+
+
+def _label_shuffle(a, b, mask):
+    return [(a + b)[k] for k in mask]
 
 
 def _transpose_plan(n):
     """(slot order, concat levels, stages, column of each output) of a transpose of 16 rows of n
-    dwords: rows concatenated in pairs up to 16 lanes, then log2(16 / levels) stages of the
-    shuffles above (found by trying them on labels); the slot order puts row r in lane r."""
-    import itertools
+    dwords: rows concatenated in pairs up to 16 lanes, then 4 - levels stages of the shuffles above
+    (found by trying them on labels); the slot order puts row r in lane r."""
     V = [[(s, c) for c in range(n)] for s in range(16)]
     levels = 0
     while len(V[0]) < 16:
@@ -79,9 +86,7 @@ def _transpose_plan(n):
     dists = [1 << k for k in range(4 - levels)]
     for kinds in itertools.permutations(LANE_MASKS, len(dists)):
         for order in itertools.permutations(dists):
-            W = V
-            for kind, dist in zip(kinds, order):
-                W = _stage(W, kind, dist)
+            W = _run_stages(V, list(zip(kinds, order)), _label_shuffle)
             lane_slot = [x for x, _ in W[0]]
             if all(len({c for _, c in w}) == 1 and [x for x, _ in w] == lane_slot for w in W) \
                     and sorted(lane_slot) == list(range(16)):
@@ -105,14 +110,7 @@ def _transpose16(b, rows):
         m = V[0].type.count
         V = [b.shuffle_vector(V[i], V[i + h], ir.Constant(ir.VectorType(I32, 2 * m), list(range(2 * m))))
              for i in range(h)]
-    for kind, dist in stages:
-        lo, hi = (ir.Constant(ir.VectorType(I32, 16), m) for m in LANE_MASKS[kind])
-        out = list(V)
-        for i in range(len(V)):
-            if (i // dist) % 2 == 0:
-                out[i] = b.shuffle_vector(V[i], V[i + dist], lo)
-                out[i + dist] = b.shuffle_vector(V[i], V[i + dist], hi)
-        V = out
+    V = _run_stages(V, stages, lambda x, y, mask: b.shuffle_vector(x, y, ir.Constant(ir.VectorType(I32, 16), mask)))
     by_col = [None] * n
     for c, vec in zip(cols, V):
         by_col[c] = vec
@@ -167,7 +165,7 @@ def _half_floats(b, x, shift):
 
 
 def _q4_k_lanes(b, v0, ptrs, fifth=False):
-    """Q4_K (fifth=False) / Q5_K: d @0, dmin @2, scales @4 (matvec_int._k_scales_mins16), Q5_K's
+    """Q4_K (fifth=False) / Q5_K: d @0, dmin @2, scales @4 (int_blocks._k_scales_mins16), Q5_K's
     qh[32] @16, qs[128] @16 / @48. Everything decoded in the lanes, after the transposes of the raw
     bytes: one vector instruction per 16 rows where the row decoders spent one per row."""
     c32 = lambda x: _lanes_i32(v0, 16, x)
@@ -175,6 +173,7 @@ def _q4_k_lanes(b, v0, ptrs, fifth=False):
 
     def byte(x, j, shift, mask):          # (byte j of x) >> shift & mask, per lane
         return b.and_(b.lshr(x, c32(8 * j + shift)), c32(mask))
+
     def scale(j):
         if j < 4:
             return byte(q0, j, 0, 63)
@@ -208,7 +207,7 @@ def _q4_k_lanes(b, v0, ptrs, fifth=False):
 
 def _q6_k_lanes(b, v0, ptrs):
     """Q6_K: ql[128] @0, qh[64] @128, int8 scales[16] @192, d @208. Element 128 h + 32 t + l: nibble
-    t >> 1 of ql[64 h + 32 (t & 1) + l], bits 2t of qh[32 h + l] (matvec_int._q6_k). The offset
+    t >> 1 of ql[64 h + 32 (t & 1) + l], bits 2t of qh[32 h + l] (int_blocks._q6_k). The offset
     -32 sc of each 16-value sum: its pairs are the scales themselves, the -32 applied to their sum."""
     c32 = lambda x: _lanes_i32(v0, 16, x)
     tail = _raw_dwords(b, ptrs, 178, 8)         # qh's last 14 bytes, the scales, d (bytes 206..209)
@@ -242,7 +241,7 @@ def _q6_k_lanes(b, v0, ptrs):
 
 
 def _decoded_lanes(b, dec):
-    """Any K-quant, from its row decoders (matvec_int.KBlock): each row's decoded chunks and
+    """Any K-quant, from its row decoders (int_blocks.KBlock): each row's decoded chunks and
     scales transposed."""
     v0, blk0 = dec[0]
     sixteen = _lanes_i32(v0, 16, 16)
