@@ -974,9 +974,10 @@ def single_rows(qtype, k, row_bytes):
 
 @njit(cache=CACHE, nogil=True)
 def block_dots(qtype, w, r0, n_rows, xq, xd, xs, out, oc0):
-    """out[t, oc0 + j] for every token t and j < n_rows: rows r0 .. r0 + n_rows - 1. The K-quants
-    from ROW_LANES_HOST's k on: 16 rows at a time in row lanes (matvec_rowlanes), tokens in passes of
-    up to PASS_TOKENS; the rest (and rows past a multiple of 16): tokens in passes of up to GRID_TOKENS, each pass over the rows in grid_dot groups (a row left over: row_dot),
+    """out[t, oc0 + j] for every token t and j < n_rows: rows r0 .. r0 + n_rows - 1. The types of
+    ROW_LANES_HOST, from its k on: 16 rows at a time in row lanes (matvec_rowlanes), tokens in
+    passes of up to PASS_TOKENS, and the rows past a multiple of 16 as the others: tokens in passes
+    of up to GRID_TOKENS, each pass over the rows in grid_dot groups (a row left over: row_dot),
     a last single token by rows_dots. The same bits for any rows and tokens asked (a row or a token
     at a time included), with fewer fold and float steps per (row, token): for k = 2 about the time of
     k = 1 on small matrices (the float and fold steps, not the weights, bound those)."""
