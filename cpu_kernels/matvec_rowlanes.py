@@ -340,7 +340,7 @@ def _pair_row_lanes(b, dec, i, trows, ybufs, prefetch_part):
     type), the numerics block's terms per block (A, then B): the rows' 64 weight bytes transposed
     (vectors 0-7 block A, 8-15 block B), a block's offset and min from the token's block sum."""
     i32x16, f32x16 = ir.VectorType(I32, 16), ir.VectorType(F32, 16)
-    v0, blk0 = dec[0]
+    blk0 = dec[0][1]
     zero = ir.Constant(i32x16, [0] * 16)
     W = [b.bitcast(x, ir.VectorType(I8, 64)) for x in _transpose16(b, [_as_i32(b, blk.w) for _, blk in dec])]
     for c in range(4):
@@ -372,8 +372,8 @@ def _pair_row_lanes(b, dec, i, trows, ybufs, prefetch_part):
         b.store(y, yb, align=64)
 
 
-STAGE_MIN_TOKENS = 2
-TOKEN_PASSES = {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 6: 8, 7: 8, 8: 8}
+STAGE_MIN_TOKENS = 2     # K-quant passes of this many tokens stage their weights (one token uses each once)
+TOKEN_PASSES = {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 6: 8, 7: 8, 8: 8}      # tokens -> the pass (compiled) that takes them
 PASS_TOKENS = 8         # the most tokens of a pass (a row group takes more in several passes)
 
 # The fewest tokens from which each type's matrices run in row lanes (matvec_int.block_dots),
