@@ -12,7 +12,7 @@ from numba.extending import intrinsic
 from gguf.constants import GGMLQuantizationType as _T
 
 from .matvec_kquants import q3_k_scales
-from .matvec_simd import _array, _load_vec
+from .matvec_simd import _array, _load_vec, _splat
 from .quantize_act import QK_K, QK_LEGACY
 from .simd_int import F32, I8, I16, I32, I64, IntBlockIR, lut16, prefetch
 
@@ -265,6 +265,12 @@ def steps_per_row(qtype: int, row_bytes: int) -> int:
 
 def _c64(x):
     return ir.Constant(I64, x)
+
+
+def _bcast_dword(b, ptr, byte_off, elty, n):
+    """The 4 bytes at ptr + byte_off in every dword of an <n x elty> vector (a load-port broadcast)."""
+    x = b.load(b.bitcast(b.gep(ptr, [_c64(byte_off)]) if byte_off else ptr, I32.as_pointer()), align=1)
+    return b.bitcast(_splat(b, x, 16), ir.VectorType(elty, n))
 
 
 # K-quant sub-block (weights sharing one scale): 32 for Q4_K / Q5_K, 16 for the others

@@ -185,7 +185,8 @@ def _project_group(g, n_groups, int_types, float_path, w0, t0, e0, i0, n0, w1, t
     lane_acc = np.empty((ROWS_PER_UNIT, k_pad), np.float32)
     lane_steps = (x.shape[1] + 2 * QK_LEGACY - 1) // (2 * QK_LEGACY)      # block pairs of a row
     lane_chunk = chunk_steps(min(k_pad, 16 * TILE_UNITS), 2 * QK_LEGACY) if k_pad else 1
-    for u in range(g * n_units // n_groups, (g + 1) * n_units // n_groups):
+    u_first = g * n_units // n_groups
+    for u in range(u_first, (g + 1) * n_units // n_groups):
         if u < u0:
             w, qt, be, is_int, rows, off, r_lo = w0, t0, e0, i0, n0, 0, u * ROWS_PER_UNIT
         elif u < u0 + u1:
@@ -209,7 +210,9 @@ def _project_group(g, n_groups, int_types, float_path, w0, t0, e0, i0, n0, w1, t
                     for r in range(r_hi - r_lo):
                         out[t, off + r_lo + r] = lane_acc[r, t]
             else:
-                block_dots((qt,) + int_types, w, r_lo, r_hi - r_lo, q[:kr], d[:kr], s[:kr], out, off + r_lo)
+                # warm where the unit before it (same matrix, same thread) prefetched these rows
+                cold = u == u_first or r_lo == 0
+                block_dots((qt,) + int_types, w, r_lo, r_hi - r_lo, q[:kr], d[:kr], s[:kr], out, off + r_lo, cold)
         else:
             _float_rows(float_path, w, qt, be, r_lo, r_hi, x, buf, part, acc, out, off)
 

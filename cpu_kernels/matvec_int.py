@@ -61,7 +61,7 @@ from gguf.constants import GGMLQuantizationType as _T
 
 from .formats import type_tag
 from .int_blocks import INT_TYPES, types_tag  # noqa: F401  (public here: matvec's users import them from here)
-from .int_blocks import (K_SUB, SPECS, PairBlock, _by_type, _c64, _c_2d, _decoded, _loop, _max_k_lookup, _opaque,
+from .int_blocks import (K_SUB, SPECS, PairBlock, _bcast_dword, _by_type, _c64, _c_2d, _decoded, _loop, _max_k_lookup, _opaque,
                          _prefetch_ahead, _qtype_arg, _steps, _Tokens, _weight_row, act_block, steps_per_row)
 from .matvec_rowlanes import PASS_TOKENS, ROW_LANES, ROW_LANES_HOST, row_lanes_dot, row_lanes_from
 from .matvec_simd import _array, _fma, _load_vec, _splat
@@ -266,12 +266,6 @@ def _offset_128(v, blk):
     return _splat(b, b.shl(total, ir.Constant(I32, 7)), 16)
 
 
-def _bcast32(b, buf, j):
-    """The i32 at dword j of the byte buffer, broadcast to 64 bytes (a load-port broadcast)."""
-    x = b.load(b.bitcast(b.gep(buf, [_c64(4 * j)]), I32.as_pointer()), align=1)
-    return b.bitcast(_splat(b, x, 16), ir.VectorType(I8, 64))
-
-
 def _store_bytes(b, buf, off, vec):
     b.store(vec, b.bitcast(b.gep(buf, [_c64(off)]), vec.type.as_pointer()), align=1)
 
@@ -463,15 +457,13 @@ def _k_lanes(rows, i, vecs, faccs, bufs, sub, offset):
             if not swap:        # token_lanes stores a K-quant's activations as a + 128
                 acts = [v0.bxor(a, 0x80) for a in acts]
             for r, wbuf in enumerate(wbufs):
-                wj = _bcast32(b, wbuf, j)
+                wj = _bcast_dword(b, wbuf, 4 * j, I8, 64)
                 for n, a in enumerate(acts):
                     raw[r, n] = dpbusd(b, raw[r, n], a, wj) if swap else dpbusd(b, raw[r, n], wj, a, wide)
         for r, sbuf in enumerate(sbufs):
-            sc = _bcast32(b, sbuf, 16 * (e0 // 64) + (e0 % 64) // 4)
-            sc = b.bitcast(sc, ir.VectorType(I32, 16))
+            sc = _bcast_dword(b, sbuf, 4 * (16 * (e0 // 64) + (e0 % 64) // 4), I32, 16)
             for n in range(len(vecs)):
                 isum[r, n] = b.add(isum[r, n], b.mul(raw[r, n], sc))
-    i16x32 = ir.VectorType(I16, 32)
     bs = []
     for _, _, s in vecs:
         step_s = b.gep(s, [b.mul(i, _c64(8 * 16))])          # int32 elements: 8 pairs of 16 tokens
@@ -486,14 +478,14 @@ def _k_lanes(rows, i, vecs, faccs, bufs, sub, offset):
         if blk.off16 is not None:
             ob = _opaque(b, obuf)
             for j in range(8):
-                oj = b.bitcast(_bcast32(b, ob, j), i16x32)
+                oj = _bcast_dword(b, ob, 4 * j, I16, 32)
                 xs = [dpwssd(b, x, bsn[j], oj) for x, bsn in zip(xs, bs)]
         fr = [_fma(b, b.sitofp(x, fv), b.fmul(v.fsplat(blk.d, 16), dxn), f) for x, dxn, f in zip(xs, dx, faccs[r])]
         if blk.min16 is not None:
             mb = _opaque(b, mbuf)
             msum = [v.zeros(I32, 16) for _ in vecs]
             for j in range(8):
-                mj = b.bitcast(_bcast32(b, mb, j), i16x32)
+                mj = _bcast_dword(b, mb, 4 * j, I16, 32)
                 msum = [dpwssd(b, x, bsn[j], mj) for x, bsn in zip(msum, bs)]
             fr = [_fma(b, b.sitofp(x, fv), b.fmul(v.fsplat(blk.negdmin, 16), dxn), f)
                   for x, dxn, f in zip(msum, dx, fr)]
@@ -539,7 +531,7 @@ def _pair_lanes(rows, i, vecs, faccs, bufs, corr):
         for j in range(8):
             acts = [_load_vec(b, b.gep(p, [_c64(64 * j)]), I8, 64, 1) for p in blk_q]
             for r, wbuf in enumerate(wbufs):
-                wj = _bcast32(b, wbuf, 8 * h + j)
+                wj = _bcast_dword(b, wbuf, 4 * (8 * h + j), I8, 64)
                 for n, a in enumerate(acts):
                     # wide: avx2's vpmaddubsw would saturate on a + 128 times |w| up to 128
                     raw[r, n] = dpbusd(b, raw[r, n], a, wj, blk0.wide)
@@ -899,7 +891,6 @@ def tile_sums(qtype, w, r0, n_rows, xa, xb, xc, n_steps, chunk, units, acc):
     """acc[r, t] = row r0 + r (r < n_rows) . token t, for all tokens of the (padded) activations:
     column chunks of `chunk` steps, each swept by the tile's rows for `units` units of tokens.
     xa, xb, xc: quantize_tiled's token quads (4 tokens) or token vectors (16)."""
-    k_pad = acc.shape[1]
     n_units = xa.shape[0]           # token quads (4 tokens) or token vectors (16)
     acc[:n_rows] = 0.0
     for u0 in range(0, n_units, units):
@@ -973,14 +964,16 @@ def single_rows(qtype, k, row_bytes):
 
 
 @njit(cache=CACHE, nogil=True)
-def block_dots(qtype, w, r0, n_rows, xq, xd, xs, out, oc0):
+def block_dots(qtype, w, r0, n_rows, xq, xd, xs, out, oc0, cold=True):
     """out[t, oc0 + j] for every token t and j < n_rows: rows r0 .. r0 + n_rows - 1. The types of
     ROW_LANES_HOST, from its k on: 16 rows at a time in row lanes (matvec_rowlanes), tokens in
     passes of up to PASS_TOKENS, and the rows past a multiple of 16 as the others: tokens in passes
     of up to GRID_TOKENS, each pass over the rows in grid_dot groups (a row left over: row_dot),
     a last single token by rows_dots. The same bits for any rows and tokens asked (a row or a token
     at a time included), with fewer fold and float steps per (row, token): for k = 2 about the time of
-    k = 1 on small matrices (the float and fold steps, not the weights, bound those)."""
+    k = 1 on small matrices (the float and fold steps, not the weights, bound those).
+    cold: row r0's group of 16 was not prefetched by a call on the rows just before it (row lanes
+    prefetch the next group as they go; a cold group is asked for whole before its first step)."""
     k = xq.shape[0]
     if k >= row_lanes_from(qtype):
         n16 = n_rows - n_rows % ROW_LANES
@@ -988,7 +981,7 @@ def block_dots(qtype, w, r0, n_rows, xq, xd, xs, out, oc0):
             t0 = 0
             while t0 < k:
                 n = min(PASS_TOKENS, k - t0)
-                row_lanes_dot(qtype, n, w, r0 + j, xq, xd, xs, t0, out, oc0 + j, j == 0 and t0 == 0)
+                row_lanes_dot(qtype, n, w, r0 + j, xq, xd, xs, t0, out, oc0 + j, cold and j == 0 and t0 == 0)
                 t0 += n
         r0, n_rows, oc0 = r0 + n16, n_rows - n16, oc0 + n16
     t0 = 0
@@ -1027,7 +1020,6 @@ def rows_dots(qtype, w, r0, n_rows, xq, xd, xs, t, out, oc0):
 @njit(cache=CACHE, nogil=True, parallel=True)
 def _matvec_int_kernel(w, qtype, xq, xd, xs, out, n_groups):
     rows = w.shape[0]
-    k = xq.shape[0]
     for g in prange(n_groups):
         lo, hi = group_rows(g, n_groups, rows)
         block_dots(qtype, w, lo, hi - lo, xq, xd, xs, out, lo)

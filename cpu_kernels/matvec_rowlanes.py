@@ -31,7 +31,7 @@ from numba.extending import intrinsic
 
 from gguf.constants import GGMLQuantizationType as _T
 
-from .int_blocks import (K_SUB, _by_type, _c64, _c_2d, _decoded, _loop, _max_k_lookup, _opaque, _qtype_arg, _steps,
+from .int_blocks import (K_SUB, _bcast_dword, _by_type, _c64, _c_2d, _decoded, _loop, _max_k_lookup, _opaque, _qtype_arg, _steps,
                          _Tokens, _weight_row)
 from .matvec_simd import _array, _fma, _load_vec, _splat
 from .quantize_act import QK_K, QK_LEGACY
@@ -120,12 +120,6 @@ def _transpose16(b, rows):
 def _as_i32(b, vec):
     n = vec.type.count * vec.type.element.width // 32
     return b.bitcast(vec, ir.VectorType(I32, n))
-
-
-def _bcast_dword(b, ptr, byte_off, elty, n):
-    """The 4 bytes at ptr + byte_off in every dword of an <n x elty> vector (a broadcast load)."""
-    x = b.load(b.bitcast(b.gep(ptr, [_c64(byte_off)]) if byte_off else ptr, I32.as_pointer()), align=1)
-    return b.bitcast(_splat(b, x, 16), ir.VectorType(elty, n))
 
 
 def _row_vector(b, scalars):
@@ -396,7 +390,8 @@ row_lanes_from = _max_k_lookup(ROW_LANES_HOST, "row_lanes_from", NEVER)   # ROW_
 def row_lanes_dot(typingctx, qtype, n, w, r0, xq, xd, xs, t0, out, oc, cold):
     """out[t0 + u, oc + j] = (row r0 + j) . (activation row t0 + u) for j < 16, u < n (1..8).
     cold: nothing prefetched this group (the first of a run of groups): all its lines are asked
-    for before its first step. Unchecked: the caller validated shapes."""
+    for before its first step. Code only for the types of ROW_LANES_HOST (none off AVX-512 VNNI):
+    for another it writes nothing. Unchecked: the caller validated shapes."""
     if not _c_2d(w, xq, xd, xs, out):
         return None
     qt_type, only = _qtype_arg(qtype)
@@ -485,7 +480,9 @@ def row_lanes_dot(typingctx, qtype, n, w, r0, xq, xd, xs, t0, out, oc, cold):
                         store()
             _intrinsic(b, "llvm.stackrestore", ir.VoidType(), [sp])
 
-        _by_type(b, qt_, done, emit, only)
+        # only the types that run in row lanes on this host: the others' code (4 pass sizes, with
+        # vpdpbusd emulated on the portable and avx2 lowerings) cost minutes of compile, never run
+        _by_type(b, qt_, done, lambda qt, *spec: emit(qt, *spec) if qt in ROW_LANES_HOST else None, only)
         b.position_at_end(done)
         return context.get_dummy_value()
     return sig, codegen
