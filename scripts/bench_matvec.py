@@ -9,7 +9,9 @@
 2. For each type, FFN shape and k in {1, 2, 3, 4, 8}: median time of `matvec` on random valid
    blocks. "cold": every call reads a different copy of the matrix, copies spanning --pool-mib
    (default 2048 MiB: 4x the 480 MiB L3 of the dev machine; 512 MiB before 2026-11-23, which that
-   L3 mostly held), as a real decode step streams weights from DRAM. "hot": the same
+   L3 mostly held), as a real decode step streams weights from DRAM; the copies are taken in turn
+   across kernels and k (before 2026-11-26 each kernel's cold calls read the same 9 copies, so on
+   matrices of a few MB the second kernel, e.g. --baseline's, read them from the L3). "hot": the same
    copy every call (it may sit in cache: the kernel's compute-bound speed). Reported per row:
    weight GB/s (bytes of quantized weights / time), % of the measured bandwidth, multiply-adds/s,
    and per-token cost relative to k=1 ((ms_k / k) / ms_1). Times are medians (minimums also go to
@@ -278,6 +280,13 @@ def main() -> None:
                 continue
             mats = pool.matrices(qtype, rows, cols)
             w_hot = mats[0]
+            # cold copies in turn (stride 7 where it walks them all): none read twice before the pool wraps
+            spare = max(1, len(mats) - 1)
+            stride = 7 if math.gcd(7, spare) == 1 else 1
+            turn = iter(range(1 << 62))
+
+            def cold_copy():
+                return mats[(1 + next(turn) * stride % spare) % len(mats)]
             w_f32 = torch.from_numpy(dequantize(w_hot, qtype).astype(np.float32))
             base_ms = {}
             for k in ks:
@@ -293,8 +302,7 @@ def main() -> None:
                     name = kernel.replace("int", f"int-{ISA}", 1) if kernel.startswith("int") else kernel
                     mv = fns[kernel]
                     mv(w_hot, qtype, x, out, exact=exact)          # compile / warm up
-                    cold, cold_min = time_ms(lambda i: mv(mats[(i * 7 + 1) % len(mats)], qtype, x, out,
-                                                          exact=exact), repeats)
+                    cold, cold_min = time_ms(lambda i: mv(cold_copy(), qtype, x, out, exact=exact), repeats)
                     hot, hot_min = time_ms(lambda i: mv(w_hot, qtype, x, out, exact=exact), repeats)
                     base_ms.setdefault(kernel, cold)
                     row = _row(qtype, label, rows, cols, k, name, cold, cold_min, hot, hot_min, torch_ms,
