@@ -292,3 +292,36 @@ def test_the_source_asks_before_computing_a_chained_row(qwen35):
     # asked once a proposal (the last may have room for one draft only: the -n cap, nothing to ask)
     assert max(stats.spec.drafted) == 1 and set(asked) == {1}
     assert sum(stats.spec.drafted) - 1 <= len(asked) <= sum(stats.spec.drafted)
+
+
+def test_one_stalled_plain_step_does_not_start_a_run_of_rejected_drafts():
+    """Gemma 3 on random tokens: a head sure of itself (top-1 0.9) and never right. One plain step
+    stalled 3x by a neighbour on the machine made a weighted-mean t(1) ~20 % too high: a 2-token
+    verify plus a row then looked cheaper than a plain step, the gate kept every draft, and no plain
+    step came to correct t(1) (40 rejected drafts in 63 steps, 0.81x plain)."""
+    p = DraftLengthPolicy(n_max=3, gating=True)
+    t1, t2, row = 0.0105, 0.0113, 0.0010
+    drafted = 0
+    for step in range(64):
+        n = p.choose()
+        if n == 0:
+            p.observe(0, 0, 3 * t1 if step == 12 else t1, 0.0)
+        elif p.keep_draft(0, 0.9):
+            p.observe(1, 0, t2, row, conf=[0.9])
+            drafted += 1
+        else:
+            p.observe(0, 0, t1, row, gated=True, refused=(0.9, 0.0))
+    assert p.verify_cost(1) == pytest.approx(t1) and drafted <= 10
+
+
+def test_a_stale_plain_step_cost_is_measured_again():
+    """t(1) measured in a slow stretch (2x) and then never again, as every step drafts: while
+    drafting pays little on the estimates, a plain step re-measures it within REFRESH_STEPS and
+    the rejected drafts stop."""
+    p = DraftLengthPolicy(n_max=1)
+    for _ in range(5):
+        p.observe(0, 0, 0.020, 0.0)
+    chosen = feed(p, 60, accept=lambda n: 1 if n and p.drafting_steps % 8 == 0 else 0,
+                  verify_s=lambda k: 0.010 if k == 1 else 0.0115)
+    first_plain = chosen.index(0)
+    assert first_plain <= 17 and chosen[40:].count(0) >= 15, chosen

@@ -12,10 +12,15 @@ not depend on the length chosen, only the speed does.
 
 Estimates: a step that proposed n drafts and kept m gives m successes and, when m < n, one failure
 (drafts after the first rejection were never judged); a is their exponentially weighted ratio.
-t_verify(k) is an exponentially weighted mean per k; a k never measured is extrapolated from the
+t_verify(k) is the median of its last RECENT_TIMES measurements per k (a weighted mean let one
+stalled step of a shared machine move t(1) by ~20 %, enough to make drafts that were never accepted
+look as if they paid); a k never measured is extrapolated from the
 nearest measured one at the measured per-token slope (or 10 % of a token's cost per extra token
 before two sizes are known: a memory-bound verify of k tokens reads the weights once). t_draft is
-the weighted mean per proposed draft. While n = 0 is chosen nothing about drafts is learned, so
+the weighted mean per proposed draft. While drafting barely pays on the estimates (less than
+REFRESH_GAIN) or t(1) is above the chosen verify's, a t(1) older than REFRESH_STEPS steps is measured
+again by a plain step, which replaces its old timings: otherwise an estimate too high from a slow
+stretch is never corrected, as no step verifies one token. While n = 0 is chosen nothing about drafts is learned, so
 after `probe_every` plain steps one step proposes a single draft (then after twice as many, up to
 four times, while plain steps keep winning); and every `explore_every` drafting steps one tries a
 length next to the best, so the cost curve is measured around where it is used.
@@ -53,6 +58,9 @@ MIN_ROWS = 4            # gated steps before plain ones may win: one costs at mo
 # (0) left adaptive at 0.964-0.966 of N = 1 on Gemma 3 and 0.937 on SmolLM2; a row's worth (0.1
 # token) at 0.985-0.995 and 0.950, adversarial prompts unchanged (1.00x plain).
 PLAIN_MARGIN = 0.75
+RECENT_TIMES = 5        # verify timings per k whose median is t_verify(k)
+REFRESH_STEPS = 16      # steps without a plain one after which a stale t(1) is measured again,
+REFRESH_GAIN = 1.1      # where drafting's expected rate is under this times a plain step's
 
 
 @dataclass
@@ -63,7 +71,9 @@ class DraftLengthPolicy:
     explore_every: int = 8
     accept_hits: float = 0.0
     accept_trials: float = 0.0
-    verify_s: dict[int, float] = field(default_factory=dict)     # k -> weighted mean seconds
+    verify_s: dict[int, float] = field(default_factory=dict)     # k -> median seconds (recent)
+    verify_recent: dict[int, deque] = field(default_factory=dict)  # k -> the last RECENT_TIMES timings
+    since_plain: int = 0            # steps since t(1) was last measured
     draft_s: float | None = None                                   # seconds per proposed draft
     plain_streak: int = 0
     probe_gap: int = 0              # plain steps before the next probe (0: probe_every)
@@ -187,6 +197,9 @@ class DraftLengthPolicy:
                 self.probe_gap = min(2 * self.probe_gap, 4 * self.probe_every)
                 return 1
             return 0
+        if self.since_plain >= REFRESH_STEPS and (self.verify_cost(1) >= self.verify_cost(best + 1) or
+                                                  self.expected_rate(best) < REFRESH_GAIN * self.expected_rate(0)):
+            return 0                # re-measure t(1): the choice hangs on it, or it is above a longer verify's
         self.plain_streak, self.probe_gap = 0, self.probe_every
         self.drafting_steps += 1
         if self.drafting_steps % self.explore_every == 0:       # a neighbour, alternately up and down
@@ -202,8 +215,12 @@ class DraftLengthPolicy:
         keep_draft (both from a gated step); `refused` (top-1 probability, chance it would have
         been kept) judges that row where the verify's last row could (every draft kept)."""
         k = n_proposed + 1
-        old = self.verify_s.get(k)
-        self.verify_s[k] = verify_s if old is None else DECAY * old + (1 - DECAY) * verify_s
+        recent = self.verify_recent.setdefault(k, deque(maxlen=RECENT_TIMES))
+        if k == 1 and self.since_plain >= REFRESH_STEPS:
+            recent.clear()          # a re-measure: the old timings are stale
+        recent.append(verify_s)
+        self.verify_s[k] = sorted(recent)[(len(recent) - 1) // 2]     # of an even count the lower
+        self.since_plain = 0 if k == 1 else self.since_plain + 1
         judged = [(top1, float(j < n_accepted)) for j, top1 in enumerate(conf[:n_accepted + 1])]
         if refused is not None:
             # without these the table learned only from drafts the gate let through, so a tenth it
