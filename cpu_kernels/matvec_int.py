@@ -61,8 +61,8 @@ from gguf.constants import GGMLQuantizationType as _T
 
 from .formats import type_tag
 from .int_blocks import INT_TYPES, types_tag  # noqa: F401  (public here: matvec's users import them from here)
-from .int_blocks import (K_SUB, SPECS, PairBlock, _bcast_dword, _by_type, _c64, _c_2d, _decoded, _loop, _max_k_lookup, _opaque,
-                         _prefetch_ahead, _qtype_arg, _steps, _Tokens, _weight_row, act_block, steps_per_row)
+from .int_blocks import (K_SUB, SPECS, PairBlock, _bcast_dword, _by_type, _c64, _c_2d, _decoded, _loop, _max_k_lookup,
+                         _opaque, _prefetch_ahead, _qtype_arg, _steps, _Tokens, _weight_row, act_block, steps_per_row)
 from .matvec_rowlanes import PASS_TOKENS, ROW_LANES, ROW_LANES_HOST, row_lanes_dot, row_lanes_from
 from .matvec_simd import _array, _fma, _load_vec, _splat
 from .quantize_act import QK_K, QK_LEGACY, quantize_rows

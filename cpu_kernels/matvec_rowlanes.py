@@ -31,8 +31,8 @@ from numba.extending import intrinsic
 
 from gguf.constants import GGMLQuantizationType as _T
 
-from .int_blocks import (K_SUB, _bcast_dword, _by_type, _c64, _c_2d, _decoded, _loop, _max_k_lookup, _opaque, _qtype_arg, _steps,
-                         _Tokens, _weight_row)
+from .int_blocks import (K_SUB, _bcast_dword, _by_type, _c64, _c_2d, _decoded, _loop, _max_k_lookup, _opaque,
+                         _qtype_arg, _steps, _Tokens, _weight_row)
 from .matvec_simd import _array, _fma, _load_vec, _splat
 from .quantize_act import QK_K, QK_LEGACY
 from .simd_int import F32, I8, I16, I32, ISA, IntBlockIR, _intrinsic, dpbusd, dpwssd, prefetch
