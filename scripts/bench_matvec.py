@@ -37,6 +37,7 @@ crossovers, e.g. --types Q4_0 --ks 12,16 --lanes-from 1 against --lanes-from 999
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -283,7 +284,7 @@ def main() -> None:
             # cold copies in turn (stride 7 where it walks them all): none read twice before the pool wraps
             spare = max(1, len(mats) - 1)
             stride = 7 if math.gcd(7, spare) == 1 else 1
-            turn = iter(range(1 << 62))
+            turn = itertools.count()
 
             def cold_copy():
                 return mats[(1 + next(turn) * stride % spare) % len(mats)]

@@ -14,13 +14,13 @@ Estimates: a step that proposed n drafts and kept m gives m successes and, when 
 (drafts after the first rejection were never judged); a is their exponentially weighted ratio.
 t_verify(k) is the median of its last RECENT_TIMES measurements per k (a weighted mean let one
 stalled step of a shared machine move t(1) by ~20 %, enough to make drafts that were never accepted
-look as if they paid); a k never measured is extrapolated from the
-nearest measured one at the measured per-token slope (or 10 % of a token's cost per extra token
-before two sizes are known: a memory-bound verify of k tokens reads the weights once). t_draft is
-the weighted mean per proposed draft. While drafting barely pays on the estimates (less than
-REFRESH_GAIN) or t(1) is above the chosen verify's, a t(1) older than REFRESH_STEPS steps is measured
-again by a plain step, which replaces its old timings: otherwise an estimate too high from a slow
-stretch is never corrected, as no step verifies one token. While n = 0 is chosen nothing about drafts is learned, so
+look as if they paid); a k never measured is extrapolated from the nearest measured one at the
+measured per-token slope (or 10 % of a token's cost per extra token before two sizes are known: a
+memory-bound verify of k tokens reads the weights once). t_draft is the weighted mean per proposed
+draft. While drafting barely pays on the estimates (less than REFRESH_GAIN) or t(1) is above the
+chosen verify's, a t(1) older than REFRESH_STEPS steps is measured again by a plain step, which
+replaces its old timings: otherwise an estimate too high from a slow stretch is never corrected, as
+no step verifies one token. While n = 0 is chosen nothing about drafts is learned, so
 after `probe_every` plain steps one step proposes a single draft (then after twice as many, up to
 four times, while plain steps keep winning); and every `explore_every` drafting steps one tries a
 length next to the best, so the cost curve is measured around where it is used.
