@@ -25,8 +25,8 @@ from numba.extending import intrinsic
 
 from .matvec import CHUNK, TOKEN_TILE, check_operands, matvec, n_groups_for, tile_products, use_int
 from .matvec_amx import matvec_amx_into, uses_amx
-from .matvec_int import (act_block, block_dots, group_rows, n_row_groups, quantize_for, quantize_tiled, tile_sums,
-                         tiled_min_k, tiling, type_tag)
+from .matvec_int import act_block, block_dots, group_rows, n_row_groups, quantize_for, type_tag
+from .matvec_tiled import quantize_tiled, tile_sums, tiled_min_k, tiling
 from .matvec_simd import TILE_ROWS
 from .simd_int import CACHE
 
@@ -145,7 +145,7 @@ def _gate_up_int_kernel(w_gate, t_gate, w_up, t_up, xq, xd, xs, hidden, act, n_g
 def _gate_up_tiled_kernel(w_gate, t_gate, w_up, t_up, xa, xb, xc, k_pad, hidden, act, n_steps, chunk, units,
                           row_tile, n_groups):
     """As _gate_up_int_kernel for k >= tiled_min_k (of both types): a tile of rows' gate and up sums
-    for all tokens (matvec_int.tile_sums: each weight chunk decoded once per pass of tokens), then act(gate) * up."""
+    for all tokens (matvec_tiled.tile_sums: each weight chunk decoded once per pass of tokens), then act(gate) * up."""
     rows = w_gate.shape[0]
     k = hidden.shape[0]
     n_tiles = (rows + row_tile - 1) // row_tile

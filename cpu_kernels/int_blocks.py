@@ -1,9 +1,10 @@
 """The quant types as integer IR: each type's step decoder (a K-quant super-block, or a pair of
 32-weight blocks, into unsigned weight bytes in element order and their scales), the loop over a
 row's steps with its prefetches, and the dispatch over types. The kernels built on them: matvec_int
-(register groups, token quads, token lanes) and matvec_rowlanes (16 rows in the lanes)."""
+(register groups), matvec_tiled (token quads, token lanes) and matvec_rowlanes (16 rows in the lanes)."""
 from __future__ import annotations
 
+import numba
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -14,7 +15,7 @@ from gguf.constants import GGMLQuantizationType as _T
 from .matvec_kquants import q3_k_scales
 from .matvec_simd import _array, _load_vec, _splat
 from .quantize_act import QK_K, QK_LEGACY
-from .simd_int import F32, I8, I16, I32, I64, IntBlockIR, lut16, prefetch
+from .simd_int import F32, I8, I16, I32, I64, IntBlockIR, _concat, lut16, prefetch
 
 
 def _f32x2(b, x, y):
@@ -278,6 +279,13 @@ K_SUB = {int(_T.Q4_K): 32, int(_T.Q5_K): 32, int(_T.Q6_K): 16, int(_T.Q3_K): 16,
          int(_T.IQ4_XS): 32}
 
 
+def _concat_all(b, vecs):
+    """One vector of vecs' lanes in order (a power of two of equal vectors)."""
+    while len(vecs) > 1:
+        vecs = [_concat(b, vecs[j], vecs[j + 1]) for j in range(0, len(vecs), 2)]
+    return vecs[0]
+
+
 def _decoded(vb):
     return vb() if callable(vb) else vb
 
@@ -475,3 +483,11 @@ def _max_k_lookup(table: dict[int, int], name: str, absent: int = 0):
         return sig, codegen
     lookup.__name__ = name
     return intrinsic(lookup)
+
+
+GROUPS_PER_THREAD = 4
+
+
+def n_row_groups(rows: int) -> int:
+    """Parallel work items of a matvec call: a few per thread so a slow core does not hold up the call."""
+    return max(1, min(rows, GROUPS_PER_THREAD * numba.get_num_threads()))

@@ -39,8 +39,8 @@ from .ffn import _act_times, ffn_glu
 from .formats import format_of
 from .matvec import tile_products
 from .matvec_amx import MAX_TOKENS, uses_amx
-from .matvec_int import (TILE_UNITS, act_block, block_dots, chunk_steps, tile_sums, token_lanes,
-                         types_tag)
+from .matvec_int import act_block, block_dots, types_tag
+from .matvec_tiled import TILE_UNITS, chunk_steps, tile_sums, token_lanes
 from .kv_attention import attend, cache_store
 from .matvec_simd import TILE_ROWS
 from .quantize_act import PAD_LEGACY, QK_K, QK_LEGACY, RESIDUAL_MAX_TOKENS, _quantize_rows, _quantize_rows_residual
@@ -57,7 +57,7 @@ PARALLEL_MIN_WEIGHTS = 1 << 17   # below this a projection runs on the calling t
 # matvec_int's token lanes instead of block_dots: 1.5-2.4x faster at 16-32 rows on small matrices
 # (Zen 4, BENCHMARKS.md session 16); the K-quants' tiles lose to block_dots at <= 32 rows there.
 # Measured before the token lanes took rows 4 at a time (session 24), so kept apart from
-# matvec_int.LANES_MIN_K, which was re-measured then on the 27B's shapes.
+# matvec_tiled.LANES_MIN_K, which was re-measured then on the 27B's shapes.
 LANES_MIN_ROWS = 14
 
 # _project_serial is compiled with parallel=True on purpose and has no prange
@@ -180,7 +180,7 @@ def _project_group(g, n_groups, int_types, float_path, w0, t0, e0, i0, n0, w1, t
     buf = np.empty((TILE_ROWS, 1024), np.float32)       # the float path's decode tile (matvec.CHUNK)
     part = np.empty(4 * TILE_ROWS, np.float32)
     acc = np.empty((k, TILE_ROWS), np.float32)
-    # the token-lane tile of a legacy matrix (la: q32's rows as matvec_int.token_lanes lays them out)
+    # the token-lane tile of a legacy matrix (la: q32's rows as matvec_tiled.token_lanes lays them out)
     k_pad = 16 * la.shape[0]
     lane_acc = np.empty((ROWS_PER_UNIT, k_pad), np.float32)
     lane_steps = (x.shape[1] + 2 * QK_LEGACY - 1) // (2 * QK_LEGACY)      # block pairs of a row

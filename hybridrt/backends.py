@@ -14,7 +14,7 @@ import numba
 import numpy as np
 import torch
 
-from cpu_kernels import kv_attention, layer_fused, matvec_int
+from cpu_kernels import int_blocks, kv_attention, layer_fused
 from cpu_kernels.dequant import dequantize, gather_rows
 from cpu_kernels.ffn import ACTIVATIONS, ffn_glu
 from cpu_kernels.formats import format_of
@@ -251,7 +251,7 @@ def attend_on_cpu(q: torch.Tensor, k_cache, v_cache, positions: list[int], scale
 def _covering(kernel_types: tuple, operands: list) -> tuple:
     """kernel_types = (int_types, float_path) of layer_fused, checked to cover the operands."""
     int_types, float_path = kernel_types
-    have = {qt for qt, flag in zip(sorted(matvec_int.SPECS), int_types) if flag is True}
+    have = {qt for qt, flag in zip(sorted(int_blocks.SPECS), int_types) if flag is True}
     if any(op[3] and op[1] not in have for op in operands) or (not float_path and not all(op[3] for op in operands)):
         raise ValueError(f"fused kernels compiled for integer types {sorted(have)}, float path {bool(float_path)}"
                          f" do not cover {[(op[1], op[3]) for op in operands]} (type, integer)")

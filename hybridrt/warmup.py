@@ -31,7 +31,7 @@ def _dispatchers() -> list:
     """The Numba kernels a model calls from Python (the rest are compiled into these): the
     k-input matvec, the fused gate/up FFN, the row decoder behind embedding gathers and
     load-time dequantization, the fused layer halves of a CPU trunk, and sampling's top-k."""
-    from cpu_kernels import blocks, ffn, layer_fused, matvec, matvec_int, top_k
+    from cpu_kernels import blocks, ffn, layer_fused, matvec, matvec_int, matvec_tiled, top_k
 
     fused = [layer_fused.attention_block, layer_fused.ffn_block] if layer_fused.FUSED_DEFAULT else []
     sampling = [top_k.top_k_bits]
@@ -42,7 +42,7 @@ def _dispatchers() -> list:
     # (with fused layer halves, batches of 1-3 tokens never reach ffn's row kernel: the FFN half
     # takes every batch up to ROWWISE_MAX tokens)
     gate_up = [] if fused else [ffn._gate_up_int_kernel]
-    return [matvec_int._matvec_int_kernel, matvec_int._matvec_tiled_kernel, ffn._gate_up_tiled_kernel,
+    return [matvec_int._matvec_int_kernel, matvec_tiled._matvec_tiled_kernel, ffn._gate_up_tiled_kernel,
             blocks.decode_rows] + gate_up + fused + sampling
 
 

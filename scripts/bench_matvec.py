@@ -57,7 +57,7 @@ from numba import njit, prange
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from cpu_kernels.formats import SUPPORTED_TYPES, format_of  # noqa: E402
 from cpu_kernels.matvec import matvec  # noqa: E402
-from cpu_kernels import matvec_int  # noqa: E402
+from cpu_kernels import matvec_tiled  # noqa: E402
 from cpu_kernels.matvec_int import INT_TYPES  # noqa: E402
 from cpu_kernels.matvec_testdata import F16_FIELDS  # noqa: E402
 from cpu_kernels.simd_int import ISA  # noqa: E402
@@ -223,18 +223,18 @@ def main() -> None:
     ap.add_argument("--shapes", help="shape labels or ROWSxCOLS, comma-separated (default: --quick's or all but "
                     + ", ".join(x[0] for x in EXTRA_SHAPES) + ")")
     ap.add_argument("--baseline", help="a directory holding an older cpu_kernels to time side by side")
-    ap.add_argument("--tiled-from", type=int, help="override matvec_int.tiled_min_k (this tree only): "
+    ap.add_argument("--tiled-from", type=int, help="override matvec_tiled.tiled_min_k (this tree only): "
                     "the k from which the tiled kernels run instead of the row kernels")
-    ap.add_argument("--lanes-from", type=int, help="override matvec_int.LANES_MIN_K for both kinds (this tree "
+    ap.add_argument("--lanes-from", type=int, help="override matvec_tiled.LANES_MIN_K for both kinds (this tree "
                     "only): the k from which the tiled kernels run on token lanes instead of token quads")
     args = ap.parse_args()
     if args.pool_mib < 512:     # the pool holds at least one copy of the largest matrix (F32, 27B shape: 356 MB)
         ap.error(f"--pool-mib must be at least 512, got {args.pool_mib}")
     ks = [int(k) for k in args.ks.split(",")]
     if args.tiled_from is not None:         # path crossovers: time one path against the other
-        matvec_int.TILED_MIN_K = args.tiled_from
+        matvec_tiled.TILED_MIN_K = args.tiled_from
     if args.lanes_from is not None:
-        matvec_int.LANES_MIN_K.update(k=args.lanes_from, pair=args.lanes_from)
+        matvec_tiled.LANES_MIN_K.update(k=args.lanes_from, pair=args.lanes_from)
     if args.cpu_time:
         if args.threads != 1:
             ap.error("--cpu-time measures one thread: use --threads 1")

@@ -28,9 +28,11 @@ from gguf.quants import dequantize
 
 from cpu_kernels.matvec import matvec
 from cpu_kernels.formats import type_tag
-from cpu_kernels.matvec_int import (INT_TYPES, LANES_MIN_K, PHASE_STEPS, SPECS, TWO_PHASE_BYTES,
-                                    _make_grid_dot, act_block, block_dots, grid_dot, quantize_for, row_dot, rows_dot,
-                                    rows_dots, single_row_table, tiled_min_k, two_phase_table)
+from cpu_kernels.int_blocks import SPECS
+from cpu_kernels.matvec_int import (INT_TYPES, PHASE_STEPS, TWO_PHASE_BYTES, _make_grid_dot, act_block, block_dots,
+                                    grid_dot, quantize_for, row_dot, rows_dot, rows_dots, single_row_table,
+                                    two_phase_table)
+from cpu_kernels.matvec_tiled import LANES_MIN_K, tiled_min_k
 from cpu_kernels.matvec_rowlanes import PASS_TOKENS, ROW_LANES, ROW_LANES_HOST, row_lanes_dot
 from cpu_kernels.matvec_testdata import random_weights
 from cpu_kernels.quantize_act import RESIDUAL_MAX_TOKENS, dequantize_rows, quantize_rows, with_residual_rows
