@@ -1,7 +1,8 @@
 """The `hybridrt` command line: parsing, errors and printing only; the work lives in the packages.
 
 Every command module raises UserError / GGUFError / UnsupportedQuantType for bad input; `main`
-turns those into one `error: ...` line on stderr and exit code 2, never a traceback.
+turns those into one `error: ...` line on stderr and exit code 2, never a traceback. Usage errors
+(an unknown option, a value of the wrong type) are one such line too, naming the command's --help.
 """
 from __future__ import annotations
 
@@ -102,12 +103,34 @@ def _open(path):
     return GGUFFile(path)
 
 
+def _usage_errors() -> tuple[type, ...]:
+    """Click's usage-error base: typer >= 0.16 vendors click (its exceptions derive from
+    typer.TyperException), older typer raises click's own."""
+    kinds = []
+    for module, name in (("typer", "TyperException"), ("click", "ClickException")):
+        try:
+            kinds.append(getattr(__import__(module), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(kinds)
+
+
 def main() -> None:
     try:
-        app()
+        # not standalone: usage errors come here instead of being printed as a framed box
+        code = app(standalone_mode=False)
+    except _usage_errors() as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":       # a bare `hybridrt`: the help, as before
+            exc.show()
+        else:
+            ctx = getattr(exc, "ctx", None)
+            hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+            print(f"error: {exc.format_message()}{hint}", file=sys.stderr)
+        sys.exit(exc.exit_code)
     except (UserError, GGUFError, UnsupportedQuantType, TritonMissing) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, typer.Abort):
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -12,6 +12,7 @@ import sys
 
 import typer
 
+from .cli_run import GPU_LAYERS_HELP
 from .errors import UserError
 
 MODEL_HELP = "GGUF path or a known name (gemma3-270m, smollm2-135m); default gemma3-270m"
@@ -148,6 +149,7 @@ def bench(
     spec_force: str = typer.Option("none", "--spec-force", help="Replace drafts by the target's own continuation (accept) or wrong tokens (reject) to measure step cost vs k."),
     device: str = typer.Option("cpu", "--device", help="Trunk device: cpu or cuda (cuda, or --vram, executes the plan)."),
     vram: Optional[str] = typer.Option(None, "--vram", help="VRAM budget to plan for and execute (12GiB, 700MiB, auto)."),
+    gpu_layers: Optional[int] = typer.Option(None, "-ngl", "--n-gpu-layers", "--gpu-layers", show_default=False, help=GPU_LAYERS_HELP),
     ctx_size: Optional[int] = typer.Option(None, "-c", "--ctx-size", help="Context the plan reserves (default 4096 or the model's)."),
     margin: str = typer.Option("512MiB", "--margin", help="Planned fixed overhead."),
     no_op_offload: bool = typer.Option(False, "--no-op-offload", help="With a plan: prompt batches run the CPU FFN layers on the CPU instead of copying their weights to the device (frees one layer's VRAM for decoding)."),
@@ -167,13 +169,20 @@ def bench(
 
     from placement import measure_cpu_bandwidth
 
-    from .cli_run import _check_device, adaptive_default, check_spec_flags, placement_options
+    from .cli_run import (_check_device, check_ctx_size, check_output_path, check_spec_flags, device_for_gpu_layers,
+                          placement_options)
     from .kv_cache import kv_cache_type
     from .loader import load_model
     from .place import placement_line
 
+    for flag, value in (("-p", n_prompt), ("-n", n_gen), ("-r", reps)):
+        if value < 1:
+            raise UserError(f"{flag} {value}: must be >= 1")
+    device = device_for_gpu_layers(gpu_layers, device)
     _check_device(device)
     check_spec_flags(draft_n_max)
+    check_ctx_size(ctx_size)
+    check_output_path(trace, "--trace")
     cbw = cpu_bw * 1e9 if cpu_bw else measure_cpu_bandwidth()
     request = placement_options(model, vram, device, ctx_size, cache_type_k, cache_type_v,
                                 spec_type or "none", draft_n_max, model_draft, margin,

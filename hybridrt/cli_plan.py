@@ -123,7 +123,9 @@ def plan(
                                             "(gemma3-270m, smollm2-135m); default gemma3-270m"),
     vram: str = typer.Option("auto", "--vram", help="VRAM budget: auto (free memory of GPU 0; 12GiB without "
                              "a GPU) or a size: 12GiB, 12GB, 12000MiB, bytes"),
-    ctx_size: int = typer.Option(4096, "-c", "--ctx-size", help="context size in tokens"),
+    ctx_size: Optional[int] = typer.Option(None, "-c", "--ctx-size", show_default=False,
+                                           help="context size in tokens (default: 4096 or the model's, if smaller; "
+                                           "0: the model's)"),
     spec_type: Optional[str] = typer.Option(None, "--spec-type", help=f"{'|'.join(SPEC_TYPES)} (default: "
                                             "draft-mtp with an MTP head, draft-simple with -md, else none)"),
     spec_draft_n_max: int = typer.Option(3, "--spec-draft-n-max", help="drafts per verify step (N)"),
@@ -147,6 +149,7 @@ def plan(
     """Plan GPU/CPU placement for a model before loading it: memory per category, layers, speed."""
     from rich.console import Console
 
+    from .cli_run import check_ctx_size, check_spec_flags
     from .gguf_file import GGUFError
     from .model_profile import load_profile
     from .registry import resolve_model
@@ -156,6 +159,11 @@ def plan(
         draft = load_profile(resolve_model(model_draft)) if model_draft else None
     except GGUFError as exc:
         raise UserError(str(exc)) from None
+    check_ctx_size(ctx_size)
+    check_spec_flags(spec_draft_n_max)
+    if ctx_size is not None and ctx_size > profile.n_ctx_train:     # as `run`
+        raise UserError(f"-c {ctx_size} is larger than the model's training context {profile.n_ctx_train}")
+    n_ctx = profile.n_ctx_train if ctx_size == 0 else ctx_size or min(4096, profile.n_ctx_train)
     if spec_type is None:
         spec_type = "draft-simple" if draft else ("draft-mtp" if profile.has_mtp else "none")
     if draft is not None and spec_type != "draft-simple":
@@ -183,7 +191,7 @@ def plan(
     else:
         cbw, cbw_source = measure_cpu_bandwidth(), "measured"
 
-    options = PlanOptions(vram_bytes=budget, margin_bytes=margin_bytes, n_ctx=ctx_size,
+    options = PlanOptions(vram_bytes=budget, margin_bytes=margin_bytes, n_ctx=n_ctx,
                           cache_type_k=cache_type_k, cache_type_v=cache_type_v, spec_type=spec_type,
                           spec_draft_n_max=spec_draft_n_max, draft=draft, accept_rate=accept_rate,
                           gpu_bw=gbw, cpu_bw=cbw, k_max=k_max, n_cpu_moe=n_cpu_moe,

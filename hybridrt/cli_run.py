@@ -15,9 +15,16 @@ MODEL_HELP = "GGUF path or a known name (gemma3-270m, smollm2-135m)"
 
 def read_prompt(prompt: Optional[str], file: Optional[Path]) -> str:
     if file is not None:
+        if prompt is not None:
+            raise UserError("pass the prompt with -p or with -f, not both")
+        if file.is_dir():
+            raise UserError(f"-f {file}: is a directory, not a prompt file")
         if not file.is_file():
-            raise UserError(f"{file}: no such prompt file")
-        return file.read_text(encoding="utf-8")
+            raise UserError(f"-f {file}: no such prompt file")
+        try:
+            return file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"-f {file}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     if prompt is None:
         raise UserError("no prompt: pass -p TEXT or -f FILE")
     return prompt
@@ -28,6 +35,28 @@ def read_prompt(prompt: Optional[str], file: Optional[Path]) -> str:
 # (quantize_act.RESIDUAL_MAX_TOKENS) that plain steps take; a 33rd would leave them and part from
 # plain decoding (tests/test_spec_loop.py checks the three agree)
 MAX_DRAFTS = 31
+NGRAM_N_MIN = 2     # ngram-simple's shortest n-gram (a 1-gram match predicts little)
+
+
+GPU_LAYERS_HELP = ("llama.cpp's offload flag: 0 runs everything on the CPU; any other count runs the plan on "
+                   "the GPU (--device cuda, the free VRAM as budget; without a GPU it is ignored, as in "
+                   "llama.cpp). hybridrt places by memory, not by layer count: as many whole FFN layers as fit "
+                   "(--vram SIZE sets a smaller budget).")
+
+
+def device_for_gpu_layers(gpu_layers: Optional[int], device: str) -> str:
+    """--device as -ngl implies it (None: as given)."""
+    if gpu_layers is None:
+        return device
+    if gpu_layers == 0:
+        return "cpu"
+    import torch
+
+    if not torch.cuda.is_available():       # llama.cpp's CPU builds take scripts' `-ngl 99` the same way
+        print(f"warning: no CUDA device is available: -ngl {gpu_layers} is ignored, running on the CPU",
+              file=sys.stderr)
+        return device
+    return device if device.startswith("cuda") else "cuda"
 
 
 def placement_options(model_path: str, vram: Optional[str], device: str, ctx_size: Optional[int],
@@ -52,9 +81,27 @@ def adaptive_default(spec_type: str) -> bool:
     return spec_type in ("draft-mtp", "draft-simple")
 
 
-def check_spec_flags(draft_n_max: int) -> None:
+def check_spec_flags(draft_n_max: int, ngram_n: int = 4) -> None:
     if not 1 <= draft_n_max <= MAX_DRAFTS:
         raise UserError(f"--spec-draft-n-max must be within 1..{MAX_DRAFTS}, got {draft_n_max}")
+    if ngram_n < NGRAM_N_MIN:
+        raise UserError(f"--spec-ngram-size-n must be >= {NGRAM_N_MIN} (n-grams are tried from it down to "
+                        f"{NGRAM_N_MIN}), got {ngram_n}")
+
+
+def check_ctx_size(ctx_size: Optional[int]) -> None:
+    if ctx_size is not None and ctx_size < 0:
+        raise UserError(f"-c {ctx_size}: the context size must be >= 1 (0: the model's)")
+
+
+def check_output_path(path: Optional[Path], flag: str) -> None:
+    """An output file's place, checked before any work: a run should not end in a traceback."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise UserError(f"{flag} {path}: is a directory")
+    if not path.absolute().parent.is_dir():
+        raise UserError(f"{flag} {path}: no such directory {path.absolute().parent}")
 
 
 def run(
@@ -73,6 +120,7 @@ def run(
     threads: Optional[int] = typer.Option(None, "-t", "--threads", help="CPU threads (torch and Numba)."),
     device: str = typer.Option("cpu", "--device", help="Trunk device: cpu or cuda. With cuda (or --vram) the plan is executed: trunk and the FFN layers that fit on the device, the rest from the mmap on the CPU."),
     vram: Optional[str] = typer.Option(None, "--vram", help="VRAM budget to plan for (12GiB, 700MiB, auto = free memory of the GPU). With --device cpu the CPU stands in for the GPU."),
+    gpu_layers: Optional[int] = typer.Option(None, "-ngl", "--n-gpu-layers", "--gpu-layers", show_default=False, help=GPU_LAYERS_HELP),
     margin: str = typer.Option("512MiB", "--margin", help="Planned fixed overhead: CUDA context, allocator slack, safety."),
     no_op_offload: bool = typer.Option(False, "--no-op-offload", help="With a plan: prompt batches run the CPU FFN layers on the CPU instead of copying their weights to the device (frees one layer's VRAM for decoding)."),
     cache_type_k: str = typer.Option("f16", "-ctk", "--cache-type-k", help="KV cache type for K: f16, f32, bf16, q8_0."),
@@ -84,7 +132,7 @@ def run(
     draft_n_max: int = typer.Option(3, "--spec-draft-n-max", "--draft-max", help=f"Most draft tokens per step (1..{MAX_DRAFTS})."),
     draft_n_min: int = typer.Option(0, "--spec-draft-n-min", "--draft-min", help="Drop proposals shorter than this."),
     draft_p_min: float = typer.Option(0.0, "--spec-draft-p-min", "--draft-p-min", help="Stop model drafting below this top-1 probability."),
-    ngram_n: int = typer.Option(4, "--spec-ngram-size-n", help="ngram-simple: longest n-gram to match (tried down to 2)."),
+    ngram_n: int = typer.Option(4, "--spec-ngram-size-n", help=f"ngram-simple: longest n-gram to match (tried down to {NGRAM_N_MIN})."),
     exact_activations: bool = typer.Option(False, "--exact-activations", help="Run the mmap'd matrices on float32 activations (exact; slower) instead of int8 activations with integer dot products (llama.cpp's numerics)."),
     act_residual: Optional[bool] = typer.Option(None, "--act-residual/--no-act-residual", help="On int8 activations, a second int8 pass on the rounding of the attention and FFN-down inputs of decode and verify steps (near-float32 accuracy, ~8 % a step; default on, HYBRIDRT_ACT_RESIDUAL); --no-act-residual is llama.cpp's numerics exactly."),
     adaptive: Optional[bool] = typer.Option(None, "--adaptive/--no-adaptive", help="Choose each step's draft count within --spec-draft-n-max from the live acceptance and measured verify cost (default: on for draft-mtp and draft-simple)."),
@@ -106,7 +154,10 @@ def run(
         text = read_prompt(prompt, file)
         if not text:
             raise UserError("empty prompt: pass some text with -p or -f")
-        check_spec_flags(draft_n_max)
+        check_spec_flags(draft_n_max, ngram_n)
+        check_ctx_size(ctx_size)
+        check_output_path(trace, "--trace")
+        device = device_for_gpu_layers(gpu_layers, device)
         _check_device(device)
         cache_type = kv_cache_type(cache_type_k, cache_type_v)
         request = placement_options(model, vram, device, ctx_size, cache_type_k, cache_type_v, spec_type,
@@ -117,6 +168,8 @@ def run(
         if m.plan is not None:
             print(placement_line(m.plan, device), file=sys.stderr)
         if chat:
+            if m.tokenizer.chat_template is None:
+                print("note: this GGUF has no chat template: using ChatML, as llama.cpp does", file=sys.stderr)
             text = m.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
         ids = m.tokenize(text, add_special=True, parse_special=chat)
         if ctx_size is None:

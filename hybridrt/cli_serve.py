@@ -1,7 +1,6 @@
 """`hybridrt serve`: an OpenAI-compatible HTTP server (see hybridrt/server), llama-server's flags."""
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -13,6 +12,7 @@ from .errors import UserError
 
 MODEL_HELP = "GGUF path or a known name (gemma3-270m, smollm2-135m); default gemma3-270m"
 INSTALL = "python3 -m pip install 'hybridrt[serve]'"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")      # uvicorn's
 
 
 def _server_stack():
@@ -22,6 +22,25 @@ def _server_stack():
     except ImportError:
         raise UserError(f"hybridrt serve needs Starlette and uvicorn: {INSTALL}") from None
     return uvicorn
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Fail before loading anything if the address cannot be listened on (a port in use, a host that
+    does not resolve), with uvicorn's socket options: its own error comes after the banner, as log
+    lines and exit code 3."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise UserError(f"--host {host}: {e.strerror}") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise UserError(f"cannot listen on {host}:{port}: {e.strerror}") from None
 
 
 def _threadsafe_kernels(parallel: int) -> None:
@@ -64,12 +83,12 @@ def serve(
     draft_p_min: float = typer.Option(0.0, "--spec-draft-p-min", "--draft-p-min", help="Stop model drafting below this top-1 probability."),
     ngram_n: int = typer.Option(4, "--spec-ngram-size-n", help="ngram-simple: longest n-gram to match (tried down to 2)."),
     adaptive: Optional[bool] = typer.Option(None, "--adaptive/--no-adaptive", help="Choose each step's draft count within --spec-draft-n-max (default: on for draft-mtp and draft-simple, as run)."),
-    log_level: str = typer.Option("info", "--log-level", help="uvicorn log level (warning: no access log)."),
+    log_level: str = typer.Option("info", "--log-level", help=f"uvicorn log level: {', '.join(LOG_LEVELS)} (warning: no access log)."),
     mtp_head: Optional[Path] = typer.Option(None, "--mtp-head", help="MTP head from `hybridrt train-mtp` for --spec-type draft-mtp (replaces a built-in head)."),
 ):
     """Serve the model over HTTP with OpenAI's API (/v1/chat/completions, /v1/completions, ...)."""
     uvicorn = _server_stack()
-    from .cli_run import adaptive_default, check_spec_flags
+    from .cli_run import adaptive_default, check_ctx_size, check_spec_flags
     from .kv_cache import kv_cache_type
     from .loader import load_model
     from .registry import KNOWN_MODELS, resolve_model
@@ -85,7 +104,11 @@ def serve(
         raise UserError("--parallel must be >= 1 and --max-queue >= 0")
     if not 0 < port < 65536:
         raise UserError(f"--port {port} is not a TCP port")
-    check_spec_flags(draft_n_max)
+    if log_level not in LOG_LEVELS:
+        raise UserError(f"--log-level {log_level}: use one of {', '.join(LOG_LEVELS)}")
+    _check_listen(host, port)
+    check_spec_flags(draft_n_max, ngram_n)
+    check_ctx_size(ctx_size)
     cache_type = kv_cache_type(cache_type_k, cache_type_v)
     _threadsafe_kernels(parallel)
     path = resolve_model(model)
@@ -112,9 +135,8 @@ def serve(
     if spec_type == "draft-mtp":
         with compile_notice():      # a trained head's quant types (cached: loaded once, ~1 s)
             compile_head(m)
-    names = {str(path), os.path.basename(path), Path(path).stem} | ({model} if model else set())
     served = model if model in KNOWN_MODELS else Path(path).stem
-    card = ModelCard(id=served, aliases=frozenset(names - {served}), n_ctx=n_ctx, created=int(time.time()))
+    card = ModelCard(id=served, n_ctx=n_ctx, created=int(time.time()))
     print(f"hybridrt serve: {served} on http://{host}:{port}/v1 · {parallel} session(s) x {n_ctx} tokens, "
           f"KV {cache_type}, spec {spec_type}" + (f" (n_max {spec.n_max})" if spec_type != "none" else ""),
           file=sys.stderr, flush=True)

@@ -140,9 +140,10 @@ class GGUFFile:
         if p.is_dir():
             raise GGUFError(f"{self.path}: is a directory, not a GGUF file")
         size = p.stat().st_size
-        if size < 24:
-            raise GGUFError(f"{self.path}: not a GGUF file (only {size} bytes)")
         with open(p, "rb") as fh:
+            if size < 24:       # shorter than any header: a GGUF cut short, or not a GGUF at all
+                what = "truncated GGUF file" if fh.read(4) == GGUF_MAGIC else "not a GGUF file"
+                raise GGUFError(f"{self.path}: {what} (only {size} bytes)")
             self._mmap = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         self.file_size = size
         self._parse(memoryview(self._mmap))

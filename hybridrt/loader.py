@@ -26,6 +26,8 @@ def set_threads(n: int | None, trunk_on_cpu: bool = True) -> None:
     torch gets a single thread and no pool when the trunk is on the CPU."""
     import numba
 
+    if n is not None and n < 0:
+        raise UserError(f"-t {n}: the thread count must be >= 1 (0 or none: all cores)")
     if n:
         numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
     if trunk_on_cpu:

@@ -152,6 +152,7 @@ def profile_from_gguf(f: GGUFFile) -> ModelProfile:
         n_expert_used=n_used,
         output_tied=tied,
         mtp_has_head=any(p.startswith("nextn.shared_head_head") for p in mtp_parts),
+        n_ctx_train=int(f.get("context_length", 4096)),
         notes=tuple(notes),
     )
 

@@ -5,12 +5,15 @@ and speculative acceptance (which must transform the target and the draft identi
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from cpu_kernels.top_k import top_k_bits
+
+from .errors import UserError
 
 TOP_K_KERNEL_MAX = 256      # cpu_kernels.top_k keeps its k best sorted by insertion: for small k
 
@@ -22,6 +25,18 @@ class SamplerConfig:
     top_p: float = 0.95
     min_p: float = 0.05
     seed: int = -1
+
+    def __post_init__(self):
+        # `not (a <= x <= b)` rather than `x < a or x > b`: NaN fails every comparison. A negative
+        # temperature is greedy, as in llama.cpp
+        if not -math.inf < self.temp < math.inf:
+            raise UserError(f"--temp must be a finite number, got {self.temp}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise UserError(f"--min-p must be in [0, 1], got {self.min_p}")
+        if self.top_k < 0:
+            raise UserError(f"--top-k must be >= 0 (0: off), got {self.top_k}")
 
     @property
     def greedy(self) -> bool:

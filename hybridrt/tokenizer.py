@@ -25,7 +25,7 @@ from tokenizers import Regex
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
-from .chat_template import ChatTemplateError, compile_chat_template, render_chat_template
+from .chat_template import CHATML_TEMPLATE, compile_chat_template, render_chat_template
 from .errors import UserError
 
 # GGUF tokenizer.ggml.token_type values
@@ -453,11 +453,9 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ chat
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
-        if self.chat_template is None:
-            raise ChatTemplateError("this GGUF file has no chat template (tokenizer.chat_template); "
-                                    "give a raw prompt instead")
+        """The GGUF's template rendered, or ChatML where the file has none (as llama.cpp does)."""
         if self._compiled_template is None:
-            self._compiled_template = compile_chat_template(self.chat_template)
+            self._compiled_template = compile_chat_template(self.chat_template or CHATML_TEMPLATE)
 
         def text_of(token_id):
             return self.tokens[token_id] if token_id is not None else ""

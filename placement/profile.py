@@ -106,6 +106,7 @@ class ModelProfile:
     n_expert_used: int = 0
     output_tied: bool = False    # no output.weight: the token embedding is also the output head
     mtp_has_head: bool = False   # the MTP block has its own output head (else it uses the trunk's)
+    n_ctx_train: int = 4096      # the context the model was trained for (GGUF context_length)
     notes: tuple[str, ...] = field(default=())
 
     @property

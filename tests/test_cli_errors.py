@@ -60,7 +60,7 @@ def test_bad_magic(tmp_path):
 def test_truncated_file(tmp_path):
     good = write_gguf(tmp_path / "good.gguf")
     data = good.read_bytes()
-    for cut in (30, len(data) // 2, len(data) - 8):
+    for cut in (8, 30, len(data) // 2, len(data) - 8):
         p = tmp_path / f"cut{cut}.gguf"
         p.write_bytes(data[:cut])
         assert_one_line_error(run_cli("info", str(p)), "truncated")
@@ -118,3 +118,57 @@ def test_info_json_on_real_model():
     assert info["architecture"] == "llama" and info["layers"] == 30
     assert info["vocab_size"] == 49152 and info["tokenizer"] == "gpt2"
     assert info["bytes_per_type"]["Q4_1"] > 0
+
+
+def _prompt_file(tmp_path, data: bytes) -> str:
+    p = tmp_path / "prompt.txt"
+    p.write_bytes(data)
+    return str(p)
+
+
+# (command and flags, "{tmp}" standing for a fresh directory; fragment of the one error line). Each
+# was a traceback, a silent acceptance or a multi-line box before (session 27's review as a user)
+BAD_VALUES = [
+    ("run -t -3", "-t -3"), ("run --temp nan", "--temp"), ("run --top-p 2", "--top-p"),
+    ("run --min-p 1.5", "--min-p"), ("run --top-k -1", "--top-k"), ("run -c -1", "-c -1"),
+    ("run --spec-type ngram-simple --spec-ngram-size-n 1", "--spec-ngram-size-n"),
+    ("run --spec-draft-n-min 10 --spec-draft-n-max 3", "--spec-draft-n-min 10"),
+    ("run --trace {tmp}/no/such/t.json", "no such directory"), ("run --trace {tmp}", "is a directory"),
+    ("run -n abc", "Invalid value for '-n'"), ("run --no-such-flag 3", "No such option"),
+    ("bench -p 0", "-p 0"), ("bench -r 0", "-r 0"), ("serve --log-level bogus", "--log-level bogus"),
+    ("plan -c 9999999", "training context"), ("plan --spec-draft-n-max 500", "--spec-draft-n-max"),
+]
+
+
+@pytest.mark.parametrize("args,fragment", BAD_VALUES, ids=[f[1] for f in BAD_VALUES])
+def test_bad_values_are_one_line_errors(tmp_path, args, fragment):
+    require(SMOLLM2)
+    command, *flags = args.format(tmp=tmp_path).split()
+    prompt = [] if command in ("bench", "serve", "plan") else ["-p", "hi", "-n", "2"]
+    assert_one_line_error(run_cli(command, "-m", str(SMOLLM2), *prompt, *flags), fragment)
+
+
+def test_bad_prompt_files(tmp_path):
+    require(SMOLLM2)
+    m = ["run", "-m", str(SMOLLM2), "-n", "2"]
+    assert_one_line_error(run_cli(*m, "-f", _prompt_file(tmp_path, b"caf\xe9 au lait")), "not UTF-8")   # latin-1
+    assert_one_line_error(run_cli(*m, "-f", str(tmp_path)), "is a directory")
+    assert_one_line_error(run_cli(*m, "-p", "hi", "-f", _prompt_file(tmp_path, b"hello")), "not both")
+
+
+def test_serve_on_a_port_in_use_fails_before_loading():
+    import socket
+
+    require(SMOLLM2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        r = run_cli("serve", "-m", str(SMOLLM2), "--port", str(s.getsockname()[1]))
+    assert_one_line_error(r, "cannot listen on 127.0.0.1:")
+    assert "serving" not in r.stderr and "hybridrt serve:" not in r.stderr
+
+
+def test_bare_command_prints_help():
+    r = run_cli()
+    assert r.returncode == 2 and "Usage" in r.stdout + r.stderr and "Traceback" not in r.stderr
+

@@ -233,15 +233,15 @@ def test_unknown_pre_tokenizer_is_a_clear_error():
     assert "qwen35" in BPE_PRE_TOKENIZERS and "llama-bpe" in BPE_PRE_TOKENIZERS
 
 
-def test_chat_template_and_missing_template():
+def test_chat_template_and_the_chatml_fallback():
     template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     tok = Tokenizer.from_gguf(bpe_metadata(template=template))
     msgs = [{"role": "user", "content": "hi"}]
     assert tok.apply_chat_template(msgs) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert tok.apply_chat_template(msgs, add_generation_prompt=False) == "<|im_start|>user\nhi<|im_end|>\n"
-    with pytest.raises(ChatTemplateError, match="no chat template"):
-        Tokenizer.from_gguf(bpe_metadata()).apply_chat_template(msgs)
+    # no template in the file: llama.cpp's fallback, ChatML
+    assert Tokenizer.from_gguf(bpe_metadata()).apply_chat_template(msgs) == tok.apply_chat_template(msgs)
     raising = Tokenizer.from_gguf(bpe_metadata(template="{{ raise_exception('only user turns') }}"))
     with pytest.raises(ChatTemplateError, match="only user turns"):
         raising.apply_chat_template(msgs)
@@ -294,8 +294,10 @@ def test_gemma3_basics_and_streaming(gemma3):
     out = [stream.push(i) for i in ids]
     assert "".join(out) + stream.flush() == text == gemma3.decode(ids)
     assert all("\ufffd" not in piece for piece in out)
-    with pytest.raises(ChatTemplateError):
-        gemma3.apply_chat_template([{"role": "user", "content": "hi"}])
+    # this GGUF carries no chat template: llama.cpp's ChatML fallback
+    assert gemma3.chat_template is None
+    assert gemma3.apply_chat_template([{"role": "user", "content": "hi"}]) == \
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_gemma3_builds_fast():

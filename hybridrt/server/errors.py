@@ -17,11 +17,6 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def model_not_found(name: str, served: str) -> APIError:
-    return APIError(404, f"The model '{name}' does not exist (this server serves '{served}')",
-                    param="model", code="model_not_found")
-
-
 def queue_full(waiting: int) -> APIError:
     return APIError(503, f"server busy: all sessions are in use and {waiting} requests are already "
                     f"waiting; retry later", type="server_error", code="queue_full")

@@ -160,7 +160,7 @@ class SessionPool:
             job.put(*event)
 
     def _run(self, session: Session, job: Job) -> GenResult:
-        req, cfg, model = job.request, self.cfg, self.model
+        req, model = job.request, self.model
         decoder = model.tokenizer.stream()
         scanner = StopScanner(req.stop)
         pieces: list[str] = []

@@ -2,11 +2,13 @@
 
 Validation is by hand rather than with a model library: the rules are few, and each failure must
 name the offending field in the OpenAI error's `param`. Unknown fields are ignored, as OpenAI's
-clients send several (`user`, `stream_options`, penalties at 0) that change nothing here.
+clients send several (`user`, `stream_options`) that change nothing here; the penalties, which
+would change the distribution, are refused unless neutral (presence / frequency 0, repeat 1).
 Sampling defaults are llama-server's (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05).
 """
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -16,30 +18,30 @@ from ..chat_template import ChatTemplateError
 from ..generate import GenerationStats
 from ..models.base import Model
 from ..sampling import SamplerConfig
-from .errors import bad_request, model_not_found
+from .errors import bad_request
 from .logprobs import MAX_TOP_CHAT, MAX_TOP_COMPLETION, TokenLogprob, chat_logprobs, completion_logprobs
 
 MAX_STOPS = 16
+# sampling penalties clients may send, and the value that means none (llama.cpp's repeat_penalty too)
+PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repeat_penalty": 1.0}
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 @dataclass(frozen=True)
 class ModelCard:
-    """What the server serves: the id clients name in `model`, and the other names it answers to
-    (the -m argument, the file name and its stem)."""
+    """What the server serves: the id /v1/models lists (the known name given to -m, else the file's stem)."""
     id: str
-    aliases: frozenset[str]
     n_ctx: int
     created: int
 
     def check(self, body: dict) -> str:
+        """The name a response carries: the request's `model`, whatever it is (as llama.cpp's server:
+        one model is served, and clients set up for another name, e.g. gpt-4o, still work)."""
         name = body.get("model")
         if name is None:
             return self.id
         if not isinstance(name, str):
             raise bad_request("'model' must be a string", "model")
-        if name != self.id and name not in self.aliases:
-            raise model_not_found(name, self.id)
         return name
 
 
@@ -132,6 +134,9 @@ def _common(body: dict, card: ModelCard, kind: Literal["chat", "text"], prompt_i
         min_p=_number(body, "min_p", 0.05, 0.0, 1.0),
         seed=_integer(body, "seed", -1, -1),
     )
+    for key, neutral in PENALTIES.items():
+        if _number(body, key, neutral, -math.inf, math.inf) != neutral:
+            raise bad_request(f"'{key}' is not supported: only {neutral:g} (no penalty)", key)
     return GenRequest(kind, card.check(body), prompt_ids, -1 if max_tokens is None else max_tokens, sampler,
                       _stops(body), stream, ignore_eos, _logprobs(body, kind), echo)
 
@@ -170,7 +175,7 @@ def parse_chat(body: dict, model: Model, card: ModelCard) -> GenRequest:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise bad_request(f"messages[{i}] must be an object with a role in {', '.join(ROLES)}", f"messages[{i}]")
         plain.append({"role": m["role"], "content": _content(m, i)})
-    card.check(body)       # an unknown model is a 404 before any template work
+    card.check(body)       # a bad `model` is a 400 before any template work
     try:
         text = model.tokenizer.apply_chat_template(plain, add_generation_prompt=True)
     except ChatTemplateError as e:

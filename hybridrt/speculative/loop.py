@@ -48,6 +48,9 @@ class SpecConfig:
             raise UserError("--spec-draft-n-max and --spec-draft-n-min must be >= 0")
         if not 0.0 <= self.p_min <= 1.0:
             raise UserError("--spec-draft-p-min must be in [0, 1]")
+        if self.n_min > self.n_max:
+            raise UserError(f"--spec-draft-n-min {self.n_min} is above --spec-draft-n-max {self.n_max}: "
+                            "no proposal could be kept")
 
     @property
     def k_max(self) -> int:
