@@ -1,6 +1,7 @@
 """`hybridrt run`: generate text from a prompt, streaming it, with llama.cpp's flag names."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Optional
@@ -157,6 +158,9 @@ def run(
         check_spec_flags(draft_n_max, ngram_n)
         check_ctx_size(ctx_size)
         check_output_path(trace, "--trace")
+        # the sampling and speculation values are checked (by their configs) before anything loads
+        sampler = SamplerConfig(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+        spec = SpecConfig(n_max=draft_n_max, n_min=draft_n_min, p_min=draft_p_min)
         device = device_for_gpu_layers(gpu_layers, device)
         _check_device(device)
         cache_type = kv_cache_type(cache_type_k, cache_type_v)
@@ -179,12 +183,10 @@ def run(
         n_ctx = min(ctx_size, m.n_ctx_train) if ctx_size > 0 else m.n_ctx_train
         if len(ids) >= n_ctx:
             raise UserError(f"prompt is {len(ids)} tokens, the context is {n_ctx} (raise -c or shorten the prompt)")
-        sampler = SamplerConfig(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
         if m.plan is not None:
             spec_type = m.plan.options.spec_type
         spec_type = spec_type or ("draft-simple" if model_draft else default_spec_type(m))
-        spec = SpecConfig(n_max=draft_n_max, n_min=draft_n_min, p_min=draft_p_min,
-                          adaptive=adaptive_default(spec_type) if adaptive is None else adaptive)
+        spec = dataclasses.replace(spec, adaptive=adaptive_default(spec_type) if adaptive is None else adaptive)
         draft_model = None
         if model_draft:
             draft_model = load_model(model_draft, device=device,
