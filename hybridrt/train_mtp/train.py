@@ -176,7 +176,7 @@ def batch_inputs(model, seqs: list[Sequence]):
         tokens[i, :n] = s.tokens[1:]
         h_in[i, :n], h_tgt[i, :n] = s.hidden[:-1], s.hidden[1:]
         valid[i, :n] = True
-    emb = model.embed(tokens.reshape(-1)).reshape(b, t, d)
+    emb = model.embed(tokens.reshape(-1)).reshape(b, t, -1)      # n_embd wide (the hidden may carry more)
     pos = torch.arange(1, t + 1)[None, :].expand(b, -1)
     return emb, h_in, h_tgt, pos, valid
 
