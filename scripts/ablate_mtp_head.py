@@ -7,8 +7,9 @@ the loss (KL to the target's logits over the draft vocabulary, or cross-entropy 
 an EAGLE-style regression of the target's next final-normed hidden added to it (--reg, smooth L1),
 the draft vocabulary's size, the head's FFN width (--head-ffn-layers), the learning rate, the
 batch, noise on the hidden it reads (--noise, EAGLE-1's), weight decay, or the target's residuals
-after some layers as further inputs (--aux-layers, EAGLE-3's low and middle features). Prints the held-out acceptance (per position, and as a run at --spec-draft-n-max 1 meets it)
-every --eval steps, and how much of the held-out argmax tokens the draft vocabulary covers.
+after some layers as further inputs (--aux-layers, EAGLE-3's low and middle features). Prints the
+held-out acceptance (per position, and as a run at --spec-draft-n-max 1 meets it) every --eval
+steps, and how much of the held-out argmax tokens the draft vocabulary covers.
 Evaluations do not stop the run early, and the batches are train-mtp's own at --seed 0
 (train.step_batch) for every variant, so variants differ only in what was changed.
 
