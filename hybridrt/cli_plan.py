@@ -149,7 +149,7 @@ def plan(
     """Plan GPU/CPU placement for a model before loading it: memory per category, layers, speed."""
     from rich.console import Console
 
-    from .cli_run import check_ctx_size, check_spec_flags
+    from .cli_run import check_spec_flags, context_size
     from .gguf_file import GGUFError
     from .model_profile import load_profile
     from .registry import resolve_model
@@ -159,11 +159,8 @@ def plan(
         draft = load_profile(resolve_model(model_draft)) if model_draft else None
     except GGUFError as exc:
         raise UserError(str(exc)) from None
-    check_ctx_size(ctx_size)
     check_spec_flags(spec_draft_n_max)
-    if ctx_size is not None and ctx_size > profile.n_ctx_train:     # as `run`
-        raise UserError(f"-c {ctx_size} is larger than the model's training context {profile.n_ctx_train}")
-    n_ctx = profile.n_ctx_train if ctx_size == 0 else ctx_size or min(4096, profile.n_ctx_train)
+    n_ctx = context_size(ctx_size, profile.n_ctx_train)
     if spec_type is None:
         spec_type = "draft-simple" if draft else ("draft-mtp" if profile.has_mtp else "none")
     if draft is not None and spec_type != "draft-simple":

@@ -95,6 +95,17 @@ def check_ctx_size(ctx_size: Optional[int]) -> None:
         raise UserError(f"-c {ctx_size}: the context size must be >= 1 (0: the model's)")
 
 
+def context_size(ctx_size: Optional[int], n_ctx_train: int, default: Optional[int] = None) -> int:
+    """-c as run, serve and plan read it: none given, `default` (else 4096 or the model's, if
+    smaller); 0, the model's training context; above it, an error."""
+    check_ctx_size(ctx_size)
+    if ctx_size is not None and ctx_size > n_ctx_train:
+        raise UserError(f"-c {ctx_size} is larger than the model's training context {n_ctx_train}")
+    if ctx_size == 0:
+        return n_ctx_train
+    return ctx_size or default or min(4096, n_ctx_train)
+
+
 def check_output_path(path: Optional[Path], flag: str) -> None:
     """An output file's place, checked before any work: a run should not end in a traceback."""
     if path is None:
@@ -176,11 +187,7 @@ def run(
                 print("note: this GGUF has no chat template: using ChatML, as llama.cpp does", file=sys.stderr)
             text = m.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
         ids = m.tokenize(text, add_special=True, parse_special=chat)
-        if ctx_size is None:
-            ctx_size = m.plan.options.n_ctx if m.plan is not None else min(4096, m.n_ctx_train)
-        if ctx_size > m.n_ctx_train:
-            raise UserError(f"-c {ctx_size} is larger than the model's training context {m.n_ctx_train}")
-        n_ctx = min(ctx_size, m.n_ctx_train) if ctx_size > 0 else m.n_ctx_train
+        n_ctx = context_size(ctx_size, m.n_ctx_train, m.plan.options.n_ctx if m.plan is not None else None)
         if len(ids) >= n_ctx:
             raise UserError(f"prompt is {len(ids)} tokens, the context is {n_ctx} (raise -c or shorten the prompt)")
         if m.plan is not None:

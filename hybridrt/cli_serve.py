@@ -88,7 +88,7 @@ def serve(
 ):
     """Serve the model over HTTP with OpenAI's API (/v1/chat/completions, /v1/completions, ...)."""
     uvicorn = _server_stack()
-    from .cli_run import adaptive_default, check_ctx_size, check_spec_flags
+    from .cli_run import adaptive_default, check_ctx_size, check_spec_flags, context_size
     from .kv_cache import kv_cache_type
     from .loader import load_model
     from .registry import KNOWN_MODELS, resolve_model
@@ -114,9 +114,7 @@ def serve(
     path = resolve_model(model)
     announce_and_compile(path)
     m = load_model(path, threads=threads, mtp_head=mtp_head)
-    if ctx_size is not None and ctx_size > m.n_ctx_train:
-        raise UserError(f"-c {ctx_size} is larger than the model's training context {m.n_ctx_train}")
-    n_ctx = m.n_ctx_train if ctx_size == 0 else ctx_size or min(4096, m.n_ctx_train)
+    n_ctx = context_size(ctx_size, m.n_ctx_train)
     spec_type = spec_type or ("draft-simple" if model_draft else default_spec_type(m))
     spec = SpecConfig(n_max=draft_n_max, n_min=draft_n_min, p_min=draft_p_min,
                       adaptive=adaptive_default(spec_type) if adaptive is None else adaptive)
