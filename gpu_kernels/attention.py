@@ -16,6 +16,11 @@ import torch
 import torch.nn.functional as F
 
 ROWWISE_MAX = 32   # batches up to this many tokens take the bit-stable row-by-row path
+# float32 scores one prompt SDPA call may hold ([heads, query rows, keys]): 64 MiB. On a GPU torch's
+# SDPA takes its math path here (float32 operands, a mask and GQA rule out the fused kernels), which
+# materializes the scores, their softmax and the GQA-widened K and V: for a 512-token chunk at the
+# end of a 32k context that is ~5 GB the plan never reserved. Longer prompts' rows go in blocks.
+SDPA_SCORES_MAX = 1 << 24
 Q8_0_BLOCK, Q8_0_BYTES = 32, 34     # ggml's block_q8_0: f16 scale + 32 int8
 
 
@@ -87,6 +92,20 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positi
     visible = key_pos.unsqueeze(0) <= query_pos
     if window > 0:
         visible &= query_pos - key_pos.unsqueeze(0) < window
-    out = F.scaled_dot_product_attention(
-        q.float()[None].transpose(1, 2), keys, vals, attn_mask=visible, scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1)
+    n_keys = last + 1 - base
+    block = max(1, SDPA_SCORES_MAX // (n_head * n_keys))
+    if block >= n_tok:
+        out = F.scaled_dot_product_attention(
+            q.float()[None].transpose(1, 2), keys, vals, attn_mask=visible, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1)
+    # blocks of query rows, each group of query heads folded into the rows of its KV head: K and V
+    # are read as they are ([1, n_kv, T, d]), never widened to every query head
+    out = torch.empty(n_tok, n_head, d_v, dtype=torch.float32, device=q.device)
+    qg = q.float().view(n_tok, n_kv, group, d).permute(1, 2, 0, 3)           # [n_kv, group, rows, d]
+    for a in range(0, n_tok, block):
+        b = min(a + block, n_tok)
+        qb = qg[:, :, a:b].reshape(1, n_kv, group * (b - a), d)
+        mask = visible[a:b].repeat(group, 1)                                 # [group * rows, T]
+        ob = F.scaled_dot_product_attention(qb, keys, vals, attn_mask=mask, scale=scale)
+        out[a:b] = ob.view(n_kv, group, b - a, d_v).permute(2, 0, 1, 3).reshape(b - a, n_head, d_v)
+    return out

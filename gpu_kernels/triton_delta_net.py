@@ -29,6 +29,17 @@ def _check_device(t: torch.Tensor) -> None:
                          f"kernel='torch', or set TRITON_INTERPRET=1 before importing gpu_kernels")
 
 
+def delta_rule_grid(H: int, d_v: int, block_v: int) -> tuple[int, int]:
+    """(value heads, value-column blocks): axis 1, limited to 65535 programs on CUDA, holds only
+    the few column blocks of one head (4 for d_v 128 at the default 32 columns)."""
+    return H, -(-d_v // block_v)
+
+
+def causal_conv_grid(C: int, block_c: int) -> tuple[int]:
+    """One program per block_c channels, on axis 0 (no 65535 limit there)."""
+    return (-(-C // block_c),)
+
+
 # ------------------------------------------------------------------ delta rule
 
 @triton.jit(do_not_specialize=["n"])
@@ -91,7 +102,7 @@ def delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_dec
     assert BV == triton.next_power_of_2(BV), f"block_v must be a power of two, got {BV}"
     # a warp per 256 state values, at most 4: small tiles (the tiny test models) leave no thread idle
     warps = num_warps or max(1, min(4, BK * BV // 256))
-    _delta_rule_kernel[(H, triton.cdiv(d_v, BV))](
+    _delta_rule_kernel[delta_rule_grid(H, d_v, BV)](
         q, k, v, log_decay, beta, out, state, snap, n, d_k, d_v,
         *q.stride(), *k.stride(), *v.stride(), *log_decay.stride(), *beta.stride(), *out.stride(),
         *state.stride(), *snap_strides,
@@ -160,7 +171,7 @@ def causal_conv_triton(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.
     dtype = torch.promote_types(torch.promote_types(x.dtype, conv_state.dtype), weight.dtype)
     out = torch.empty(n, C, dtype=dtype, device=x.device)
     hist = history_out if history_out is not None else out    # a placeholder pointer when unused
-    _causal_conv_kernel[(triton.cdiv(C, block_c),)](
+    _causal_conv_kernel[causal_conv_grid(C, block_c)](
         x, conv_state, weight, out, hist, n, C, x.stride(0), conv_state.stride(0), *weight.stride(),
         out.stride(0), hist.stride(0),
         K=K, KP=triton.next_power_of_2(max(K - 1, 1)), BC=block_c,

@@ -75,6 +75,12 @@ def launch_config(qtype: int, n_out: int) -> tuple[int, int, bool]:
     return (16, 4, False) if n_out >= 8192 else (8, 2, False)
 
 
+def matvec_grid(n_out: int, block_n: int) -> tuple[int]:
+    """The launch grid: one program per BLOCK_N output rows, all on axis 0 (CUDA allows 2^31 - 1
+    programs there, but only 65535 on axes 1 and 2: a 248320-row output head would not fit)."""
+    return (-(-n_out // block_n),)
+
+
 if have_triton():
     import triton
     import triton.language as tl
@@ -390,7 +396,7 @@ def matvec_triton(raw: torch.Tensor, qtype: int, n_in: int, x: torch.Tensor,
     block_n, num_warps = block_n or default_n, num_warps or default_warps
     rows_mid = default_mid if rows_mid is None else rows_mid
     raw, x = raw.contiguous(), x.contiguous()
-    _matvec_kernel[(triton.cdiv(n_out, block_n),)](
+    _matvec_kernel[matvec_grid(n_out, block_n)](
         raw, x, out, n_out, n_in, raw.shape[1], k,
         DECODE=_DECODERS[T(qtype)], CHUNK_BYTES=CHUNK // elems * nbytes, BLOCK_N=block_n, KT=K_MAX, ROWS_MID=rows_mid,
         num_warps=num_warps, enable_fp_fusion=fp_fusion)

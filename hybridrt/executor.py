@@ -81,7 +81,8 @@ class Executor:
         else:
             with self.trace.device_span(f"to host {key}", "transfer"):
                 host.copy_(x, non_blocking=True)
-        event.record()
+        # on the stream the copy went to (x's device's), not whichever device is current
+        event.record(torch.cuda.current_stream(x.device))
         return host, event
 
     def to_device(self, host: torch.Tensor, key: str) -> torch.Tensor:

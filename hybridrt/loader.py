@@ -36,6 +36,19 @@ def set_threads(n: int | None, trunk_on_cpu: bool = True) -> None:
         torch.set_num_threads(n)
 
 
+def use_cuda_device(dev: torch.device) -> None:
+    """Make `dev` (cuda:N) the current CUDA device. Triton launches its kernels on the current
+    device's stream, and CUDA events record and synchronize there too: with the weights on cuda:1
+    and device 0 current, the fused kernels would run on the wrong GPU and the executor's copy
+    events would not order the copies they guard. "cuda" (no index) is the current device already."""
+    if dev.index is None:
+        return
+    count = torch.cuda.device_count()
+    if dev.index >= count:
+        raise UserError(f"--device {dev}: this machine has {count} CUDA device(s), cuda:0 .. cuda:{count - 1}")
+    torch.cuda.set_device(dev)
+
+
 def load_model(model: str | os.PathLike | None = None, device: str = "cpu",
                tensor_devices: dict[str, str] | None = None, threads: int | None = None,
                placement: PlacementRequest | None = None, vram: int | str | None = None,
@@ -65,6 +78,8 @@ def load_model(model: str | os.PathLike | None = None, device: str = "cpu",
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is available (use --device cpu)")
+    if dev.type == "cuda":
+        use_cuda_device(dev)
     set_threads(threads, trunk_on_cpu=dev.type == "cpu")
     path = resolve_model(model)
     gguf = GGUFFile(path)
