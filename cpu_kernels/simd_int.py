@@ -60,6 +60,20 @@ def host_isa() -> str:
     return "portable"
 
 
+def runnable_isas() -> list[str]:
+    """Every lowering this CPU executes, the host's own first (tests force the others)."""
+    f = host_features()
+    isas = ["portable"]
+    if "avx2" in f:
+        isas.append("avx2")
+    if {"avx2", "avxvnni"} <= f or {"avx512vnni", "avx512vl"} <= f:
+        isas.append("avxvnni")     # the VEX ymm forms; AVX512-VL VNNI runs the same IR
+    if {"avx512f", "avx512bw", "avx512vnni"} <= f:
+        isas.append("avx512vnni")
+    host = host_isa()
+    return [host, *(i for i in isas if i != host)]
+
+
 def _selected_isa() -> tuple[str, bool]:
     forced = os.environ.get("HYBRIDRT_INT_ISA", "")
     if not forced:

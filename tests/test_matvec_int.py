@@ -5,7 +5,7 @@
 2. Against float activations: every output is within the bound the activation quantization allows,
    |y - W x| <= sum_i |W[r, i]| * d[t, block(i)] / 2 (each value is off by at most half a step).
 3. Every lowering (avx512vnni, avxvnni, avx2, portable) gives the same bits: integer sums are exact
-   and the float steps after them are the same.
+   and the float steps after them are the same (whole kernels here; the ops alone in test_simd_int.py).
 4. Prompt-sized batches (token quads, and token lanes from 10 (legacy) or 12 (K) tokens, several
    column chunks and row tiles)
    give every token the bits it gets alone, on 1 and 2 threads; so do block_dots (a row at a time)
@@ -36,7 +36,7 @@ from cpu_kernels.matvec_tiled import LANES_MIN_K, tiled_min_k
 from cpu_kernels.matvec_rowlanes import PASS_TOKENS, ROW_LANES, ROW_LANES_HOST, row_lanes_dot
 from cpu_kernels.matvec_testdata import random_weights
 from cpu_kernels.quantize_act import RESIDUAL_MAX_TOKENS, dequantize_rows, quantize_rows, with_residual_rows
-from cpu_kernels.simd_int import ISA, host_features
+from cpu_kernels.simd_int import ISA, runnable_isas
 from test_matvec import _two_threads  # noqa: F401  (autouse: 2 numba threads)
 
 INT = [T(t) for t in sorted(INT_TYPES)]
@@ -184,19 +184,15 @@ json.dump({"isa": simd_int.ISA, "res": res}, open(req["out"], "w"))
 """
 
 
-def _runnable_isas():
-    f = host_features()
-    isas = ["portable"]
-    if "avx2" in f:
-        isas.append("avx2")
-    if {"avx2", "avxvnni"} <= f or {"avx512vnni", "avx512vl"} <= f:
-        isas.append("avxvnni")     # the VEX ymm forms; AVX512-VL VNNI runs the same IR
-    if {"avx512f", "avx512bw", "avx512vnni"} <= f:
-        isas.append("avx512vnni")
-    return [i for i in isas if i != ISA]
+def _other_isas():
+    """The lowerings besides the host's. The ops they differ in are checked in every lowering in
+    test_simd_int.py (seconds); whole kernels compiled in another lowering take minutes each, so the
+    default suite compiles them in avx2 (Zen 1-3's lowering, and the kernels' layout without row
+    lanes, which every lowering but avx512vnni shares) and -m slow in all."""
+    return [pytest.param(i, marks=() if i == "avx2" else pytest.mark.slow) for i in runnable_isas() if i != ISA]
 
 
-@pytest.mark.parametrize("isa", _runnable_isas())
+@pytest.mark.parametrize("isa", _other_isas())
 def test_every_lowering_gives_the_same_bits(tmp_path, isa):
     rng = np.random.default_rng(5)
     arrays, names = {}, []
