@@ -3,15 +3,33 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 from gpu_kernels.norms import rms_norm
 
 from ..backends import WeightBinder
+from ..errors import UserError
 from ..gguf_file import GGUFFile
 from ..kv_cache import KVCache, cache_dtype, kv_cache_type
 from ..session import Session
 from .common import ModelState
+
+
+def _one_value(gguf: GGUFFile, key: str, default: int | None = None) -> int:
+    """A head count or size, which llama.cpp also accepts as one value per layer (the planner reads
+    such arrays, model_profile._per_layer): the layers here all share one, so an array must hold a
+    single value (0 entries: layers without attention)."""
+    value = gguf.get(key, default)
+    if value is None:
+        raise UserError(f"missing {gguf.arch}.{key}")
+    if isinstance(value, (np.ndarray, list)):
+        values = {int(v) for v in value} - {0}
+        if len(values) != 1:
+            raise UserError(f"{gguf.arch}.{key} differs between layers ({sorted(values)}); "
+                            f"hybridrt needs one value for every layer")
+        return values.pop()
+    return int(value)
 
 
 class Model:
@@ -31,10 +49,10 @@ class Model:
         self.eps = float(gguf.get("attention.layer_norm_rms_epsilon", 1e-6))
         self.n_ctx_train = int(gguf.get("context_length", 4096))
         # attention shape (every architecture here has attention layers; KV caches are sized from it)
-        self.n_head = int(gguf.get("attention.head_count"))
-        self.n_kv = int(gguf.get("attention.head_count_kv", self.n_head))
-        self.head_dim = int(gguf.get("attention.key_length", self.n_embd // self.n_head))
-        self.head_dim_v = int(gguf.get("attention.value_length", self.head_dim))
+        self.n_head = _one_value(gguf, "attention.head_count")
+        self.n_kv = _one_value(gguf, "attention.head_count_kv", self.n_head)
+        self.head_dim = _one_value(gguf, "attention.key_length", self.n_embd // self.n_head)
+        self.head_dim_v = _one_value(gguf, "attention.value_length", self.head_dim)
         self.tok_embd = binder.embedding("token_embd.weight")
         self.output_norm = binder.dense("output_norm.weight")
         head = "output.weight" if binder.has("output.weight") else "token_embd.weight"

@@ -11,6 +11,7 @@ from gpu_kernels.pointwise import per_token
 from gpu_kernels.rotary import RotaryRows, RotaryTable, apply_rotary, rotary_rows, rotary_table
 
 from ..backends import WeightBinder
+from ..errors import UserError
 from ..gguf_file import GGUFFile
 from ..kv_cache import KVCache
 
@@ -39,9 +40,16 @@ class AttentionSpec:
 
 
 def rope_scale(f: GGUFFile) -> float:
-    if f.get("rope.scaling.type") == "linear":
-        factor = float(f.get("rope.scaling.factor", 1.0) or 1.0)
+    """Positions' frequency scale from rope.scaling.*: linear divides by the factor. Other kinds
+    (yarn, longrope) change every position's angles in llama.cpp, even in a short context; running
+    them unscaled would be silently different logits, so a factor that would act is refused."""
+    kind = f.get("rope.scaling.type") or "none"
+    factor = float(f.get("rope.scaling.factor", 1.0) or 1.0)
+    if kind == "linear":
         return 1.0 / factor
+    if kind != "none" and factor != 1.0:
+        raise UserError(f"{f.path}: rope scaling '{kind}' (factor {factor:g}) is not supported "
+                        f"(supported: linear, or none)")
     return 1.0
 
 
@@ -70,12 +78,32 @@ class ModelState:
         return last[2]
 
 
+def check_attention_shapes(f: GGUFFile, prefix: str, spec: AttentionSpec) -> None:
+    """Refuse a layer whose q/k/v/output matrices disagree with the head metadata (as llama.cpp's
+    loader does): e.g. a llama file with head_dim != n_embd / n_head but no attention.key_length.
+    Unchecked, the fused CPU kernels read such matrices out of bounds and print garbage."""
+    q_rows = spec.n_head * spec.head_dim * (2 if spec.gated else 1)
+    want = {"attn_q": (None, q_rows), "attn_k": (None, spec.n_kv * spec.head_dim),
+            "attn_v": (None, spec.n_kv * spec.head_dim_v), "attn_output": (spec.n_head * spec.head_dim_v, None)}
+    for short, (n_in, n_out) in want.items():
+        name = f"{prefix}.{short}.weight"
+        info = f.tensors.get(name)
+        if info is None:
+            raise UserError(f"{name} is missing from the file")
+        if (n_in is not None and info.shape[0] != n_in) or (n_out is not None and info.n_rows != n_out):
+            expected = (n_in or info.shape[0], n_out or info.n_rows)
+            raise UserError(f"{name} has shape {tuple(info.shape)}, expected {expected} from the metadata "
+                            f"({spec.n_head} heads, {spec.n_kv} KV heads, head dim {spec.head_dim}/"
+                            f"{spec.head_dim_v}; a missing attention.key_length means n_embd / n_head)")
+
+
 class Attention:
     """One attention layer: projections, optional q/k norm, rotary, KV write, attend, output."""
 
     def __init__(self, w: WeightBinder, prefix: str, spec: AttentionSpec, cache_index: int):
         self.spec, self.cache_index = spec, cache_index
         names = [f"{prefix}.attn_q.weight", f"{prefix}.attn_k.weight", f"{prefix}.attn_v.weight"]
+        check_attention_shapes(w.gguf, prefix, spec)
         stacked = w.stacked_linear(names)
         if stacked is not None:
             self.wqkv, self.qkv_rows = stacked
