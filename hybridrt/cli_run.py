@@ -139,6 +139,7 @@ def run(
     cache_type_v: str = typer.Option("f16", "-ctv", "--cache-type-v", help="KV cache type for V: f16, f32, bf16, q8_0."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome/Perfetto trace (device work, CPU FFN, transfers, draft, verify) to this file."),
     display_prompt: bool = typer.Option(True, "--display-prompt/--no-display-prompt", help="Echo the prompt before the output."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="End-of-generation tokens do not stop generation (-n tokens or a full context do)."),
     spec_type: Optional[str] = typer.Option(None, "--spec-type", help="Speculative drafts: none, draft-mtp, draft-simple, ngram-simple (default: draft-mtp when the model has an MTP head, else none)."),
     model_draft: Optional[str] = typer.Option(None, "-md", "--model-draft", help="Draft model for --spec-type draft-simple (same vocabulary)."),
     draft_n_max: int = typer.Option(3, "--spec-draft-n-max", "--draft-max", help=f"Most draft tokens per step (1..{MAX_DRAFTS})."),
@@ -212,15 +213,17 @@ def run(
             sys.stdout.write(stream.push(token))
             sys.stdout.flush()
 
+        stop_ids = set() if ignore_eos else None      # None: the tokenizer's end-of-generation ids
         if source is None:
-            out, stats = generate(m, session, ids, n_predict, sampler, on_token=emit)
+            out, stats = generate(m, session, ids, n_predict, sampler, on_token=emit, stop_ids=stop_ids)
         else:
             out, stats = speculative_generate(m, session, ids, n_predict, sampler, source, spec, on_token=emit,
-                                            trace=m.executor.trace)
+                                            stop_ids=stop_ids, trace=m.executor.trace)
         sys.stdout.write(stream.flush() + "\n")
         sys.stdout.flush()
         if stats.stopped_by == "context":
-            wanted = f" ({len(out)} of the {n_predict} tokens asked for; raise -c)" if n_predict > 0 else ""
+            hint = "raise -c" if session.n_ctx < m.n_ctx_train else "the model's training context"
+            wanted = f" ({len(out)} of the {n_predict} tokens asked for; {hint})" if n_predict > 0 else ""
             print(f"stopped: the context of {session.n_ctx} tokens is full{wanted}", file=sys.stderr)
         if stats.spec is not None:
             print(stats.spec.summary(), file=sys.stderr)

@@ -47,6 +47,30 @@ def test_run_says_when_the_context_ends_it():
     assert r.returncode == 0 and "stopped:" not in r.stderr, r.stderr
 
 
+def test_ignore_eos_generates_past_the_end_of_the_answer():
+    """--ignore-eos (llama.cpp's flag): the chat answer's end-of-turn token does not stop the run."""
+    import re
+
+    require(SMOLLM2)
+    args = ("run", "-m", "smollm2-135m", "--chat", "-p", "Reply with one word: yes or no?", "-n", "24", "--temp", "0")
+    counts = []
+    for extra in ((), ("--ignore-eos",)):
+        r = cli(*args, *extra)
+        assert r.returncode == 0, r.stderr
+        counts.append(int(re.search(r"decode: (\d+) tokens", r.stderr).group(1)))
+    assert counts[0] < 8 and counts[1] == 23, counts        # the first token comes from the prompt's step
+
+
+def test_a_full_training_context_does_not_say_raise_c(tmp_path):
+    """At the model's training context -c cannot go higher (it is refused): the note says which
+    limit ended the run instead."""
+    path = make_model.write_model(tmp_path / "ctx16.gguf", "llama", dims=dict(context_length=16))
+    r = cli("run", "-m", str(path), "-p", "hello world", "-n", "40", "-c", "0", "--temp", "0", "--ignore-eos")
+    assert r.returncode == 0, r.stderr
+    assert "stopped: the context of 16 tokens is full" in r.stderr and "training context" in r.stderr, r.stderr
+    assert "raise -c" not in r.stderr
+
+
 def test_run_errors_are_one_line():
     require(SMOLLM2)
     long_prompt = "word " * 300
