@@ -190,9 +190,10 @@ def bench(
     if request is not None:
         request = dataclasses.replace(request, cpu_bw=cbw)
     cache_type = kv_cache_type(cache_type_k, cache_type_v)      # what `run` decodes on
-    m = load_model(model, device=device, threads=threads, placement=request, trace=trace is not None,
-                   exact_activations=True if exact_activations else None, mtp_head=mtp_head,
-                       act_residual=act_residual)
+    # a benchmark runs at one thread count, the one it reports (no thread governor: loader.py)
+    m = load_model(model, device=device, threads=threads or numba.config.NUMBA_NUM_THREADS, placement=request,
+                   trace=trace is not None, exact_activations=True if exact_activations else None,
+                   mtp_head=mtp_head, act_residual=act_residual)
     if m.plan is not None:
         print(placement_line(m.plan, device), file=sys.stderr)
     try:

@@ -227,6 +227,8 @@ def run(
             print(f"stopped: the context of {session.n_ctx} tokens is full{wanted}", file=sys.stderr)
         if stats.spec is not None:
             print(stats.spec.summary(), file=sys.stderr)
+        if m.executor.governor is not None and m.executor.governor.summary():
+            print(m.executor.governor.summary(), file=sys.stderr)
         print(f"prompt eval: {stats.n_prompt} tokens in {stats.prompt_s * 1e3:.0f} ms ({stats.prompt_tps:.1f} t/s) | "
               f"decode: {stats.n_decode} tokens in {stats.decode_s * 1e3:.0f} ms ({stats.decode_tps:.1f} t/s)",
               file=sys.stderr)

@@ -113,16 +113,18 @@ def serve(
     _threadsafe_kernels(parallel)
     path = resolve_model(model)
     announce_and_compile(path)
+    import numba
+
+    if threads is None:     # sessions decode at once: one pool of all cores each would oversubscribe
+        threads = max(1, numba.config.NUMBA_NUM_THREADS // parallel)
+    # a fixed count (no thread governor): the sessions' worker threads share the model's executor,
+    # and Numba's count is per launching thread
     m = load_model(path, threads=threads, mtp_head=mtp_head)
     n_ctx = context_size(ctx_size, m.n_ctx_train)
     spec_type = spec_type or ("draft-simple" if model_draft else default_spec_type(m))
     spec = SpecConfig(n_max=draft_n_max, n_min=draft_n_min, p_min=draft_p_min,
                       adaptive=adaptive_default(spec_type) if adaptive is None else adaptive)
     draft_model = load_model(model_draft, threads=threads) if model_draft else None
-    if threads is None:     # sessions decode at once: one pool of all cores each would oversubscribe
-        import numba
-
-        threads = max(1, numba.config.NUMBA_NUM_THREADS // parallel)
     cfg = ServeConfig(n_ctx=n_ctx, cache_type=cache_type, spec_type=spec_type, spec=spec, ngram_n=ngram_n,
                       n_parallel=parallel, max_queue=max_queue, threads=threads)
     metrics = Metrics(parallel)

@@ -25,10 +25,12 @@ kernels to finish reading the buffer. Decode and verify steps keep the CPU path.
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from .thread_governor import GOVERNED_MAX_TOKENS, ThreadGovernor
 from .trace import Tracer, maybe_span
 
 # the smallest batch whose CPU FFN layers run on the device (placement.plan.OP_OFFLOAD_MIN_BATCH,
@@ -37,9 +39,11 @@ OP_OFFLOAD_MIN_BATCH = 64
 
 
 class Executor:
-    def __init__(self, device: torch.device | str, trace: Tracer | None = None):
+    def __init__(self, device: torch.device | str, trace: Tracer | None = None,
+                 governor: ThreadGovernor | None = None):
         self.device = torch.device(device)
         self.trace = trace
+        self.governor = governor        # a CPU trunk's thread count, when -t did not fix it
         self.cuda = self.device.type == "cuda"
         self._worker: ThreadPoolExecutor | None = None
         self._host: dict[str, torch.Tensor] = {}     # one pair per crossing layer: no reuse hazards
@@ -49,7 +53,17 @@ class Executor:
     def forward(self, model, state, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
         """One forward of `tokens` at `start_pos`: prefill chunk, decode step or verify batch."""
         with maybe_span(self.trace, f"forward {tokens.shape[0]} @ {start_pos}", "step"):
-            return model.forward(state, tokens, start_pos)
+            if self.governor is None or tokens.shape[0] > GOVERNED_MAX_TOKENS:
+                return model.forward(state, tokens, start_pos)
+            import numba     # the kernels' pool; this thread launches them on a CPU trunk
+
+            n = self.governor.threads()
+            if n != numba.get_num_threads():
+                numba.set_num_threads(n)
+            start = time.perf_counter()
+            out = model.forward(state, tokens, start_pos)
+            self.governor.record(tokens.shape[0], time.perf_counter() - start)
+            return out
 
     # --- the CPU side --------------------------------------------------------------------------------
     def submit(self, fn, *args) -> Future:

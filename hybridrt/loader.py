@@ -14,6 +14,7 @@ from .models import check_arch, model_class
 from .models.base import Model
 from .place import PlacementRequest, parse_size, plan_for, split_of, tensor_devices as plan_devices
 from .registry import resolve_model
+from .thread_governor import ThreadGovernor
 from .trace import Tracer
 
 
@@ -34,6 +35,18 @@ def set_threads(n: int | None, trunk_on_cpu: bool = True) -> None:
         torch.set_num_threads(1)
     elif n:
         torch.set_num_threads(n)
+
+
+def _governor(threads: int | None, dev: torch.device, plan) -> ThreadGovernor | None:
+    """A CPU trunk without -t adapts its thread count to what other processes leave free
+    (thread_governor.py); a placed model's CPU work runs on the executor's worker thread, whose
+    count stays as set."""
+    import numba
+
+    n = numba.get_num_threads()
+    if threads or dev.type != "cpu" or plan is not None or n < 2:
+        return None
+    return ThreadGovernor(n)
 
 
 def use_cuda_device(dev: torch.device) -> None:
@@ -91,7 +104,7 @@ def load_model(model: str | os.PathLike | None = None, device: str = "cpu",
     if placement is not None:
         plan = plan_for(str(path), placement, dev, int(gguf.get("context_length", 4096)))
         tensor_devices, split = plan_devices(plan), split_of(plan)
-    executor = Executor(dev, tracer)
+    executor = Executor(dev, tracer, governor=_governor(threads, dev, plan))
     dtype = torch.float32 if dev.type == "cpu" else torch.float16
     binder = WeightBinder(gguf, dev, tensor_devices, device_dtype=dtype,
                           executor=executor if plan is not None else None, split=split,

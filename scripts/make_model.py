@@ -476,7 +476,7 @@ def _add_metadata(w: gguf.GGUFWriter, d: ModelDims, tok: Tokenizer, mix: str) ->
     w.add_uint32(f"{a}.attention.head_count_kv", d.n_head_kv)
     w.add_float32(f"{a}.rope.freq_base", d.rope_base)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", d.rms_eps)
-    if a != "llama":
+    if a != "llama" or d.head_dim != d.n_embd // d.n_head:     # llama's converter writes it only then
         w.add_uint32(f"{a}.attention.key_length", d.head_dim)
         w.add_uint32(f"{a}.attention.value_length", d.head_dim)
     if a == "llama":

@@ -51,10 +51,12 @@ def test_unusual_dims_match_the_reference(tmp_path, name):
 
 
 def test_head_dims_that_disagree_with_the_matrices_are_refused(tmp_path):
-    # llama writes no attention.key_length, so the head dim is n_embd / n_head = 32, but the
+    # a llama file without attention.key_length has heads of n_embd / n_head = 32, but these
     # matrices hold heads of 16: llama.cpp refuses the file; hybridrt ran it with its fused CPU
     # kernels reading attn_q out of bounds
-    path = make_model.write_model(tmp_path / "bad.gguf", "llama", dims=dict(n_embd=128, head_dim=16, n_rot=16))
+    path = make_model.write_model(tmp_path / "m.gguf", "llama", dims=dict(n_embd=128, head_dim=16, n_rot=16))
+    path = _rewrite(path, tmp_path / "bad.gguf", llama__attention__key_length=None,
+                    llama__attention__value_length=None)
     with pytest.raises(UserError, match=r"blk\.0\.attn_q\.weight has shape \(128, 64\), expected \(128, 128\)"):
         load_model(path)
 
@@ -91,14 +93,14 @@ def test_every_weight_type_in_the_ffn_and_in_attention(tmp_path, monkeypatch, i)
 
 def _rewrite(src, dst, **keys):
     """A copy of src with metadata `keys` (dots written as "__") set: a list becomes an integer
-    array, a str a string, a float a float32; through gguf-py's reader and writer."""
+    array, a str a string, a float a float32, None drops the key; through gguf-py's reader and writer."""
     keys = {k.replace("__", "."): v for k, v in keys.items()}
     r = gguf.GGUFReader(src)
     w = gguf.GGUFWriter(dst, r.fields["general.architecture"].contents())
     for name, f in r.fields.items():
         if not name.startswith("GGUF.") and name != "general.architecture" and name not in keys:
             w.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None)
-    for key, value in keys.items():
+    for key, value in ((k, v) for k, v in keys.items() if v is not None):
         {list: w.add_array, str: w.add_string, float: w.add_float32}[type(value)](key, value)
     for t in r.tensors:         # the F32 file's tensors, in numpy order
         w.add_tensor(t.name, np.asarray(t.data).reshape(tuple(int(n) for n in reversed(t.shape))))
