@@ -14,7 +14,7 @@ from .models import check_arch, model_class
 from .models.base import Model
 from .place import PlacementRequest, parse_size, plan_for, split_of, tensor_devices as plan_devices
 from .registry import resolve_model
-from .thread_governor import ThreadGovernor
+from .thread_governor import ThreadGovernor, busy_elsewhere
 from .trace import Tracer
 
 
@@ -46,7 +46,7 @@ def _governor(threads: int | None, dev: torch.device, plan) -> ThreadGovernor | 
     n = numba.get_num_threads()
     if threads or dev.type != "cpu" or plan is not None or n < 2:
         return None
-    return ThreadGovernor(n)
+    return ThreadGovernor(n, busy=busy_elsewhere)
 
 
 def use_cuda_device(dev: torch.device) -> None:

@@ -13,13 +13,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from statistics import median
+from typing import Callable
 
 GOVERNED_MAX_TOKENS = 32     # decode and verify steps; prompt chunks run at the current count, untimed
+
+
+def busy_elsewhere(path: str = "/proc/loadavg", reads: int = 9) -> int:
+    """How many tasks besides the caller are running or waiting for a core now: the runnable count of
+    /proc/loadavg's fourth field ("3/93": 3 runnable, the reader one of them), the median of a few
+    reads. 0 where the file cannot be read (not Linux)."""
+    counts = []
+    try:
+        for _ in range(reads):
+            with open(path) as f:
+                counts.append(int(f.read().split()[3].split("/")[0]))
+    except (OSError, IndexError, ValueError):
+        return 0
+    return max(0, int(median(counts)) - 1)
 
 
 @dataclass
 class ThreadGovernor:
     max_threads: int
+    busy: Callable[[], int] | None = None    # other runnable tasks now (busy_elsewhere): the first step's
+    #                                          count, and whether a probe for more threads has cores to use
     probe_steps: int = 2          # steps a probe runs at the other count
     slowdown: float = 1.5         # steps this much slower than the best seen at this count: probe fewer
     win: float = 0.9              # a probe must take at most this fraction of the current step time
@@ -36,7 +53,7 @@ class ThreadGovernor:
         while n not in self.levels:
             self.levels.append(n)
             n = max(1, n // 2)
-        self._step = 0
+        self._step, self._started = 0, False
         self._reset(self.first_interval_s)
         # the first probe comes at the first step: a run that starts beside busy processes (2
         # threads: ~1 s steps, one thread ~10 ms) must not pay for a baseline first
@@ -55,6 +72,16 @@ class ThreadGovernor:
 
     def threads(self) -> int:
         """The count the next step runs at."""
+        if not self._started:
+            self._started = True
+            if self.busy is None:
+                return self.levels[0]
+            # start at the cores others leave free: beside two busy processes the first 2-thread
+            # steps on 2 cores take ~1 s each, more than a whole run's probes would lose
+            free = self.max_threads - self.busy()
+            self.level = next((i for i, n in enumerate(self.levels) if n <= max(1, free)), len(self.levels) - 1)
+            if self.level:
+                self.switches.append((0, self.levels[self.level]))
         return self.levels[self._probe if self._probe is not None else self.level]
 
     def record(self, n_tok: int, seconds: float) -> None:
@@ -79,6 +106,10 @@ class ThreadGovernor:
     def _start(self, target: int) -> None:
         if not 0 <= target < len(self.levels) or target == self.level:
             self._since_s, self._next_probe_s = 0.0, self.max_interval_s
+            return
+        if target < self.level and self.busy is not None and self.levels[target] > self.max_threads - self.busy():
+            # the cores are still taken: a probe would only cost (~1 s a step beside busy processes)
+            self._since_s, self._next_probe_s = 0.0, self._interval_s
             return
         self._probe, self._probe_ratios, self._probe_lost_s = target, [], 0.0
         self._probe_start, self._probe_thin = self._step, False
@@ -117,6 +148,6 @@ class ThreadGovernor:
         """One line for stderr when the count changed during the run, else None."""
         if not self.switches:
             return None
-        path = " -> ".join([str(self.levels[0])] + [f"{n} (step {s})" for s, n in self.switches])
-        return (f"threads: {path}: steps ran faster on fewer threads while other processes held cores "
-                f"(-t N fixes the count)")
+        path = " -> ".join([str(self.levels[0])] + [f"{n} ({f'step {s}' if s else 'at start'})"
+                                                    for s, n in self.switches])
+        return f"threads: {path}, following the cores other processes left free (-t N fixes the count)"

@@ -37,7 +37,7 @@ def test_idle_then_busy_then_idle(seed):
     assert again[-500:].count(1) <= 4                # back once the load left (a probe or two)
     first_back = again.index(2)
     assert again[first_back:].count(1) <= 12
-    assert [n for _, n in gov.switches][:2] == [1, 2] and "threads: 2 -> 1" in gov.summary()
+    assert [n for _, n in gov.switches][:2] == [1, 2] and "threads: 2 -> 1 (step " in gov.summary()
 
 
 def test_busy_from_the_start_drops_at_the_first_scheduled_probe():
@@ -48,6 +48,24 @@ def test_busy_from_the_start_drops_at_the_first_scheduled_probe():
 def test_an_idle_run_never_switches():
     gov, trace = simulate([("idle", 3000)], np.random.default_rng(1))
     assert gov.switches == [] and gov.summary() is None and trace.count(1) <= 14
+
+
+def test_the_start_follows_the_cores_others_leave_free(tmp_path):
+    """The first step runs on the cores that /proc/loadavg's runnable count leaves free; an idle
+    machine starts at all of them (and says nothing)."""
+    from hybridrt.thread_governor import busy_elsewhere
+
+    for line, others in (("0.17 1.13 1.80 1/79 3356", 0), ("2.0 1.0 0.5 3/80 3400", 2), ("bad", 0)):
+        (tmp_path / "loadavg").write_text(line + "\n")
+        assert busy_elsewhere(str(tmp_path / "loadavg")) == others
+    assert busy_elsewhere(str(tmp_path / "missing")) == 0
+    for cores, busy, first in ((2, 0, 2), (2, 1, 1), (2, 5, 1), (16, 6, 8), (16, 9, 4)):
+        gov = ThreadGovernor(cores, busy=lambda: busy)
+        assert gov.threads() == first and gov.threads() == first
+        assert (gov.summary() is None) == (first == cores)
+    gov = ThreadGovernor(2, busy=lambda: 1)
+    gov.threads()
+    assert "threads: 2 -> 1 (at start)" in gov.summary()
 
 
 def test_levels_halve_to_one():
@@ -115,3 +133,17 @@ def test_two_threads_jammed_from_the_start_cost_a_few_slow_steps():
         gov.record(1, t)
         spent += t
     assert spent < 300 * 0.02 + 5, spent
+
+
+def test_no_probe_for_more_threads_while_the_cores_are_taken():
+    """At one thread because others are busy, a probe for two waits until the runnable count says a
+    core is free (each failed probe beside busy processes costs ~1 s), then comes within ~0.25 s."""
+    step, trace = [0], []
+    gov = ThreadGovernor(2, busy=lambda: 1 if step[0] < 300 else 0)
+    for step[0] in range(600):
+        n = gov.threads()
+        machine = "busy" if step[0] < 300 else "idle"
+        gov.record(1, STEP[n, machine])
+        trace.append(n)
+    assert trace[:300] == [1] * 300
+    assert trace[300:360].count(2) >= 30 and trace[400:].count(1) <= 6
