@@ -137,3 +137,11 @@ def test_rope_scaling_other_than_linear_is_refused(tmp_path):
     linear = load_model(_rewrite(src, tmp_path / "lin.gguf", llama__rope__scaling__type="linear",
                                  llama__rope__scaling__factor=4.0), exact_activations=True)
     assert not np.allclose(linear.session(16).eval(tokens).numpy(), plain, atol=1e-3)
+
+
+def test_gemma3_without_its_sliding_window_is_refused(tmp_path):
+    """llama.cpp requires gemma3.attention.sliding_window; without it hybridrt ran every layer as a
+    global one (at the global rope base), other logits than the model's."""
+    src = make_model.write_model(tmp_path / "g.gguf", "gemma3")
+    with pytest.raises(UserError, match="sliding_window is missing"):
+        load_model(_rewrite(src, tmp_path / "nowindow.gguf", gemma3__attention__sliding_window=None))

@@ -12,6 +12,7 @@ import math
 import torch
 
 from ..backends import WeightBinder
+from ..errors import UserError
 from ..gguf_file import GGUFFile
 from .base import Model
 from .common import AttentionSpec, RopeSpec, attention_block, ffn_block, rope_scale
@@ -26,7 +27,10 @@ class Gemma3(Model):
     def __init__(self, gguf: GGUFFile, binder: WeightBinder):
         super().__init__(gguf, binder)
         self.n_attention_layers = self.n_layer
-        window = int(gguf.get("attention.sliding_window", 0) or 0)
+        window = gguf.get("attention.sliding_window")
+        if window is None:      # llama.cpp requires it too: without it every layer would run global
+            raise UserError(f"{gguf.path}: gemma3.attention.sliding_window is missing")
+        window = int(window)
         n_rot = int(gguf.get("rope.dimension_count", self.head_dim))
         global_rope = RopeSpec(n_rot, float(gguf.get("rope.freq_base", 1e6)), True, rope_scale(gguf))
         local_rope = RopeSpec(n_rot, LOCAL_ROPE_BASE, True, 1.0)
