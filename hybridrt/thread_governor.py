@@ -36,8 +36,9 @@ def busy_elsewhere(path: str = "/proc/loadavg", reads: int = 9) -> int:
 @dataclass
 class ThreadGovernor:
     max_threads: int
-    busy: Callable[[], int] | None = None    # other runnable tasks now (busy_elsewhere): the first step's
-    #                                          count, and whether a probe for more threads has cores to use
+    # other runnable tasks now (busy_elsewhere): the first step's count, and whether a probe for more
+    # threads has a core to use
+    busy: Callable[[], int] | None = None
     probe_steps: int = 2          # steps a probe runs at the other count
     slowdown: float = 1.5         # steps this much slower than the best seen at this count: probe fewer
     win: float = 0.9              # a probe must take at most this fraction of the current step time
