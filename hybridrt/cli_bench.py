@@ -243,7 +243,7 @@ def _bench_spec(m, spec_type, n_max, model_draft, prompt_file, spec_prompt, forc
     import torch
 
     from .cli_run import adaptive_default, read_prompt
-    from .loader import load_model
+    from .loader import load_draft_model
     from .speculative.bench_prompts import BUILTIN_PROMPTS
 
     if force not in ("none", "accept", "reject"):
@@ -257,16 +257,8 @@ def _bench_spec(m, spec_type, n_max, model_draft, prompt_file, spec_prompt, forc
         name, ids = spec_prompt, m.tokenize(BUILTIN_PROMPTS[spec_prompt])
     else:
         raise UserError(f"--spec-prompt must be one of {', '.join([*BUILTIN_PROMPTS, 'random'])}")
-    draft = None
-    if model_draft:
-        from .place import draft_devices
-        from .registry import resolve_model
-
-        # as `run` loads it: on the trunk's device, where a plan reserved it (a CPU draft beside a
-        # GPU target would time another setup than the one predicted)
-        draft = load_model(model_draft, device=m.device,
-                           tensor_devices=draft_devices(m.plan, str(resolve_model(model_draft))),
-                           exact_activations=m.binder.exact, act_residual=m.binder.act_residual)
+    # as `run` loads it (a CPU draft beside a GPU target would time another setup than the planned one)
+    draft = load_draft_model(m, model_draft) if model_draft else None
     warm = m.session(16, cache_type, k_max=n_max + 1)
     warm.eval([1, 2], logits="last")
     warm.eval(list(range(3, 3 + n_max + 1)), logits="all")

@@ -154,9 +154,8 @@ def run(
     """Generate text from a prompt (streams tokens; timings on stderr like llama.cpp)."""
     from .generate import generate
     from .kv_cache import kv_cache_type
-    from .loader import load_model
-    from .place import draft_devices, placement_line
-    from .registry import resolve_model
+    from .loader import load_draft_model, load_model
+    from .place import placement_line
     from .sampling import SamplerConfig
     from .speculative.loop import SpecConfig, speculative_generate
     from .speculative.sources import build_source, default_spec_type
@@ -195,12 +194,7 @@ def run(
             spec_type = m.plan.options.spec_type
         spec_type = spec_type or ("draft-simple" if model_draft else default_spec_type(m))
         spec = dataclasses.replace(spec, adaptive=adaptive_default(spec_type) if adaptive is None else adaptive)
-        draft_model = None
-        if model_draft:
-            draft_model = load_model(model_draft, device=device,
-                                     tensor_devices=draft_devices(m.plan, str(resolve_model(model_draft))),
-                                     exact_activations=True if exact_activations else None,
-                                     act_residual=act_residual)
+        draft_model = load_draft_model(m, model_draft) if model_draft else None
         session = m.session(n_ctx, cache_type, k_max=spec.k_max if spec_type != "none" else 1)
         source = build_source(spec_type, session, sampler, spec, draft_model, ngram_n_max=ngram_n,
                               cache_type=cache_type)
@@ -227,8 +221,9 @@ def run(
             print(f"stopped: the context of {session.n_ctx} tokens is full{wanted}", file=sys.stderr)
         if stats.spec is not None:
             print(stats.spec.summary(), file=sys.stderr)
-        if m.executor.governor is not None and m.executor.governor.summary():
-            print(m.executor.governor.summary(), file=sys.stderr)
+        threads_line = m.executor.governor.summary() if m.executor.governor is not None else None
+        if threads_line:
+            print(threads_line, file=sys.stderr)
         print(f"prompt eval: {stats.n_prompt} tokens in {stats.prompt_s * 1e3:.0f} ms ({stats.prompt_tps:.1f} t/s) | "
               f"decode: {stats.n_decode} tokens in {stats.decode_s * 1e3:.0f} ms ({stats.decode_tps:.1f} t/s)",
               file=sys.stderr)

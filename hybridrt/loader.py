@@ -12,7 +12,7 @@ from .executor import Executor
 from .gguf_file import GGUFFile
 from .models import check_arch, model_class
 from .models.base import Model
-from .place import PlacementRequest, parse_size, plan_for, split_of, tensor_devices as plan_devices
+from .place import PlacementRequest, draft_devices, parse_size, plan_for, split_of, tensor_devices as plan_devices
 from .registry import resolve_model
 from .thread_governor import ThreadGovernor, busy_elsewhere
 from .trace import Tracer
@@ -117,6 +117,14 @@ def load_model(model: str | os.PathLike | None = None, device: str = "cpu",
 
         m.mtp = load_mtp_head(m, mtp_head, tensor_devices)
     return m
+
+
+def load_draft_model(target: Model, draft: str | os.PathLike) -> Model:
+    """A draft model (`-md`) as `run` and `bench` decode with it: on the target's device, its tensors
+    where the target's plan reserved them, on the target's activation numerics."""
+    return load_model(draft, device=target.device,
+                      tensor_devices=draft_devices(target.plan, str(resolve_model(draft))),
+                      exact_activations=target.binder.exact, act_residual=target.binder.act_residual)
 
 
 def _size(vram: int | str) -> int:
