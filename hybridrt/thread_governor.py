@@ -12,6 +12,8 @@ the thread count (each output row is one thread's), so switching never changes a
 """
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Callable
@@ -19,18 +21,33 @@ from typing import Callable
 GOVERNED_MAX_TOKENS = 32     # decode and verify steps; prompt chunks run at the current count, untimed
 
 
-def busy_elsewhere(path: str = "/proc/loadavg", reads: int = 9) -> int:
-    """How many tasks besides the caller are running or waiting for a core now: the runnable count of
-    /proc/loadavg's fourth field ("3/93": 3 runnable, the reader one of them), the median of a few
-    reads. 0 where the file cannot be read (not Linux)."""
+def _runnable_here(task_dir: str) -> int:
+    """This process's threads that are running or runnable (state R in /proc/self/task/*/stat): the
+    kernels' OpenMP threads spin a while after each parallel region and count in /proc/loadavg."""
+    n = 0
+    for tid in os.listdir(task_dir):
+        try:
+            with open(os.path.join(task_dir, tid, "stat")) as f:
+                n += f.read().rsplit(")", 1)[1].split()[0] == "R"
+        except (OSError, IndexError):
+            pass
+    return n
+
+
+def busy_elsewhere(path: str = "/proc/loadavg", task_dir: str = "/proc/self/task", reads: int = 9) -> int:
+    """How many tasks of other processes are running or waiting for a core now: the runnable count of
+    /proc/loadavg's fourth field ("3/93": 3 runnable) less this process's runnable threads (the
+    reader among them), the median of reads 1 ms apart. 0 where the files cannot be read (not Linux)."""
     counts = []
     try:
         for _ in range(reads):
             with open(path) as f:
-                counts.append(int(f.read().split()[3].split("/")[0]))
+                total = int(f.read().split()[3].split("/")[0])
+            counts.append(total - _runnable_here(task_dir))
+            time.sleep(0.001)       # ~10 ms in all: a task runnable for a moment is not a busy process
     except (OSError, IndexError, ValueError):
         return 0
-    return max(0, int(median(counts)) - 1)
+    return max(0, int(median(counts)))
 
 
 @dataclass

@@ -55,10 +55,14 @@ def test_the_start_follows_the_cores_others_leave_free(tmp_path):
     machine starts at all of them (and says nothing)."""
     from hybridrt.thread_governor import busy_elsewhere
 
-    for line, others in (("0.17 1.13 1.80 1/79 3356", 0), ("2.0 1.0 0.5 3/80 3400", 2), ("bad", 0)):
+    tasks = tmp_path / "task"        # this process: the reader running, one pool thread spinning, one asleep
+    for tid, state in ((101, "R"), (102, "R"), (103, "S")):
+        (tasks / str(tid)).mkdir(parents=True)
+        (tasks / str(tid) / "stat").write_text(f"{tid} (python3 (x)) {state} 1 2 3\n")
+    for line, others in (("0.17 1.13 1.80 2/79 3356", 0), ("2.0 1.0 0.5 4/80 3400", 2), ("bad", 0)):
         (tmp_path / "loadavg").write_text(line + "\n")
-        assert busy_elsewhere(str(tmp_path / "loadavg")) == others
-    assert busy_elsewhere(str(tmp_path / "missing")) == 0
+        assert busy_elsewhere(str(tmp_path / "loadavg"), str(tasks)) == others
+    assert busy_elsewhere(str(tmp_path / "missing"), str(tasks)) == 0
     for cores, busy, first in ((2, 0, 2), (2, 1, 1), (2, 5, 1), (16, 6, 8), (16, 9, 4)):
         gov = ThreadGovernor(cores, busy=lambda: busy)
         assert gov.threads() == first and gov.threads() == first
