@@ -121,10 +121,14 @@ def load_model(model: str | os.PathLike | None = None, device: str = "cpu",
 
 def load_draft_model(target: Model, draft: str | os.PathLike) -> Model:
     """A draft model (`-md`) as `run` and `bench` decode with it: on the target's device, its tensors
-    where the target's plan reserved them, on the target's activation numerics."""
-    return load_model(draft, device=target.device,
-                      tensor_devices=draft_devices(target.plan, str(resolve_model(draft))),
-                      exact_activations=target.binder.exact, act_residual=target.binder.act_residual)
+    where the target's plan reserved them, on the target's activation numerics, and at the thread
+    count the target's governor last set (one thread launches both models' steps: two governors
+    would each reset the count before their own steps and time each other's choices)."""
+    d = load_model(draft, device=target.device,
+                   tensor_devices=draft_devices(target.plan, str(resolve_model(draft))),
+                   exact_activations=target.binder.exact, act_residual=target.binder.act_residual)
+    d.executor.governor = None
+    return d
 
 
 def _size(vram: int | str) -> int:

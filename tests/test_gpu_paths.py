@@ -11,6 +11,7 @@ from gpu_kernels import attention
 from gpu_kernels.attention import ROWWISE_MAX, attend
 from gpu_kernels.norms import l2_norm, rms_norm
 from gpu_kernels.triton_matvec import TRITON_MATVEC_TYPES, launch_config, matvec_grid
+from kv_helpers import random_kv_caches
 
 CUDA_GRID_MAX = (2**31 - 1, 65535, 65535)      # programs per launch axis on CUDA
 
@@ -95,18 +96,9 @@ def test_prompt_attention_in_query_blocks_is_the_one_call(monkeypatch, cache, n_
     """A prompt whose scores would pass SDPA_SCORES_MAX runs in blocks of query rows with each
     query-head group folded onto its KV head (no widened K/V): the same attention within float32
     rounding as one SDPA call with enable_gqa."""
-    from hybridrt.kv_cache import Q8Rows
-
     n_head, n_kv, d = 6, 2, 64
     torch.manual_seed(n_tok + start)
-    n_ctx = start + n_tok + 4
-    keys, vals = torch.randn(n_ctx, n_kv, d), torch.randn(n_ctx, n_kv, d)
-    if cache == "q8_0":
-        kc, vc = Q8Rows(n_ctx, n_kv, d, "cpu"), Q8Rows(n_ctx, n_kv, d, "cpu")
-        kc[0:n_ctx], vc[0:n_ctx] = keys, vals
-    else:
-        dtype = {"f32": torch.float32, "f16": torch.float16}[cache]
-        kc, vc = keys.to(dtype), vals.to(dtype)
+    kc, vc = random_kv_caches(cache, start + n_tok + 4, n_kv, d)
     q = torch.randn(n_tok, n_head, d)
     positions = list(range(start, start + n_tok))
     whole = attend(q, kc, vc, positions, 0.125, window, first)

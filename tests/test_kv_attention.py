@@ -11,6 +11,7 @@ import pytest
 
 from cpu_kernels import kv_attention as ka
 from cpu_kernels.matvec_simd import dot_f32
+from kv_helpers import random_kv_caches
 
 
 def _reference(q, kc, vc, start, n_head, n_kv, scale, window, first):
@@ -168,18 +169,10 @@ def test_attend_on_cpu_matches_torch_attend(cache, n_new, start, window, first):
 
     from gpu_kernels.attention import attend
     from hybridrt.backends import _fused_cache_view, attend_on_cpu
-    from hybridrt.kv_cache import Q8Rows
 
     n_head, n_kv, d = 6, 2, 64
     torch.manual_seed(n_new + start)
-    n_ctx = start + n_new + 4
-    keys, vals = torch.randn(n_ctx, n_kv, d), torch.randn(n_ctx, n_kv, d)
-    if cache == "q8_0":
-        kc, vc = Q8Rows(n_ctx, n_kv, d, "cpu"), Q8Rows(n_ctx, n_kv, d, "cpu")
-        kc[0:n_ctx], vc[0:n_ctx] = keys, vals
-    else:
-        dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[cache]
-        kc, vc = keys.to(dtype), vals.to(dtype)
+    kc, vc = random_kv_caches(cache, start + n_new + 4, n_kv, d)
     q = torch.randn(n_new, n_head, d)
     positions = list(range(start, start + n_new))
     got = attend_on_cpu(q, kc, vc, positions, 0.125, window, first)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import make_model
-from hybridrt.loader import load_model
+from hybridrt.loader import load_draft_model, load_model
 from hybridrt.thread_governor import ThreadGovernor
 
 # seconds per decode step at (threads, machine): 2 threads are faster alone and far slower when
@@ -122,6 +122,9 @@ def test_the_governor_is_on_only_for_a_cpu_trunk_without_t(tmp_path):
         assert load_model(path).executor.governor is not None
         assert load_model(path, threads=2).executor.governor is None
         assert load_model(path, vram="1GiB").executor.governor is None      # placed: the worker's count
+        # a draft model runs at the count the target's governor sets: one governor per thread
+        target = load_model(path)
+        assert load_draft_model(target, path).executor.governor is None
     finally:
         numba.set_num_threads(before)
 
