@@ -53,9 +53,11 @@ def train_mtp(
     batch: int = typer.Option(DEFAULTS.batch, "--batch", help="Sequences per step."),
     gen_len: int = typer.Option(DEFAULTS.gen_len, "--gen-len", help="Tokens per training continuation."),
     eval_every: int = typer.Option(DEFAULTS.eval_every, "--eval-every", help="Steps between held-out evaluations."),
+    clip: float = typer.Option(DEFAULTS.clip, "--clip", help="Clip the gradient's norm to this (0: no clipping)."),
     patience: int = typer.Option(DEFAULTS.patience, "--patience", help="Stop after this many evaluations without a better acceptance."),
     head_type: str = typer.Option(DEFAULTS.head_type, "--head-type", help="Storage of the head's matrices: q8_0, f16, f32."),
     head_ffn_layers: int = typer.Option(DEFAULTS.head_ffn_layers, "--head-ffn-layers", help="The head block's FFN starts as the target's last N layers' FFNs side by side (N times as wide, a costlier draft): learns faster early, no better after the default steps."),
+    full_teacher_vocab: bool = typer.Option(DEFAULTS.full_teacher_vocab, "--full-teacher-vocab", help="The teacher writes every batch of text over the whole vocabulary (default: after the first batch, only over the ids that batch ranked in a top-40; Gemma 3's text ~2x faster)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (no progress bar)."),
 ):
     """Train an MTP (NextN) draft head by self-distillation: the target writes its own text, the head
@@ -67,8 +69,8 @@ def train_mtp(
     from .train_mtp.train import train_mtp as run_training
 
     cfg = TrainConfig(tokens=tokens, steps=steps, draft_vocab=draft_vocab, seed=seed, loss=loss, lr=lr,
-                      batch=batch, gen_len=gen_len, eval_every=eval_every, patience=patience, head_type=head_type,
-                      head_ffn_layers=head_ffn_layers)
+                      batch=batch, gen_len=gen_len, eval_every=eval_every, clip=clip, patience=patience,
+                      head_type=head_type, head_ffn_layers=head_ffn_layers, full_teacher_vocab=full_teacher_vocab)
     if not out.parent.exists():
         raise UserError(f"-o {out}: directory {out.parent} does not exist")
     _reuse_freed_memory()

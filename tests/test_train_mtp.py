@@ -165,6 +165,45 @@ def test_teacher_drops_finished_sequences_from_its_batch(tiny_llama):
         assert torch.allclose(h_kept, h_drop, atol=1e-5)
 
 
+def test_teacher_restricted_output_picks_among_the_kept_ids(tiny_llama):
+    """restrict_output: later steps pick greedy tokens as the argmax over the kept ids (of the target's
+    own logits), sampled ones among them; keeping every id writes what the unrestricted teacher
+    writes; by default it keeps what earlier steps ranked in their top-k."""
+    m = load_model(tiny_llama, exact_activations=True)
+    prompts = [[5, 9, 17, 33, 2], [40, 41], [7, 8, 9]]
+    gen = lambda: torch.Generator().manual_seed(3)      # noqa: E731
+    teacher = TorchTeacher(m, block_kind("llama"), 64)
+    full = teacher.generate(prompts, 12, [0.0, 1.5, 0.0], gen(), set(), greedy_after=[0, 12, 0], top_k=8)
+    ranked = teacher.ranked.clone()
+    assert 8 <= int(ranked.sum()) < m.n_vocab
+    assert all(ranked[c].all() for c, _ in full)        # a step picks among its top-k
+    assert teacher.restrict_output(torch.ones(m.n_vocab, dtype=torch.bool)) == m.n_vocab
+    same = teacher.generate(prompts, 12, [0.0, 1.5, 0.0], gen(), set(), greedy_after=[0, 12, 0], top_k=8)
+    assert [c for c, _ in same] == [c for c, _ in full]
+    assert teacher.restrict_output() == int(ranked.sum())
+    keep = torch.zeros(m.n_vocab, dtype=torch.bool)
+    keep[torch.randperm(m.n_vocab, generator=gen())[:m.n_vocab // 4]] = True
+    teacher.restrict_output(keep)
+    out = teacher.generate(prompts, 12, [0.0, 1.5, 0.0], gen(), set(), greedy_after=[0, 12, 0], top_k=8)
+    for ids, (cont, _) in zip(prompts, out):
+        assert keep[cont].all()
+        logits = m.session(64, "f16", k_max=1).eval(ids + cont, logits="all")[len(ids) - 1:-1]
+        masked = logits.masked_fill(~keep, float("-inf"))
+        if ids != [40, 41]:                              # the greedy ones
+            assert masked.argmax(-1).tolist() == cont
+    assert [c for c, _ in out] != [c for c, _ in full]
+    # restrict_after: the first steps over every id, the rest over what those ranked
+    fresh = TorchTeacher(m, block_kind("llama"), 64)
+    first = fresh.generate(prompts, 4, [0.0, 1.5, 0.0], gen(), set(), greedy_after=[0, 12, 0], top_k=8)
+    ranked4 = fresh.ranked.clone()
+    later = TorchTeacher(m, block_kind("llama"), 64)
+    both = later.generate(prompts, 12, [0.0, 1.5, 0.0], gen(), set(), greedy_after=[0, 12, 0], top_k=8,
+                          restrict_after=4)
+    assert torch.equal(later.rows, ranked4.nonzero()[:, 0])
+    for (c4, _), (c12, _) in zip(first, both):
+        assert c12[:4] == c4 and ranked4[c12[4:]].all()
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_a_wide_head_ffn_starts_as_the_sum_of_the_target_layers_ffns(arch, tmp_path):
     """--head-ffn-layers 2: the block's FFN is the last two layers' FFNs side by side, each one's own
@@ -254,6 +293,21 @@ def test_training_is_deterministic_and_resumes(tiny_llama, tmp_path, monkeypatch
     monkeypatch.setattr(train_module, "loss_of", real_loss)
     calls.clear()
     assert _train(tiny_llama, tmp_path / "r.gguf").path.read_bytes() == a
+
+
+def test_gradient_clipping_binds_and_is_recorded(tiny_llama, tmp_path):
+    """--clip bounds the gradient's norm (a tight bound trains another head than none; the history
+    records each interval's largest norm before clipping); a negative bound is one error line."""
+    free = _train(tiny_llama, tmp_path / "free.gguf", dataclasses.replace(TINY, clip=0.0))
+    tight = _train(tiny_llama, tmp_path / "tight.gguf", dataclasses.replace(TINY, clip=1e-3))
+    norms = [h["grad_norm_max"] for h in free.history[1:]]
+    assert len(norms) == 2 and min(norms) > 1e-3
+    assert [h["grad_norm_max"] for h in tight.history[1:]] != norms
+    # the heads after the last step (the checkpoint's; Adam undoes a constant scale, not a per-step one)
+    last = [torch.load(f"{r.path}.ckpt", weights_only=False)["head"] for r in (free, tight)]
+    assert any(not torch.equal(a, last[1][k]) for k, a in last[0].items())
+    with pytest.raises(UserError, match="--clip must be >= 0"):
+        dataclasses.replace(TINY, clip=-1.0)
 
 
 def test_a_checkpoint_made_on_other_text_is_not_resumed(tiny_llama, tmp_path, monkeypatch):

@@ -245,6 +245,11 @@ class TorchTeacher:
         self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []     # new_caches' buffers, kept across calls
         self.embed_rows = read_f32(g, "token_embd.weight")
         self.output = (read_f32(g, "output.weight") if "output.weight" in g.tensors else self.embed_rows).to(dtype)
+        # the output rows a step computes (restrict_output) and the ids they stand for; None: all
+        self.rows: torch.Tensor | None = None
+        self.step_output = self.output
+        # every id ranked in a step's top-k since the teacher was made (restrict_output's default)
+        self.ranked = torch.zeros(self.output.shape[0], dtype=torch.bool)
         self._logits = torch.empty(0, self.output.shape[0], dtype=dtype)   # generate's logits buffer, likewise
         self.embed_scale = float(getattr(model, "embed_scale", 1.0))
         self.output_norm = read_f32(g, "output_norm.weight")
@@ -257,6 +262,19 @@ class TorchTeacher:
             self.blocks.append(TorchBlock(weights, spec, kind, model.eps).requires_grad_(False))
             if spec.rope not in self.rotary:
                 self.rotary[spec.rope] = Rotary(spec, n_ctx)
+
+    def restrict_output(self, keep: torch.Tensor | None = None) -> int:
+        """Later steps compute the logits of the `keep` ids only (a bool mask over the vocabulary;
+        default: every id a step's top-k ranked so far), greedy and top-k picks among them. Gemma 3's
+        262k-row product was over half of a teacher step; the 21,588 ids the first 64 steps of its
+        first batch (256 continuations) ranked in a top-40 hold the full argmax at 99.25 % of the
+        later text's positions and 98.7 % of its probability (BENCHMARKS.md, session 29). Returns
+        the rows kept."""
+        keep = self.ranked if keep is None else keep
+        self.rows = keep.nonzero()[:, 0]          # ascending: equal logits still pick the lower id
+        self.step_output = self.output[self.rows].contiguous()
+        self._logits = torch.empty(0, len(self.rows), dtype=self.dtype)
+        return len(self.rows)
 
     def batch_size(self, most: int = 256, kv_budget: int = 4 << 30) -> int:
         """Sequences per generate() call: as many as `most` whose KV cache fits `kv_budget` bytes.
@@ -308,17 +326,19 @@ class TorchTeacher:
                 masks[w] = visible(pos, k_pos, k_valid, w)
             h = block(h, rows[block.spec.rope], masks[w], cache)
         normed = rms_norm(h, self.output_norm, self.model.eps)
-        return torch.matmul(normed[:, -1].to(self.dtype), self.output.T, out=out), normed
+        return torch.matmul(normed[:, -1].to(self.dtype), self.step_output.T, out=out), normed
 
     def generate(self, prompts: list[list[int]], n_new: int, temps: list[float], gen: torch.Generator,
-                 stop_ids: set[int], greedy_after: list[int] | None = None,
-                 top_k: int = 40, compact_at: int | None = None) -> list[tuple[list[int], torch.Tensor]]:
+                 stop_ids: set[int], greedy_after: list[int] | None = None, top_k: int = 40,
+                 compact_at: int | None = None,
+                 restrict_after: int | None = None) -> list[tuple[list[int], torch.Tensor]]:
         """Each prompt continued by up to n_new tokens: top-k sampling at temps[i] for the first
         greedy_after[i] tokens (default: all of them), greedy after that (temperature 0: greedy
         throughout); a stop token ends (and is included in) its continuation. Returns, per prompt,
         (continuation, the final-normed hidden [len(prompt) + len(continuation), n_embd] at every
         position), the hidden the head is fed and trained against. Finished sequences leave the
-        batch once compact_at of them (default: 1/16 of the batch) have gathered."""
+        batch once compact_at of them (default: 1/16 of the batch) have gathered. restrict_after:
+        after this many steps, restrict_output() to what the steps so far ranked."""
         b, longest = len(prompts), max(len(p) for p in prompts)
         if longest + n_new > self.n_ctx:
             raise ValueError(f"teacher: {longest} + {n_new} tokens exceed its context of {self.n_ctx}")
@@ -332,6 +352,7 @@ class TorchTeacher:
         u_tokens, u_pos, u_valid = _left_padded([list(p) for p in first], longest)
         u_caches = [{"n": 0, "k": c["k"][:u], "v": c["v"][:u]} for c in caches]
         logits, normed = self.step(u_tokens, u_pos, u_pos, u_valid, u_caches)
+        logit_ids = self.rows          # the ids `logits`' columns stand for (None: every id)
         if u < b:
             for c in caches:
                 c["k"][:, :, :longest] = c["k"][inverse, :, :longest]
@@ -342,7 +363,7 @@ class TorchTeacher:
         pos, k_valid = u_pos[inverse], u_valid[inverse]      # a repeat's padded row is its prompt's
         k_pos = pos
         if self._logits.shape[0] < b:
-            self._logits = torch.empty(b, self.output.shape[0], dtype=self.dtype)
+            self._logits = torch.empty(b, self.step_output.shape[0], dtype=self.dtype)
         hidden = torch.empty(b, longest + n_new, normed.shape[-1])
         hidden[:, :longest] = normed
         temp = torch.tensor(temps, dtype=torch.float32)
@@ -355,6 +376,10 @@ class TorchTeacher:
         compact_at = max(1, b // 16) if compact_at is None else compact_at
         for s in range(n_new):
             top, ids = top_k_rows(logits, top_k)
+            if logit_ids is None:
+                self.ranked[ids.flatten()] = True
+            else:
+                ids = logit_ids[ids]
             probs = torch.softmax(top.float() / temp[:, None].clamp(min=1e-6), dim=-1)
             # one uniform draw per sequence and step, by inverse CDF: a sequence's stream does not
             # depend on which others are still in the batch
@@ -385,9 +410,14 @@ class TorchTeacher:
             pos = k_pos[:, -1:] + 1
             k_pos = torch.cat((k_pos, pos), dim=1)
             k_valid = torch.cat((k_valid, torch.ones(len(seq), 1, dtype=torch.bool)), dim=1)
+            if restrict_after is not None and s + 1 == restrict_after and self.rows is None:
+                self.restrict_output()
+            if self._logits.shape[0] < b:
+                self._logits = torch.empty(b, self.step_output.shape[0], dtype=self.dtype)
             # the step's logits (134 MB for Gemma 3's batch) go into a buffer kept across steps and
             # calls: fresh ones page-faulted
             logits, normed = self.step(nxt[:, None], pos, k_pos, k_valid, caches, out=self._logits[:len(seq)])
+            logit_ids = self.rows
             hidden[seq, longest + s] = normed[:, 0]
             if bool(done.all()):
                 break

@@ -45,8 +45,11 @@ BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 # sequence and step (inverse CDF), and finished sequences leaving the teacher's batch; 8: a float16 KV
 # cache (as `hybridrt run`'s), decode attention in kv_attention's steps; 9: hybridrt's prompt batches
 # attend in kv_attention too (the held-out text and every teacher-forced hidden); 10: the teacher's
-# top-k by cpu_kernels.top_k (equal logits: lower id first, where torch.topk's order was its own)
-TEXT_VERSION = 10
+# top-k by cpu_kernels.top_k (equal logits: lower id first, where torch.topk's order was its own); 11:
+# after the first batch's first 64 steps the teacher's logits cover only the ids those ranked in a
+# top-k (TorchTeacher.restrict_output; --full-teacher-vocab keeps all)
+TEXT_VERSION = 11
+RESTRICT_AFTER = 64
 MAX_SEQ = 512                               # prompt + continuation (one hybridrt prefill chunk)
 
 
@@ -107,10 +110,12 @@ def text_plan(n_cont: int, n_prompts: int, n_new: int, seed: int) -> tuple[list[
 
 def write_text(model, teacher: TorchTeacher | None, prompts: list[list[int]], temps: list[float],
                greedy_after: list[int], n_new: int, seed: int, progress,
-               label: str) -> list[tuple[list[int], torch.Tensor | None]]:
+               label: str, restrict: bool = False) -> list[tuple[list[int], torch.Tensor | None]]:
     """Continuations of `prompts`, batched through the torch teacher where the architecture has one
-    (with the teacher's final-normed hidden at every position); else hybridrt's own decoding, one
-    sequence at a time, sampling throughout (greedy_after unused; hiddens come from teacher forcing)."""
+    (with the teacher's final-normed hidden at every position; `restrict`: after the first batch's
+    first RESTRICT_AFTER steps, only the logits of the ids those ranked in a top-k); else hybridrt's own
+    decoding, one sequence at a time, sampling throughout (greedy_after unused; hiddens come from
+    teacher forcing)."""
     stop = set(model.tokenizer.eog_ids)
     gen = torch.Generator().manual_seed(seed)
     task = progress.add_task(label, total=len(prompts), info="")
@@ -119,7 +124,7 @@ def write_text(model, teacher: TorchTeacher | None, prompts: list[list[int]], te
         group = teacher.batch_size()
         for lo in range(0, len(prompts), group):
             out += teacher.generate(prompts[lo:lo + group], n_new, temps[lo:lo + group], gen, stop,
-                                    greedy_after[lo:lo + group])
+                                    greedy_after[lo:lo + group], restrict_after=RESTRICT_AFTER if restrict else None)
             progress.update(task, completed=len(out), info=f"{sum(len(c) for c, _ in out)} tokens")
         return out
     from ..generate import generate
@@ -307,7 +312,8 @@ def _signature(model, cfg: TrainConfig, what: str, init: float = 0.0) -> str:
     """What the cached text ("data") or the checkpoint ("ckpt": the text too, and the block's
     starting scale) depends on: when any of it changes, that stage starts afresh instead of
     resuming (a checkpoint resumed on other text would be judged on another held-out set)."""
-    keys = {k: v for k, v in asdict(cfg).items() if what == "ckpt" or k in ("tokens", "seed", "gen_len", "heldout_len")}
+    keys = {k: v for k, v in asdict(cfg).items() if what == "ckpt" or k in ("tokens", "seed", "gen_len", "heldout_len",
+                                                                            "full_teacher_vocab")}
     prompts = [(p.kind, p.text) for p in TRAIN_PROMPTS + HELDOUT_PROMPTS]
     # TEXT_VERSION and BF16: how the text is written (the plan of temperatures, the teacher's dtype)
     text = [prompts, TEXT_VERSION, BF16]
@@ -356,7 +362,7 @@ def prepare_data(model, cfg: TrainConfig, cache: Path, progress) -> tuple[list[S
     if model.arch in TorchTeacher.SUPPORTED:
         teacher = TorchTeacher(model, block_kind(model.arch), MAX_SEQ, dtype=torch.bfloat16 if BF16 else torch.float32)
     new = write_text(model, teacher, train_ids, temps, greedy_after, cfg.gen_len, cfg.seed, progress,
-                     "training text")
+                     "training text", restrict=not cfg.full_teacher_vocab)
     del teacher
     torch.set_num_threads(1)        # hybridrt's trunk runs torch single-threaded next to Numba's pool
     # held-out text: hybridrt's own greedy continuations, the text a run drafts on. The bfloat16
@@ -402,7 +408,7 @@ def train_mtp(model, out: str | Path, cfg: TrainConfig, quiet: bool = False) -> 
         best_state = best_state or {k: v.clone() for k, v in head.state_dict().items()}
         task = progress.add_task("training", total=cfg.steps, completed=start,
                                  info=f"held-out acceptance {_shown(history[-1])}")
-        loss_avg = None
+        loss_avg, grad_max = None, 0.0
         for step in range(start, cfg.steps):
             if stale >= cfg.patience:
                 break
@@ -411,13 +417,16 @@ def train_mtp(model, out: str | Path, cfg: TrainConfig, quiet: bool = False) -> 
             loss = loss_of(head, w_draft, step_batch(model, train, cfg, step), cfg.loss, BF16)
             opt.zero_grad()
             loss.backward()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.clip or math.inf))
+            grad_max = max(grad_max, grad_norm)
             opt.step()
             value = float(loss.detach())
             loss_avg = value if loss_avg is None else 0.9 * loss_avg + 0.1 * value
             done = step + 1
             if done % cfg.eval_every == 0 or done == cfg.steps:
                 acc = heldout_acceptance(model, head, heldout, draft_ids)
-                history.append({"step": done, "loss": loss_avg, **_entry(acc)})
+                history.append({"step": done, "loss": loss_avg, "grad_norm_max": grad_max, **_entry(acc)})
+                grad_max = 0.0
                 if acc.per_position > best_acc.per_position:
                     best_acc, stale = acc, 0
                     best_state = {k: v.clone() for k, v in head.state_dict().items()}
