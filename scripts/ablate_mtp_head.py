@@ -6,8 +6,9 @@ head as train-mtp does (hybridrt.train_mtp.train), and trains it for --steps wit
 the loss (KL to the target's logits over the draft vocabulary, or cross-entropy to their argmax),
 an EAGLE-style regression of the target's next final-normed hidden added to it (--reg, smooth L1),
 the draft vocabulary's size, the head's FFN width (--head-ffn-layers), the learning rate, the
-batch, noise on the hidden it reads (--noise, EAGLE-1's), weight decay, or the target's residuals
-after some layers as further inputs (--aux-layers, EAGLE-3's low and middle features). Prints the
+batch, noise on the hidden it reads (--noise, EAGLE-1's), weight decay, gradient clipping (--clip,
+train-mtp's by default), or the target's residuals after some layers as further inputs
+(--aux-layers, EAGLE-3's low and middle features). Prints the
 held-out acceptance (per position, and as a run at --spec-draft-n-max 1 meets it) every --eval
 steps, and how much of the held-out argmax tokens the draft vocabulary covers.
 Evaluations do not stop the run early, and the batches are train-mtp's own at --seed 0
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -101,6 +103,7 @@ def main() -> None:
     ap.add_argument("--noise", type=float, default=0.0,
                     help="uniform noise of this share of its RMS on the hidden the head reads while training")
     ap.add_argument("--weight-decay", type=float, default=0.0, help="AdamW's (train-mtp: 0)")
+    ap.add_argument("--clip", type=float, default=TrainConfig.clip, help="gradient norm clipping (0: none)")
     ap.add_argument("--aux-layers", default="",
                     help="comma-separated target layers (0-based) whose residual outputs the head also reads")
     ap.add_argument("--eval", type=int, default=100, help="steps between held-out evaluations")
@@ -112,7 +115,7 @@ def main() -> None:
     data = torch.load(args.data, weights_only=False)
     train, heldout = data["train"], data["heldout"]
     cfg = TrainConfig(steps=args.steps, draft_vocab=args.draft_vocab, loss=args.loss, lr=args.lr, batch=args.batch,
-                      head_ffn_layers=args.head_ffn_layers)
+                      head_ffn_layers=args.head_ffn_layers, clip=args.clip)
     torch.manual_seed(cfg.seed)
     head, ids, w_draft, _ = T.new_head(m, train, cfg)
     aux = [int(x) for x in args.aux_layers.split(",") if x]
@@ -141,6 +144,7 @@ def main() -> None:
             loss = loss + args.reg * F.smooth_l1_loss(features.float()[valid], h_tgt[valid])
         opt.zero_grad()
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.clip or math.inf)
         opt.step()
         if (step + 1) % args.eval == 0 or step + 1 == cfg.steps:
             acc = T.heldout_acceptance(m, head, heldout, ids)
