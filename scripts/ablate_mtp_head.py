@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -144,7 +143,7 @@ def main() -> None:
             loss = loss + args.reg * F.smooth_l1_loss(features.float()[valid], h_tgt[valid])
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.clip or math.inf)
+        T.clip_gradient(head, cfg)
         opt.step()
         if (step + 1) % args.eval == 0 or step + 1 == cfg.steps:
             acc = T.heldout_acceptance(m, head, heldout, ids)

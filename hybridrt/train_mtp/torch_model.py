@@ -273,7 +273,8 @@ class TorchTeacher:
         keep = self.ranked if keep is None else keep
         self.rows = keep.nonzero()[:, 0]          # ascending: equal logits still pick the lower id
         self.step_output = self.output[self.rows].contiguous()
-        self._logits = torch.empty(0, len(self.rows), dtype=self.dtype)
+        # as many rows as before: a generate() call restricting midway keeps the batch it sized for
+        self._logits = torch.empty(self._logits.shape[0], len(self.rows), dtype=self.dtype)
         return len(self.rows)
 
     def batch_size(self, most: int = 256, kv_budget: int = 4 << 30) -> int:
@@ -412,8 +413,6 @@ class TorchTeacher:
             k_valid = torch.cat((k_valid, torch.ones(len(seq), 1, dtype=torch.bool)), dim=1)
             if restrict_after is not None and s + 1 == restrict_after and self.rows is None:
                 self.restrict_output()
-            if self._logits.shape[0] < b:
-                self._logits = torch.empty(b, self.step_output.shape[0], dtype=self.dtype)
             # the step's logits (134 MB for Gemma 3's batch) go into a buffer kept across steps and
             # calls: fresh ones page-faulted
             logits, normed = self.step(nxt[:, None], pos, k_pos, k_valid, caches, out=self._logits[:len(seq)])

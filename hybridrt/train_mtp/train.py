@@ -222,6 +222,11 @@ def head_outputs(head: MTPHeadModule, w_draft: torch.Tensor, batch, bf16: bool =
     return features, logits, target
 
 
+def clip_gradient(head: torch.nn.Module, cfg: TrainConfig) -> float:
+    """Scale the head's gradient to norm cfg.clip at most (0: leave it); returns its norm before."""
+    return float(torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.clip or math.inf))
+
+
 def loss_of(head: MTPHeadModule, w_draft: torch.Tensor, batch, loss: str, bf16: bool = False) -> torch.Tensor:
     _, logits, target = head_outputs(head, w_draft, batch, bf16)
     return distill_loss(logits, target, loss).mean()
@@ -417,8 +422,7 @@ def train_mtp(model, out: str | Path, cfg: TrainConfig, quiet: bool = False) -> 
             loss = loss_of(head, w_draft, step_batch(model, train, cfg, step), cfg.loss, BF16)
             opt.zero_grad()
             loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.clip or math.inf))
-            grad_max = max(grad_max, grad_norm)
+            grad_max = max(grad_max, clip_gradient(head, cfg))
             opt.step()
             value = float(loss.detach())
             loss_avg = value if loss_avg is None else 0.9 * loss_avg + 0.1 * value
