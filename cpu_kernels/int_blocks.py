@@ -390,6 +390,7 @@ def _steps(b, kind, decode, nbytes, wrows, rb, i0, i1, init, apply, nxt=None):
                         v = IntBlockIR(b, b.gep(wrow, [b.mul(i, _c64(2 * nbytes))]), None)
                         done.append((v, decode(v, n_blk)))
                 return done[0]
+            vb.n_blk = n_blk        # a legacy step's blocks: 2, or 1 for an odd last block
             return vb
         return apply([decoder(w) for w in wrows], i, state)
 

@@ -329,26 +329,76 @@ def _k_row_lanes(b, st, i, trows, ybufs, sub, wbuf, prefetch_part):
         b.store(y, yb, align=64)
 
 
-def _pair_row_lanes(b, dec, i, trows, ybufs, prefetch_part):
-    """ybufs[u] after block pair i of the 16 rows (dec: their decoded PairBlocks, any 32-weight
-    type), the numerics block's terms per block (A, then B): the rows' 64 weight bytes transposed
-    (vectors 0-7 block A, 8-15 block B), a block's offset and min from the token's block sum."""
-    i32x16, f32x16 = ir.VectorType(I32, 16), ir.VectorType(F32, 16)
+class PairLanes:
+    """A block pair of 16 rows in row lanes: W the 16 weight vectors (lane r: bytes 4 j .. 4 j + 3 of
+    row r's 64 weights, vectors 0-7 block A, 8-15 block B, unsigned), d2 / m2 the blocks' scales /
+    mins (<16 x float> each, m2 None without mins), off and wide as PairBlock's."""
+
+    def __init__(self, W, d2, m2, off, wide):
+        self.W, self.d2, self.m2, self.off, self.wide = W, d2, m2, off, wide
+
+
+def _decoded_pair_lanes(b, dec):
+    """Any 32-weight type, from its row decoders (int_blocks.PairBlock, a full pair or an odd last
+    block): each row's 64 decoded weight bytes transposed, its scales and mins gathered."""
     blk0 = dec[0][1]
-    zero = ir.Constant(i32x16, [0] * 16)
     W = [b.bitcast(x, ir.VectorType(I8, 64)) for x in _transpose16(b, [_as_i32(b, blk.w) for _, blk in dec])]
-    for c in range(4):
-        prefetch_part(c)
     d2 = [_row_vector(b, [b.extract_element(blk.d2, ir.Constant(I32, h)) for _, blk in dec]) for h in range(2)]
     m2 = None
     if blk0.m2 is not None:
         m2 = [_row_vector(b, [b.extract_element(blk.m2, ir.Constant(I32, h)) for _, blk in dec]) for h in range(2)]
+    return PairLanes(W, d2, m2, blk0.off, blk0.wide)
+
+
+def _q4_0_pair_lanes(b, v0, ptrs):
+    """A full Q4_0 pair (d @0, qs[16] @2; d @18, qs[16] @20) decoded in the lanes from its raw
+    dwords: the rows' decoders and the 32 extracts and inserts that gather 16 rows' scales cost
+    about twice the transposes, and at 8 tokens the shared steps are what keeps Q4_0 over 1.6x k = 1
+    (BENCHMARKS.md, session 30). Block A's quants sit 2 bytes off the dwords: a funnel shift
+    (vpshrdd) of two neighbours each."""
+    c32 = lambda x: _lanes_i32(v0, 16, x)
+    D = _raw_dwords(b, ptrs, 0, 8) + _raw_dwords(b, ptrs, 4, 8)[7:]       # the pair's dwords 0..8
+    i32x16 = ir.VectorType(I32, 16)
+    qa = [_intrinsic(b, "llvm.fshr.v16i32", i32x16, [D[m + 1], D[m], c32(16)]) for m in range(4)]
+    bytes64 = ir.VectorType(I8, 64)
+    W = []
+    for q in (qa, D[5:9]):      # element l: the low nibble of qs[l], l + 16: its high nibble
+        W += [b.bitcast(b.and_(x, c32(0x0F0F0F0F)), bytes64) for x in q]
+        W += [b.bitcast(b.and_(b.lshr(x, c32(4)), c32(0x0F0F0F0F)), bytes64) for x in q]
+    return PairLanes(W, [_half_floats(b, D[0], 0), _half_floats(b, D[4], 16)], None, -8, False)
+
+
+# The 32-weight types decoded in the lanes (a full pair; an odd last block takes the row decoders),
+# in passes of PAIR_LANES_MIN_TOKENS tokens or more. Q4_0 on the 27B shapes, Zen 5, 2 threads, from
+# memory, the trees interleaved call by call (BENCHMARKS.md, session 30): k = 8 1.52 ms against the
+# row decoders' 2.21-2.23, k = 4 1.23-1.25 against 1.35-1.43, but k = 1 1.33-1.47 against 1.18-1.34
+# (faster from cache, slower from memory: not explained), so 1- and 2-token passes keep the rows'.
+PAIR_LANE_DECODERS = {int(_T.Q4_0): _q4_0_pair_lanes}
+PAIR_LANES_MIN_TOKENS = 4
+
+
+def pair_lanes(b, qt, vbs, ptrs, n_blk, n_toks):
+    """The PairLanes of 16 rows' step for a pass of n_toks tokens: ptrs their step pointers, vbs
+    their row decoders."""
+    if n_blk == 2 and qt in PAIR_LANE_DECODERS and n_toks >= PAIR_LANES_MIN_TOKENS:
+        return PAIR_LANE_DECODERS[qt](b, IntBlockIR(b, ptrs[0], None), ptrs)
+    return _decoded_pair_lanes(b, [_decoded(x) for x in vbs])
+
+
+def _pair_row_lanes(b, pl, i, trows, ybufs, prefetch_part):
+    """ybufs[u] after block pair i of the 16 rows (pl: their PairLanes), the numerics block's terms
+    per block (A, then B), a block's offset and min from the token's block sum."""
+    i32x16, f32x16 = ir.VectorType(I32, 16), ir.VectorType(F32, 16)
+    zero = ir.Constant(i32x16, [0] * 16)
+    W, d2, m2 = pl.W, pl.d2, pl.m2
+    for c in range(4):
+        prefetch_part(c)
     step_q = [b.gep(q, [b.mul(i, _c64(2 * QK_LEGACY))]) for q, _, _ in trows]
     raws = []
     for h in range(2):
         raw = [zero for _ in trows]
         for j in range(8 * h, 8 * h + 8):       # the tokens' chains interleaved
-            raw = [dpbusd(b, x, W[j], _bcast_dword(b, a, 4 * j, I8, 64), blk0.wide) for x, a in zip(raw, step_q)]
+            raw = [dpbusd(b, x, W[j], _bcast_dword(b, a, 4 * j, I8, 64), pl.wide) for x, a in zip(raw, step_q)]
         raws.append(raw)
     for u, ((q, d, s), yb) in enumerate(zip(trows, ybufs)):
         bs2 = b.sext(_load_vec(b, b.gep(s, [b.mul(i, _c64(2))]), I16, 2, 2), ir.VectorType(I32, 2))
@@ -357,8 +407,8 @@ def _pair_row_lanes(b, dec, i, trows, ybufs, prefetch_part):
         for h in range(2):
             bs = b.extract_element(bs2, ir.Constant(I32, h))
             x = raws[h][u]
-            if blk0.off:
-                x = b.add(x, _splat(b, b.mul(bs, ir.Constant(I32, blk0.off)), 16))
+            if pl.off:
+                x = b.add(x, _splat(b, b.mul(bs, ir.Constant(I32, pl.off)), 16))
             dx = _splat(b, b.extract_element(dx2, ir.Constant(I32, h)), 16)
             y = _fma(b, b.sitofp(x, f32x16), b.fmul(d2[h], dx), y)
             if m2 is not None:
@@ -366,7 +416,10 @@ def _pair_row_lanes(b, dec, i, trows, ybufs, prefetch_part):
         b.store(y, yb, align=64)
 
 
-STAGE_MIN_TOKENS = 2     # K-quant passes of this many tokens stage their weights (one token uses each once)
+# K-quant passes of this many tokens stage their weights in L1 and loop over sub-blocks. One token
+# too: the straight-line pass of one token (each weight vector used once, from its transpose) ran
+# Q4_K / Q5_K k = 1 at ~57 % of the read bandwidth on Zen 5, staged at ~72 % (BENCHMARKS.md, session 30).
+STAGE_MIN_TOKENS = 1
 TOKEN_PASSES = {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 6: 8, 7: 8, 8: 8}      # tokens -> the pass (compiled) that takes them
 PASS_TOKENS = 8         # the most tokens of a pass (a row group takes more in several passes)
 
@@ -464,7 +517,9 @@ def row_lanes_dot(typingctx, qtype, n, w, r0, xq, xd, xs, t0, out, oc, cold):
                     st = lane_step(b, qt, vbs, [b.gep(w, [b.mul(i, _c64(nbytes))]) for w in wrows])
                     _k_row_lanes(b, st, i, trows, ybufs, K_SUB[qt], wbuf, prefetch_part)
                 else:
-                    _pair_row_lanes(b, [_decoded(x) for x in vbs], i, trows, ybufs, prefetch_part)
+                    ptrs = [b.gep(w, [b.mul(i, _c64(2 * nbytes))]) for w in wrows]
+                    pl = pair_lanes(b, qt, vbs, ptrs, vbs[0].n_blk, n_toks)
+                    _pair_row_lanes(b, pl, i, trows, ybufs, prefetch_part)
                 return []
             _steps(b, kind, decode, nbytes, list(wrows), rbs[0], _c64(0), n_steps, [], step)
             O = _array(context, b, signature.args[8], out_)

@@ -14,7 +14,9 @@
    matrices of a few MB the second kernel, e.g. --baseline's, read them from the L3). "hot": the same
    copy every call (it may sit in cache: the kernel's compute-bound speed). Reported per row:
    weight GB/s (bytes of quantized weights / time), % of the measured bandwidth, multiply-adds/s,
-   and per-token cost relative to k=1 ((ms_k / k) / ms_1). Times are medians (minimums also go to
+   and per-token cost relative to k=1 ((ms_k / k) / ms_1). Times are medians over rounds that call
+   every (k, kernel) once in turn, so a drift of the VM's speed reaches all of them alike (since
+   2026-11-26; before, each row's calls ran back to back) (minimums also go to
    the JSON: on a shared machine the minimum shows the kernel, the median the neighbours).
    --kernel: "int" is matvec's default (matvec_int: int8 activations, integer dot products with
    the lowering simd_int picked, e.g. "int-avx512vnni"), "float" the exact path (exact=True),
@@ -24,6 +26,7 @@
 5. Issue 11's targets per matrix: k=1's % of the bandwidth and each k's time over k=1's (the
    first --ks value), from the medians and the minimums.
 
+--repeats N: timed calls per row (default 5 with --quick, else 9).
 --quick: Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 on the Qwen3.6-27B FFN shapes only (< 3 minutes on 2 threads).
 --ks: the token counts (default 1,2,3,4,8; e.g. 1,4,8,16,64 for prompt batches); --types: a subset.
 --shapes: shape labels, e.g. "gemma3-270m output,qwen3.6-27b up" (the output layer only when named),
@@ -149,6 +152,17 @@ def time_ms(fn, repeats: int) -> tuple[float, float]:
     return statistics.median(times) * 1e3, min(times) * 1e3
 
 
+def time_interleaved(fns, repeats: int) -> list[tuple[float, float]]:
+    """(median, min) wall time of each fn in ms, over `repeats` rounds that call every fn once."""
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for t, fn in zip(times, fns):
+            t0 = CLOCK()
+            fn()
+            t.append(CLOCK() - t0)
+    return [(statistics.median(t) * 1e3, min(t) * 1e3) for t in times]
+
+
 def first_call_seconds() -> float:
     """Import + first matvec in a fresh interpreter (after this process filled the cache)."""
     code = ("import time; t = time.perf_counter(); import numpy as np; "
@@ -218,6 +232,8 @@ def main() -> None:
                     help="matvec's default integer kernel, the exact float kernel, or both (default)")
     ap.add_argument("--cpu-time", action="store_true",
                     help="time with the thread's CPU time (use with --threads 1 on a busy machine)")
+    ap.add_argument("--repeats", type=int, help="timed calls per row and kernel, cold and hot each (default: 5 with "
+                    "--quick, else 9; more for steadier medians on a noisy machine)")
     ap.add_argument("--ks", default=",".join(map(str, KS)), help="token counts, comma-separated (first: the base)")
     ap.add_argument("--types", help="quant types, comma-separated (default: --quick's or all)")
     ap.add_argument("--shapes", help="shape labels or ROWSxCOLS, comma-separated (default: --quick's or all but "
@@ -254,7 +270,7 @@ def main() -> None:
         if unknown:
             ap.error(f"--shapes: unknown {', '.join(unknown)}; known: {', '.join(known)}, or ROWSxCOLS")
         shapes = [known[x] if x in known else (x, *map(int, x.split("x"))) for x in wanted]
-    repeats = 5 if args.quick else 9
+    repeats = args.repeats or (5 if args.quick else 9)
     rng = np.random.default_rng(0)
 
     pool_bytes = args.pool_mib << 20
@@ -289,29 +305,40 @@ def main() -> None:
             def cold_copy():
                 return mats[(1 + next(turn) * stride % spare) % len(mats)]
             w_f32 = torch.from_numpy(dequantize(w_hot, qtype).astype(np.float32))
-            base_ms = {}
+            # every (k, kernel) call of a repeat before the next repeat: the VM's speed drifts by up to
+            # 2x within a minute, and timed one after another k = 1 and k = 8 (or a kernel and its
+            # --baseline) could fall in different phases of it (session 30)
+            cases = []
             for k in ks:
                 x = rng.standard_normal((k, cols)).astype(np.float32)
                 out = np.empty((k, rows), np.float32)
-                xt = torch.from_numpy(x)
-                torch.matmul(xt, w_f32.T)
-                torch_ms, _ = time_ms(lambda i: torch.matmul(xt, w_f32.T), repeats)
                 for kernel in kernels:
                     if kernel.startswith("int") and int(qtype) not in INT_TYPES:
                         continue
-                    exact = kernel.startswith("float")
-                    name = kernel.replace("int", f"int-{ISA}", 1) if kernel.startswith("int") else kernel
-                    mv = fns[kernel]
-                    mv(w_hot, qtype, x, out, exact=exact)          # compile / warm up
-                    cold, cold_min = time_ms(lambda i: mv(cold_copy(), qtype, x, out, exact=exact), repeats)
-                    hot, hot_min = time_ms(lambda i: mv(w_hot, qtype, x, out, exact=exact), repeats)
-                    base_ms.setdefault(kernel, cold)
-                    row = _row(qtype, label, rows, cols, k, name, cold, cold_min, hot, hot_min, torch_ms,
-                               base_ms[kernel], w_hot.nbytes, bw)
-                    rows_out.append(row)
-                    print(f"{row['type']:7} {label:18} {name:20} {k:>2} {cold:8.2f} {row['weight_gbps']:6.1f} "
-                          f"{row['pct_of_bw']:5.1f} {row['gmacs']:7.1f} {row['per_token_vs_k1']:6.2f} {hot:7.2f} "
-                          f"{torch_ms:8.2f}", flush=True)
+                    fns[kernel](w_hot, qtype, x, out, exact=kernel.startswith("float"))     # compile / warm up
+                    cases.append((k, kernel, x, out))
+
+            def run_case(case, w):
+                k, kernel, x, out = case
+                fns[kernel](w, qtype, x, out, exact=kernel.startswith("float"))
+            cold = time_interleaved([lambda c=c: run_case(c, cold_copy()) for c in cases], repeats)
+            hot = time_interleaved([lambda c=c: run_case(c, w_hot) for c in cases], repeats)
+            torch_ms = {}
+            for k in ks:
+                xt = torch.from_numpy(cases[[c[0] for c in cases].index(k)][2]) if cases else \
+                    torch.from_numpy(rng.standard_normal((k, cols)).astype(np.float32))
+                torch.matmul(xt, w_f32.T)
+                torch_ms[k], _ = time_ms(lambda i: torch.matmul(xt, w_f32.T), repeats)
+            base_ms = {}
+            for (k, kernel, _, _), (c_med, c_min), (h_med, h_min) in zip(cases, cold, hot):
+                name = kernel.replace("int", f"int-{ISA}", 1) if kernel.startswith("int") else kernel
+                base_ms.setdefault(kernel, c_med)
+                row = _row(qtype, label, rows, cols, k, name, c_med, c_min, h_med, h_min, torch_ms[k],
+                           base_ms[kernel], w_hot.nbytes, bw)
+                rows_out.append(row)
+                print(f"{row['type']:7} {label:18} {name:20} {k:>2} {c_med:8.2f} {row['weight_gbps']:6.1f} "
+                      f"{row['pct_of_bw']:5.1f} {row['gmacs']:7.1f} {row['per_token_vs_k1']:6.2f} {h_med:7.2f} "
+                      f"{torch_ms[k]:8.2f}", flush=True)
             del w_f32
     print_targets(rows_out, ks, bw)
     first = first_call_seconds()

@@ -362,7 +362,7 @@ def test_row_lanes_give_the_register_groups_bits(qtype):
     Q6_K decoded in the lanes from their raw bytes) gives every (row, token) the bits of the
     register groups, a row at a time: every pass size (1, 2, 4 with a repeated token, 8) and two
     passes (11 tokens), groups at an odd row offset written at an offset column; a 32-weight type's
-    rows end in an odd block (a step of one)."""
+    rows end in an odd block (a step of one; Q4_0's full pairs decoded in the lanes from 4 tokens)."""
     if int(qtype) not in ROW_LANES_HOST:
         pytest.skip(f"row lanes are compiled for the AVX-512 VNNI lowering only (this host: {ISA})")
     rng = np.random.default_rng(700 + int(qtype))
