@@ -216,8 +216,10 @@ def _q6_k_lanes(b, v0, ptrs):
     bytes64 = ir.VectorType(I8, 64)
 
     def chunks():
+        # qh whole in one 16 x 16 transpose (dword 8 h + l / 4 for half h), not a 16 x 8 per half:
+        # k = 8 10-15 % faster on the 27B shapes, Zen 5 (BENCHMARKS.md, session 30)
+        qh = _raw_dwords(b, ptrs, 128, 16)
         for h in range(2):
-            qh = [None] * 8 * h + _raw_dwords(b, ptrs, 128 + 32 * h, 8)     # qh dword 8 h + l / 4
             ql = _raw_dwords(b, ptrs, 64 * h, 16)    # ql dword 8 (t & 1) + l / 4 of half h
             for tt in range(2):
                 W = [None] * 16
