@@ -516,6 +516,14 @@ def row_lanes_dot(typingctx, qtype, n, w, r0, xq, xd, xs, t0, out, oc, cold):
                     for line in lines[c * len(lines) // 4:(c + 1) * len(lines) // 4]:
                         prefetch(b, b.gep(base, [_c64(line)]), locality=2)
                 if kind == "k":
+                    # this group's next step into L1 as well (its lines are in L2 by the slices
+                    # above): on Zen 5 the 16 rows' loads at a step's start otherwise wait on L2, the
+                    # transposes behind them (27B shapes: Q4_K k = 1 / 8 7-10 % faster, Q6_K k = 4
+                    # 7-9 %; Q4_0's pairs k = 1 6 % slower, so theirs stay as they were; session 30)
+                    for w in wrows:
+                        ahead = b.gep(w, [b.mul(b.add(i, _c64(1)), _c64(nbytes))])
+                        for off in range(0, nbytes, 64):
+                            prefetch(b, b.gep(ahead, [_c64(off)]), locality=3)
                     st = lane_step(b, qt, vbs, [b.gep(w, [b.mul(i, _c64(nbytes))]) for w in wrows])
                     _k_row_lanes(b, st, i, trows, ybufs, K_SUB[qt], wbuf, prefetch_part)
                 else:
