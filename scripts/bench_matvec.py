@@ -16,8 +16,8 @@
    weight GB/s (bytes of quantized weights / time), % of the measured bandwidth, multiply-adds/s,
    and per-token cost relative to k=1 ((ms_k / k) / ms_1). Times are medians over rounds that call
    every (k, kernel) once in turn, so a drift of the VM's speed reaches all of them alike (since
-   2026-11-26; before, each row's calls ran back to back) (minimums also go to
-   the JSON: on a shared machine the minimum shows the kernel, the median the neighbours).
+   2026-11-26; before, each row's calls ran back to back). Minimums also go to the JSON: on a
+   shared machine the minimum shows the kernel, the median the neighbours.
    --kernel: "int" is matvec's default (matvec_int: int8 activations, integer dot products with
    the lowering simd_int picked, e.g. "int-avx512vnni"), "float" the exact path (exact=True),
    "both" (default) runs each row with both, side by side; the JSON rows carry a "kernel" field.
@@ -26,7 +26,7 @@
 5. Issue 11's targets per matrix: k=1's % of the bandwidth and each k's time over k=1's (the
    first --ks value), from the medians and the minimums.
 
---repeats N: timed calls per row (default 5 with --quick, else 9).
+--repeats N: the timed rounds (default 5 with --quick, else 9).
 --quick: Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 on the Qwen3.6-27B FFN shapes only (< 3 minutes on 2 threads).
 --ks: the token counts (default 1,2,3,4,8; e.g. 1,4,8,16,64 for prompt batches); --types: a subset.
 --shapes: shape labels, e.g. "gemma3-270m output,qwen3.6-27b up" (the output layer only when named),
@@ -309,8 +309,8 @@ def main() -> None:
             # 2x within a minute, and timed one after another k = 1 and k = 8 (or a kernel and its
             # --baseline) could fall in different phases of it (session 30)
             cases = []
-            for k in ks:
-                x = rng.standard_normal((k, cols)).astype(np.float32)
+            xs = {k: rng.standard_normal((k, cols)).astype(np.float32) for k in ks}
+            for k, x in xs.items():
                 out = np.empty((k, rows), np.float32)
                 for kernel in kernels:
                     if kernel.startswith("int") and int(qtype) not in INT_TYPES:
@@ -324,9 +324,8 @@ def main() -> None:
             cold = time_interleaved([lambda c=c: run_case(c, cold_copy()) for c in cases], repeats)
             hot = time_interleaved([lambda c=c: run_case(c, w_hot) for c in cases], repeats)
             torch_ms = {}
-            for k in ks:
-                xt = torch.from_numpy(cases[[c[0] for c in cases].index(k)][2]) if cases else \
-                    torch.from_numpy(rng.standard_normal((k, cols)).astype(np.float32))
+            for k, x in xs.items():
+                xt = torch.from_numpy(x)
                 torch.matmul(xt, w_f32.T)
                 torch_ms[k], _ = time_ms(lambda i: torch.matmul(xt, w_f32.T), repeats)
             base_ms = {}
