@@ -515,19 +515,18 @@ def row_lanes_dot(typingctx, qtype, n, w, r0, xq, xd, xs, t0, out, oc, cold):
                 def prefetch_part(c):       # a quarter of the lines with each chunk
                     for line in lines[c * len(lines) // 4:(c + 1) * len(lines) // 4]:
                         prefetch(b, b.gep(base, [_c64(line)]), locality=2)
+                ptrs = [b.gep(w, [b.mul(i, _c64(step_bytes))]) for w in wrows]     # the 16 rows' step i
                 if kind == "k":
                     # this group's next step into L1 as well (its lines are in L2 by the slices
                     # above): on Zen 5 the 16 rows' loads at a step's start otherwise wait on L2, the
                     # transposes behind them (27B shapes: Q4_K k = 1 / 8 7-10 % faster, Q6_K k = 4
                     # 7-9 %; Q4_0's pairs k = 1 6 % slower, so theirs stay as they were; session 30)
-                    for w in wrows:
-                        ahead = b.gep(w, [b.mul(b.add(i, _c64(1)), _c64(nbytes))])
-                        for off in range(0, nbytes, 64):
-                            prefetch(b, b.gep(ahead, [_c64(off)]), locality=3)
-                    st = lane_step(b, qt, vbs, [b.gep(w, [b.mul(i, _c64(nbytes))]) for w in wrows])
+                    for p in ptrs:
+                        for off in range(0, step_bytes, 64):
+                            prefetch(b, b.gep(p, [_c64(step_bytes + off)]), locality=3)
+                    st = lane_step(b, qt, vbs, ptrs)
                     _k_row_lanes(b, st, i, trows, ybufs, K_SUB[qt], wbuf, prefetch_part)
                 else:
-                    ptrs = [b.gep(w, [b.mul(i, _c64(2 * nbytes))]) for w in wrows]
                     pl = pair_lanes(b, qt, vbs, ptrs, vbs[0].n_blk, n_toks)
                     _pair_row_lanes(b, pl, i, trows, ybufs, prefetch_part)
                 return []

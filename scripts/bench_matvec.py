@@ -232,8 +232,8 @@ def main() -> None:
                     help="matvec's default integer kernel, the exact float kernel, or both (default)")
     ap.add_argument("--cpu-time", action="store_true",
                     help="time with the thread's CPU time (use with --threads 1 on a busy machine)")
-    ap.add_argument("--repeats", type=int, help="timed calls per row and kernel, cold and hot each (default: 5 with "
-                    "--quick, else 9; more for steadier medians on a noisy machine)")
+    ap.add_argument("--repeats", type=int, help="timed rounds, cold and hot each; a round calls every (k, kernel) "
+                    "once (default: 5 with --quick, else 9; more for steadier medians on a noisy machine)")
     ap.add_argument("--ks", default=",".join(map(str, KS)), help="token counts, comma-separated (first: the base)")
     ap.add_argument("--types", help="quant types, comma-separated (default: --quick's or all)")
     ap.add_argument("--shapes", help="shape labels or ROWSxCOLS, comma-separated (default: --quick's or all but "
@@ -246,6 +246,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.pool_mib < 512:     # the pool holds at least one copy of the largest matrix (F32, 27B shape: 356 MB)
         ap.error(f"--pool-mib must be at least 512, got {args.pool_mib}")
+    if args.repeats is not None and args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     ks = [int(k) for k in args.ks.split(",")]
     if args.tiled_from is not None:         # path crossovers: time one path against the other
         matvec_tiled.TILED_MIN_K = args.tiled_from
@@ -319,7 +321,7 @@ def main() -> None:
                     cases.append((k, kernel, x, out))
 
             def run_case(case, w):
-                k, kernel, x, out = case
+                _, kernel, x, out = case
                 fns[kernel](w, qtype, x, out, exact=kernel.startswith("float"))
             cold = time_interleaved([lambda c=c: run_case(c, cold_copy()) for c in cases], repeats)
             hot = time_interleaved([lambda c=c: run_case(c, w_hot) for c in cases], repeats)
