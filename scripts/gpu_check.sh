@@ -4,15 +4,19 @@
 #
 #   bash scripts/gpu_check.sh [OUTDIR]          # default OUTDIR: $OUT if set, else .out/gpu_check
 #
+# GPU_CHECK_STEPS="cuda_tests plan_gemma3" runs only the steps named (a rerun after a fix);
+# GPU_CHECK_STEP_TIMEOUT (seconds, default 900) ends a step that hangs, so the next one still runs.
+#
 # It runs, each step on its own (a failing step is reported and the next one still runs):
 #   1. the card: nvidia-smi, torch/triton versions, device-to-device copy bandwidth;
 #   2. the `cuda` tests (Triton kernels compiled for the card: exactness, bit identity across k);
-#   3. the kernel benches: fused dequantize-dot vs torch dequantize+matmul at the 27B FFN shapes
-#      (scripts/bench_gpu_kernels.py), the Gated DeltaNet step (scripts/bench_gpu_delta_net.py);
-#   4. the plan path end to end (`hybridrt bench --device cuda --vram ...`): SmolLM2 and Gemma 3
+#   3. the plan path end to end (`hybridrt bench --device cuda --vram ...`): SmolLM2 and Gemma 3
 #      (the real files if pulled, else random-weight files of their exact shapes and types), and a
 #      qwen35 + MTP file, each at budgets that put everything / about half / nothing of the FFN on
-#      the GPU; measured vs predicted t/s from --json.
+#      the GPU; measured vs predicted t/s from --json; then one traced run of SmolLM2 at half;
+#   4. the kernel benches: fused dequantize-dot vs torch dequantize+matmul at the 27B FFN shapes
+#      (scripts/bench_gpu_kernels.py), the Gated DeltaNet step (scripts/bench_gpu_delta_net.py).
+# The plan path comes before the kernel benches: on a short lease it is the part that matters most.
 #
 # On the lent machines (see the device tool's README): nothing can be downloaded there, so carry
 # the gguf wheel:  python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -30,13 +34,21 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$ROOT:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1
-HYBRIDRT=(python3 -c "from hybridrt.cli import main; main()")
+export OUTDIR
 FAILED=()
 
-step() {   # step NAME COMMAND...: run, log to OUTDIR/NAME.log, remember failures
+hybridrt_cli() { python3 -c "from hybridrt.cli import main; main()" "$@"; }
+
+selected() { [ -z "${GPU_CHECK_STEPS:-}" ] || [[ " $GPU_CHECK_STEPS " == *" $1 "* ]]; }
+
+step() {   # step NAME COMMAND...: run (under a timeout), log to OUTDIR/NAME.log, remember failures
   local name=$1; shift
+  selected "$name" || return 0
   echo "=== $name: $*"
-  if "$@" 2>&1 | tee "$OUTDIR/$name.log"; then :; else FAILED+=("$name"); fi
+  local t0=$SECONDS
+  if timeout --kill-after=10 "${GPU_CHECK_STEP_TIMEOUT:-900}" bash -c '"$@"' _ "$@" 2>&1 | tee "$OUTDIR/$name.log"
+  then :; else FAILED+=("$name"); fi
+  echo "=== $name: $((SECONDS - t0)) s"
 }
 
 card() {
@@ -100,7 +112,7 @@ plan_bench() {   # plan_bench NAME EXTRA...: bench at three budgets, all / about
     local vram
     vram=$(python3 scripts/gpu_check_budget.py "$model" "$frac" "$@") || return 1
     echo "--- $name, FFN fraction $frac: --vram $vram"
-    "${HYBRIDRT[@]}" bench -m "$model" --device cuda --vram "$vram" -p 128 -n 64 -r 2 --json "$@" \
+    hybridrt_cli bench -m "$model" --device cuda --vram "$vram" -p 128 -n 64 -r 2 --json "$@" \
       > "$OUTDIR/bench-$name-$frac.json" || return 1
     python3 - "$OUTDIR/bench-$name-$frac.json" <<'EOF'
 import json, sys
@@ -112,19 +124,33 @@ EOF
   done
 }
 
+export -f hybridrt_cli card models plan_bench
+
+# the stand-in files take about a minute of CPU: written while the card and the tests run
+MODELS_PID=
+if selected models || selected plan_smollm2 || selected plan_gemma3 || selected plan_qwen35_mtp || selected trace; then
+  models > "$OUTDIR/models.log" 2>&1 &
+  MODELS_PID=$!
+fi
 step card card
-step cuda_tests python3 -m pytest -q -m cuda tests
-step bench_gpu_kernels python3 scripts/bench_gpu_kernels.py
-step bench_gpu_kernels_sweep python3 scripts/bench_gpu_kernels.py --sweep --ks 1,4,16
-step bench_gpu_delta_net python3 scripts/bench_gpu_delta_net.py
-step models models
+# the files that hold cuda tests (collecting every test file would need the server's extras too)
+step cuda_tests python3 -m pytest -q -p no:cacheprovider -m cuda $(grep -l "mark.cuda" tests/test_*.py)
+if [ -n "$MODELS_PID" ]; then
+  echo "=== models"
+  wait "$MODELS_PID" || FAILED+=("models")
+  cat "$OUTDIR/models.log"
+fi
 step plan_smollm2 plan_bench smollm2-135m
 step plan_gemma3 plan_bench gemma3-270m
 step plan_qwen35_mtp plan_bench qwen35-mtp --spec-type draft-mtp --spec-draft-n-max 3
-step trace "${HYBRIDRT[@]}" run -m "$(cat "$OUTDIR/models/smollm2-135m.path")" --device cuda \
-  --vram "$(python3 scripts/gpu_check_budget.py "$(cat "$OUTDIR/models/smollm2-135m.path")" 0.5)" \
+SMOLLM2_FILE=$(cat "$OUTDIR/models/smollm2-135m.path" 2>/dev/null)
+step trace hybridrt_cli run -m "$SMOLLM2_FILE" --device cuda \
+  --vram "$(python3 scripts/gpu_check_budget.py "$SMOLLM2_FILE" 0.5)" \
   -p "The capital of France is" -n 32 --temp 0 --trace "$OUTDIR/trace-smollm2.json"
 step trace_summary python3 scripts/trace_summary.py "$OUTDIR/trace-smollm2.json"
+step bench_gpu_kernels python3 scripts/bench_gpu_kernels.py
+step bench_gpu_delta_net python3 scripts/bench_gpu_delta_net.py
+step bench_gpu_kernels_sweep python3 scripts/bench_gpu_kernels.py --sweep --ks 1,4,16
 
 if [ ${#FAILED[@]} -eq 0 ]; then
   echo "gpu_check: every step passed; logs in $OUTDIR"
