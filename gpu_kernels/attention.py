@@ -15,6 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .triton_attention import attention_rows_triton
+from .triton_attention import fits as triton_attention_fits
+
 ROWWISE_MAX = 32   # batches up to this many tokens take the bit-stable row-by-row path
 # float32 scores one prompt SDPA call may hold ([heads, query rows, keys]): 64 MiB. On a GPU torch's
 # SDPA takes its math path here (float32 operands, a mask and GQA rule out the fused kernels), which
@@ -67,6 +70,10 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positi
     n_tok, n_head, d = q.shape
     n_kv, d_v = k_cache.shape[1], v_cache.shape[2]
     group = n_head // n_kv
+    if (n_tok <= ROWWISE_MAX and q.is_cuda and triton_attention_fits(q, k_cache, v_cache)
+            and positions[-1] - positions[0] == n_tok - 1):
+        # one launch for every row and head, the cache read as stored (the rows below: ten per row)
+        return attention_rows_triton(q, k_cache, v_cache, positions[0], scale, window, first)
     base, last = _window_start(positions[0], window, first), positions[-1]
     all_keys = _float_rows(k_cache, base, last + 1)
     all_vals = _float_rows(v_cache, base, last + 1)

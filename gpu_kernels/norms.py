@@ -6,6 +6,8 @@ from typing import Callable
 import torch
 
 from .attention import ROWWISE_MAX
+from .triton_norms import fits as triton_norm_fits
+from .triton_norms import norm_rows_triton
 
 
 def _sum_last(t: torch.Tensor) -> torch.Tensor:
@@ -40,6 +42,8 @@ def token_rows_reduce(reduce: Callable[[torch.Tensor], torch.Tensor], t: torch.T
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     # computed in float32 whatever the storage dtype: the reduction is where precision is lost
+    if x.is_cuda and triton_norm_fits(x):       # one launch instead of six (per token in a batch)
+        return norm_rows_triton(x, weight, eps, mean=True)
     xf = x.float()
     y = xf * torch.rsqrt(token_rows_reduce(_mean_last, xf.pow(2)) + eps)
     return y * weight if weight is not None else y
@@ -47,4 +51,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dimension (gated delta net q and k)."""
+    if x.is_cuda and triton_norm_fits(x):
+        return norm_rows_triton(x, None, eps, mean=False)
     return x * torch.rsqrt(token_rows_reduce(_sum_last, x.pow(2)) + eps)

@@ -26,7 +26,8 @@ from gguf.constants import GGMLQuantizationType as T
 
 from .attention import ROWWISE_MAX
 from .quant import QUANTIZED_TYPES, dequantize_torch, row_bytes, type_name
-from .triton_matvec import CHUNK, K_MAX, TRITON_MATVEC_TYPES, matvec_triton
+from .triton_act_quant import act_round_trip_triton
+from .triton_matvec import K_MAX, matvec_triton, readable_past_end, tail_slack, width_fits
 from .triton_support import have_triton, require_triton
 
 KERNELS = ("auto", "triton", "torch")
@@ -40,9 +41,12 @@ def tile_rows_of(n_in: int, n_out: int, tile_rows: int | None = None) -> int:
     return min(n_out, tile_rows or max(1, TILE_ELEMS // n_in))
 
 
-def fused_kernel_fits(qtype: int, n_in: int) -> bool:
-    """Whether the fused Triton matvec has a kernel for this type and row length."""
-    return int(qtype) in TRITON_MATVEC_TYPES and n_in % CHUNK == 0
+def fused_kernel_fits(qtype: int, n_in: int, raw: torch.Tensor | None = None) -> bool:
+    """Whether the fused Triton matvec has a kernel for this type and row length (and, given the
+    rows, whether a partial last chunk has the bytes it reads past them: triton_matvec.device_rows)."""
+    if not width_fits(qtype, n_in):
+        return False
+    return raw is None or readable_past_end(raw.contiguous()) >= tail_slack(qtype, n_in)
 
 
 # The activation block the CPU's integer kernel of each type reads (cpu_kernels.matvec_int.act_block,
@@ -126,9 +130,10 @@ class QuantLinear:
             raise ValueError(f"{name or 'QuantLinear'}: kernel must be one of {KERNELS}, got {kernel!r}")
         if kernel == "triton":
             require_triton(f"{name or 'QuantLinear'} (kernel='triton')")
-            if not fused_kernel_fits(qtype, n_in):
+            if not fused_kernel_fits(qtype, n_in, raw):
                 raise ValueError(f"{name or 'QuantLinear'}: no fused Triton kernel for {type_name(qtype)} "
-                                 f"rows of {n_in}")
+                                 f"rows of {n_in}" + (" without the bytes past the last row it reads "
+                                                      "(triton_matvec.device_rows)" if width_fits(qtype, n_in) else ""))
         expected = (n_out, row_bytes(qtype, n_in))
         if raw.dtype != torch.uint8 or tuple(raw.shape) != expected:
             raise ValueError(f"{name or 'QuantLinear'}: raw must be uint8 {expected}, "
@@ -147,7 +152,7 @@ class QuantLinear:
         # the largest batch the fused kernel takes; larger ones (prompts) take the tile path
         if kernel == "triton":
             self.fused_max = math.inf
-        elif kernel == "auto" and raw.device.type == "cuda" and have_triton() and fused_kernel_fits(qtype, n_in):
+        elif kernel == "auto" and raw.device.type == "cuda" and have_triton() and fused_kernel_fits(qtype, n_in, raw):
             self.fused_max = ROWWISE_MAX
         else:
             self.fused_max = 0
@@ -156,6 +161,9 @@ class QuantLinear:
         # here keeps a placed model's device layers on the numerics of its mmap'd layers
         self.act_block = ACT_BLOCK.get(self.qtype) if int8_activations else None
         self.residual = residual     # and the second pass on the first one's rounding, as there
+        # one Triton launch instead of ~20 torch ops (40 with the second pass) wherever the fused
+        # matvec runs: on a GPU those ops' launches were most of a decode step
+        self.fused_round_trip = self.act_block is not None and self.fused_max > 0 and n_in % self.act_block == 0
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [k, n_in] -> float32 [k, n_out] on the weights' device (written into `out` if given)."""
@@ -164,10 +172,13 @@ class QuantLinear:
         y = out if direct else torch.empty(n_tok, self.n_out, dtype=torch.float32, device=self.device)
         if self.act_block is not None:
             x = x.to(self.device, torch.float32)
-            first = int8_round_trip(x, self.act_block)
             # the CPU sums W q1 d1 + W q2 d2 in float32; here W (q1 d1 + q2 d2): equal up to rounding
             again = self.residual and n_tok <= RESIDUAL_MAX_TOKENS
-            x = first + int8_round_trip(x - first, self.act_block) if again else first
+            if self.fused_round_trip:
+                x = act_round_trip_triton(x.contiguous(), self.act_block, again)
+            else:
+                first = int8_round_trip(x, self.act_block)
+                x = first + int8_round_trip(x - first, self.act_block) if again else first
         if n_tok <= self.fused_max:
             self._fused(x.to(self.device, torch.float32), y)
         else:

@@ -75,6 +75,35 @@ def launch_config(qtype: int, n_out: int) -> tuple[int, int, bool]:
     return (16, 4, False) if n_out >= 8192 else (8, 2, False)
 
 
+def tail_slack(qtype: int, n_in: int) -> int:
+    """Bytes the kernel reads past a row's end: rows of 32-weight blocks whose width is not a
+    multiple of CHUNK decode their last chunk whole (the rest zeroed), so the last row needs this
+    much readable memory after it (`device_rows` allocates it)."""
+    elems, nbytes = block_shape(qtype)
+    rem = n_in % CHUNK
+    return 0 if rem == 0 else (CHUNK - rem) // elems * nbytes
+
+
+def readable_past_end(raw: torch.Tensor) -> int:
+    """Bytes of raw's storage after its last element (a contiguous view into a larger buffer)."""
+    return raw.untyped_storage().nbytes() - (raw.storage_offset() + raw.numel()) * raw.element_size()
+
+
+def width_fits(qtype: int, n_in: int) -> bool:
+    """Rows the kernel takes: whole chunks, or whole 32-weight blocks (a partial last chunk)."""
+    return int(qtype) in TRITON_MATVEC_TYPES and (n_in % CHUNK == 0 or (block_shape(qtype)[0] == 32 and n_in % 32 == 0))
+
+
+def device_rows(raw: torch.Tensor, qtype: int, n_in: int, device: torch.device | str) -> torch.Tensor:
+    """A copy of GGUF rows (uint8 [n_out, row_bytes], any device) on `device`, followed by the
+    tail_slack bytes the kernel may read past the last row (zeros, never used in a result)."""
+    slack = tail_slack(qtype, n_in) if width_fits(qtype, n_in) else 0
+    buf = torch.zeros(raw.numel() + slack, dtype=torch.uint8, device=device)
+    rows = buf[:raw.numel()].view(raw.shape)
+    rows.copy_(raw)
+    return rows
+
+
 def matvec_grid(n_out: int, block_n: int) -> tuple[int]:
     """The launch grid: one program per BLOCK_N output rows, all on axis 0 (CUDA allows 2^31 - 1
     programs there, but only 65535 on axes 1 and 2: a 248320-row output head would not fit)."""
@@ -316,10 +345,40 @@ if have_triton():
     }
     assert set(_DECODERS) == TRITON_MATVEC_TYPES
 
+    @triton.jit
+    def _chunk_dot(acc, wa, wb, xa, xb, xc, n_in, k, tok, ROWS_MID: tl.constexpr, TAIL: tl.constexpr):
+        """acc[:, t] += the chunk's dot with token t's activations, for t < k: xc + xa, xc + xb
+        address the activations of the pieces' weights. TAIL: the row's last, partial chunk, xc
+        the row start and xa, xb offsets within the row; activations past n_in are not read (their
+        weights are zero)."""
+        if TAIL:
+            live_a = xa < n_in
+            live_b = xb < n_in
+        for t in range(0, k):
+            xt = xc + t * n_in
+            # Loaded at the pieces' full shape (every row reads the same activations, from L1):
+            # Triton then gives x the layout of the weight bytes, so the weights stay where
+            # they were decoded and the reduction runs mostly inside each thread. A [1, G, L]
+            # load gets a layout of its own, and the compiler moves the weights through
+            # shared memory to meet it.
+            if TAIL:
+                xva = tl.load(tl.broadcast_to(xt + xa, wa.shape), mask=tl.broadcast_to(live_a, wa.shape), other=0.0)
+                xvb = tl.load(tl.broadcast_to(xt + xb, wb.shape), mask=tl.broadcast_to(live_b, wb.shape), other=0.0)
+            else:
+                xva = tl.load(tl.broadcast_to(xt + xa, wa.shape))
+                xvb = tl.load(tl.broadcast_to(xt + xb, wb.shape))
+            prod = wa * xva + wb * xvb
+            if ROWS_MID:
+                part = tl.sum(tl.sum(prod, axis=0), axis=1)        # over groups, then lanes
+            else:
+                part = tl.sum(tl.sum(prod, axis=2), axis=1)        # over lanes, then groups
+            acc = tl.where(tok == t, acc + part[:, None], acc)
+        return acc
+
     @triton.jit(do_not_specialize=["k"])
     def _matvec_kernel(raw, x, y, n_out, n_in, row_bytes, k,
                        DECODE: tl.constexpr, CHUNK_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
-                       KT: tl.constexpr, ROWS_MID: tl.constexpr):
+                       KT: tl.constexpr, ROWS_MID: tl.constexpr, TAIL: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         # the last program re-reads row n_out - 1 for its missing rows instead of masking every
         # load; those rows are not stored
@@ -334,24 +393,18 @@ if have_triton():
         # [BLOCK_N, KT], rows first, so a token's partial sums broadcast into it in the layout the
         # reduction left them in (the transpose costs a trip through shared memory per token)
         acc = tl.zeros((BLOCK_N, KT), dtype=tl.float32)
-        for c in range(0, n_in // 256):
+        n_full = n_in // 256
+        for c in range(0, n_full):
             wa, wb, xa, xb = DECODE(p + c * CHUNK_BYTES)
-            xc = x + c * 256
-            for t in range(0, k):
-                xt = xc + t * n_in
-                # Loaded at the pieces' full shape (every row reads the same activations, from L1):
-                # Triton then gives x the layout of the weight bytes, so the weights stay where
-                # they were decoded and the reduction runs mostly inside each thread. A [1, G, L]
-                # load gets a layout of its own, and the compiler moves the weights through
-                # shared memory to meet it.
-                xva = tl.load(tl.broadcast_to(xt + xa, wa.shape))
-                xvb = tl.load(tl.broadcast_to(xt + xb, wb.shape))
-                prod = wa * xva + wb * xvb
-                if ROWS_MID:
-                    part = tl.sum(tl.sum(prod, axis=0), axis=1)        # over groups, then lanes
-                else:
-                    part = tl.sum(tl.sum(prod, axis=2), axis=1)        # over lanes, then groups
-                acc = tl.where(tok == t, acc + part[:, None], acc)
+            acc = _chunk_dot(acc, wa, wb, xa, xb, x + c * 256, n_in, k, tok, ROWS_MID, False)
+        if TAIL:
+            # rows of 32-weight blocks whose width is not a multiple of 256 (SmolLM2's 576, Gemma
+            # 3's 640): the last chunk is decoded whole, over the next row's first bytes (or the
+            # slack past the last row, TAIL_SLACK), and what lies past the row is zeroed
+            wa, wb, xa, xb = DECODE(p + n_full * CHUNK_BYTES)
+            wa = tl.where(n_full * 256 + xa < n_in, wa, 0.0)
+            wb = tl.where(n_full * 256 + xb < n_in, wb, 0.0)
+            acc = _chunk_dot(acc, wa, wb, xa + n_full * 256, xb + n_full * 256, x, n_in, k, tok, ROWS_MID, True)
         tl.store(y + tok * n_out + rows[:, None], acc, mask=(tok < k) & (rows[:, None] < n_out))
 
 
@@ -361,7 +414,8 @@ def matvec_triton(raw: torch.Tensor, qtype: int, n_in: int, x: torch.Tensor,
                   fp_fusion: bool = False) -> torch.Tensor:
     """y = x W^T with W as GGUF rows, uint8 [n_out, row_bytes] (ggml layout), in one Triton launch.
 
-    x: float32 [k, n_in] on raw's device, 1 <= k <= 16. Returns float32 [k, n_out] (written into
+    x: float32 [k, n_in] on raw's device, 1 <= k <= 16; n_in a multiple of 256, or for 32-weight
+    types of 32 with tail_slack bytes readable past raw (device_rows). Returns float32 [k, n_out] (written into
     `out`, a contiguous float32 [k, n_out] on the same device, when given). A token's row is bitwise
     the same for every k.
 
@@ -373,8 +427,9 @@ def matvec_triton(raw: torch.Tensor, qtype: int, n_in: int, x: torch.Tensor,
     if qtype not in TRITON_MATVEC_TYPES:
         raise ValueError(f"matvec_triton has no kernel for {type_name(qtype)}")
     elems, nbytes = block_shape(qtype)
-    if n_in % CHUNK:
-        raise ValueError(f"matvec_triton: n_in {n_in} is not a multiple of {CHUNK}")
+    if not width_fits(qtype, n_in):
+        raise ValueError(f"matvec_triton: n_in {n_in} is not a multiple of {CHUNK}"
+                         + (" or of 32" if elems == 32 else ""))
     n_out = raw.shape[0]
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != row_bytes(qtype, n_in):
         raise ValueError(f"raw must be uint8 ({n_out}, {row_bytes(qtype, n_in)}) for {type_name(qtype)} "
@@ -396,8 +451,12 @@ def matvec_triton(raw: torch.Tensor, qtype: int, n_in: int, x: torch.Tensor,
     block_n, num_warps = block_n or default_n, num_warps or default_warps
     rows_mid = default_mid if rows_mid is None else rows_mid
     raw, x = raw.contiguous(), x.contiguous()
+    slack = tail_slack(qtype, n_in)
+    if slack and readable_past_end(raw) < slack:
+        raise ValueError(f"matvec_triton: rows of {n_in} {type_name(qtype)} weights need {slack} readable bytes "
+                         f"past the last row (allocate them with device_rows)")
     _matvec_kernel[matvec_grid(n_out, block_n)](
         raw, x, out, n_out, n_in, raw.shape[1], k,
         DECODE=_DECODERS[T(qtype)], CHUNK_BYTES=CHUNK // elems * nbytes, BLOCK_N=block_n, KT=K_MAX, ROWS_MID=rows_mid,
-        num_warps=num_warps, enable_fp_fusion=fp_fusion)
+        TAIL=slack > 0, num_warps=num_warps, enable_fp_fusion=fp_fusion)
     return out

@@ -24,6 +24,7 @@ from gpu_kernels.linear import linear_rows
 from gpu_kernels.pointwise import per_token
 from gpu_kernels.qlinear import QuantLinear, TileScratch, tile_rows_of
 from gpu_kernels.quant import QUANTIZED_TYPES
+from gpu_kernels.triton_matvec import device_rows
 
 from .executor import Executor, HostExperts, HostFFN, SplitFFN, TracedBackend
 from .gguf_file import GGUFFile
@@ -429,7 +430,9 @@ class WeightBinder:
         """A copy of raw (rows, row_bytes) on the device: GGUF blocks for quantized types, floats
         for the rest."""
         if qtype in QUANTIZED_TYPES:
-            on_device = torch.from_numpy(np.array(raw)).to(self.device)    # a copy: the mmap is read-only
+            # a copy (the mmap is read-only), with the bytes the fused kernel reads past the last
+            # row when the width is not a multiple of its 256-weight chunk
+            on_device = device_rows(_read_only_tensor(np.ascontiguousarray(raw)), qtype, n_in, self.device)
             linear = QuantLinear(on_device, qtype, n_in, n_out, self.device_dtype, name, self.scratch,
                                  int8_activations=not self._exact(), residual=self._residual(name))
         else:

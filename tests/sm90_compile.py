@@ -5,7 +5,7 @@ real compiler rejects (layouts, shapes, types), so each kernel is also lowered t
 the ptxas bundled in Triton's wheel. The launcher's specializations are mimicked: unit strides are
 constants, other integers and pointers 16-divisible.
 
-    python -m tests.sm90_compile matvec|delta_net     # exit 0: all compiled, 77: cannot here
+    python -m tests.sm90_compile matvec|delta_net|act_quant|norms|rotary|attention   # exit 0: all compiled, 77: cannot here
 
 Runs as its own process: the suite's TRITON_INTERPRET=1 must not be set when Triton is imported.
 """
@@ -56,6 +56,57 @@ def delta_net() -> list[str]:
     return ["_delta_rule_kernel", "_causal_conv_kernel"]
 
 
+def act_quant() -> list[str]:
+    """The activation round trip for both block sizes and both pass counts, fp fusion off."""
+    from gpu_kernels import triton_act_quant as m
+
+    done = []
+    for block, g in m.BLOCKS_PER_PROGRAM.items():
+        for residual in (False, True):
+            compile_for_sm90(m._act_round_trip_kernel, {"BLOCK": block, "G": g, "RESIDUAL": residual,
+                                                        "F16_SCALE": block == 32}, 4, False,
+                             not_divisible=frozenset({"n_blocks"}))
+            done.append(f"block {block} residual {residual}")
+    return done
+
+
+def norms() -> list[str]:
+    """RMSNorm (weighted or not) and the L2 norm at a 5120-wide row."""
+    from gpu_kernels import triton_norms as m
+
+    for mean, has_w in ((True, True), (True, False), (False, False)):
+        compile_for_sm90(m._norm_rows_kernel, {"MEAN": mean, "HAS_W": has_w, "BLOCK": 8192}, 8, True,
+                         pointer_types={"eps": "fp32"}, not_divisible=frozenset({"n", "eps"}))
+    return ["rms weighted", "rms", "l2"]
+
+
+def rotary() -> list[str]:
+    """Both pairings at Qwen3.6's head (256 wide, 64 rotated) and a whole-head rotation."""
+    from gpu_kernels import triton_rotary as m
+
+    done = []
+    for neox in (True, False):
+        for half, bh, bd in ((32, 32, 256), (64, 64, 128)):
+            compile_for_sm90(m._rotary_kernel, {"HALF": half, "NEOX": neox, "BH": bh, "BD": bd}, 2, False,
+                             not_divisible=frozenset({"n_heads", "head_dim", "sx_t", "sx_h", "sc_t"}))
+            done.append(f"neox {neox} half {half}")
+    return done
+
+
+def attention() -> list[str]:
+    """The heads of SmolLM2 (64 wide, groups of 3), Gemma 3 and Qwen3.6 (256 wide), f16 caches."""
+    from gpu_kernels import triton_attention as m
+
+    done = []
+    for group, d, warps in ((3, 64, 4), (4, 256, 8), (6, 256, 8)):
+        compile_for_sm90(m._attention_rows_kernel,
+                         {"GROUP": group, "G": 16, "D": d, "BD": d, "DV": d, "BDV": d, "BT": m.BLOCK_KEYS}, warps, True,
+                         pointer_types={"k_ptr": "*fp16", "v_ptr": "*fp16", "scale": "fp32"},
+                         not_divisible=frozenset({"p0", "first", "window", "scale"}))
+        done.append(f"group {group} d {d}")
+    return done
+
+
 def matvec() -> list[str]:
     """Every type's decoder in every launch shape `launch_config` picks (FFN-sized matrices both
     ways: 17408 and 5120 rows), as matvec_triton launches it: fp fusion off, k not specialized."""
@@ -68,12 +119,14 @@ def matvec() -> list[str]:
         elems, nbytes = block_shape(int(qtype))
         for shape in sorted({m.launch_config(int(qtype), n_out) for n_out in (17408, 5120)}):
             block_n, num_warps, rows_mid = shape
-            constexprs = {"DECODE": decode, "CHUNK_BYTES": m.CHUNK // elems * nbytes, "BLOCK_N": block_n,
-                          "KT": m.K_MAX, "ROWS_MID": rows_mid}
-            compile_for_sm90(m._matvec_kernel, constexprs, num_warps, False,
-                             pointer_types={"raw": "*u8", "x": "*fp32", "y": "*fp32"},
-                             not_divisible=frozenset({"n_out", "row_bytes", "k"}))
-            done.append(f"{T(qtype).name} {shape}")
+            # a partial last chunk (rows of 576 or 640) exists for the 32-weight types only
+            for tail in (False, True) if elems == 32 else (False,):
+                constexprs = {"DECODE": decode, "CHUNK_BYTES": m.CHUNK // elems * nbytes, "BLOCK_N": block_n,
+                              "KT": m.K_MAX, "ROWS_MID": rows_mid, "TAIL": tail}
+                compile_for_sm90(m._matvec_kernel, constexprs, num_warps, False,
+                                 pointer_types={"raw": "*u8", "x": "*fp32", "y": "*fp32"},
+                                 not_divisible=frozenset({"n_out", "row_bytes", "k"}))
+                done.append(f"{T(qtype).name} {shape}" + (" tail" if tail else ""))
     return done
 
 
@@ -91,7 +144,7 @@ def run_in_subprocess(kernels: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    kernels = {"matvec": matvec, "delta_net": delta_net}
+    kernels = {"matvec": matvec, "delta_net": delta_net, "act_quant": act_quant, "norms": norms, "rotary": rotary, "attention": attention}
     if len(argv) != 1 or argv[0] not in kernels:
         print(f"usage: python -m tests.sm90_compile {'|'.join(kernels)}", file=sys.stderr)
         return 2

@@ -20,7 +20,8 @@ from cpu_kernels.quantize import quantize
 from gpu_kernels import triton_support
 from gpu_kernels.qlinear import QuantLinear
 from gpu_kernels.quant import dequantize_torch, row_bytes
-from gpu_kernels.triton_matvec import K_MAX, TRITON_MATVEC_TYPES, launch_config, matvec_triton
+from gpu_kernels.triton_matvec import (K_MAX, TRITON_MATVEC_TYPES, device_rows, launch_config, matvec_triton,
+                                       tail_slack)
 from gpu_kernels.triton_support import TritonMissing, have_triton, interpreting, require_triton
 from tests.sm90_compile import run_in_subprocess as compile_for_sm90
 from tests.test_gpu_quant import random_bytes
@@ -140,7 +141,41 @@ def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="out"):
         matvec_triton(raw, T.Q4_K, 256, x, out=torch.zeros(1, 9))
     with pytest.raises(ValueError, match="multiple of 256"):
+        matvec_triton(torch.zeros(8, row_bytes(T.Q4_K, 256), dtype=torch.uint8), T.Q4_K, 96, torch.zeros(1, 96))
+    with pytest.raises(ValueError, match="170 readable bytes past the last row"):
         matvec_triton(torch.zeros(8, row_bytes(T.Q8_0, 96), dtype=torch.uint8), T.Q8_0, 96, torch.zeros(1, 96))
+
+
+LEGACY_TYPES = [t for t in TYPES if t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL)]
+
+
+@pytest.mark.parametrize("qtype", LEGACY_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n_in", [576, 640, 96], ids=lambda n: f"n_in={n}")
+def test_rows_with_a_partial_last_chunk(qtype, n_in):
+    """Widths of whole 32-weight blocks but not of 256 (SmolLM2's 576, Gemma 3's 640): the last
+    chunk is decoded over the next row's bytes and zeroed past the row. Accurate, every k's rows
+    bitwise those of k = 16, and the bytes past the last row never reach a result (0xFF there
+    decodes to NaN scales)."""
+    raw_np = weights(qtype, 37, n_in, seed=n_in)
+    raw = device_rows(torch.from_numpy(raw_np), qtype, n_in, "cpu")
+    x = tokens(K_MAX, n_in, seed=n_in)
+    batches = k_sweep(raw, qtype, x)
+    for k, y in enumerate(batches, start=1):
+        assert_close_to_gguf(y, raw_np, qtype, x[:k], f"{qtype.name} k={k}")
+    assert_k_independent(batches, raw, qtype, x)
+    poisoned = torch.full((raw.numel() + tail_slack(qtype, n_in),), 0xFF, dtype=torch.uint8)
+    rows = poisoned[:raw.numel()].view(raw.shape)
+    rows.copy_(raw)
+    assert torch.equal(matvec_triton(rows, qtype, n_in, x[:3]), batches[2])
+
+
+def test_quantlinear_partial_chunk_needs_the_bytes_past_the_rows():
+    raw_np = weights(T.Q8_0, 16, 576)
+    with pytest.raises(ValueError, match="without the bytes past the last row"):
+        QuantLinear(torch.from_numpy(raw_np), T.Q8_0, 576, 16, kernel="triton")
+    lin = QuantLinear(device_rows(torch.from_numpy(raw_np), T.Q8_0, 576, "cpu"), T.Q8_0, 576, 16, kernel="triton")
+    x = tokens(3, 576)
+    assert_close_to_gguf(lin(x), raw_np, T.Q8_0, x, "QuantLinear Q8_0 576")
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
@@ -168,7 +203,7 @@ def test_quantlinear_kernel_choice():
     assert QuantLinear(raw, T.Q4_K, 256, 8, kernel="torch").fused_max == 0
     with pytest.raises(ValueError, match="kernel must be one of"):
         QuantLinear(raw, T.Q4_K, 256, 8, kernel="cuda")
-    with pytest.raises(ValueError, match="no fused Triton kernel for Q8_0 rows of 96"):
+    with pytest.raises(ValueError, match="no fused Triton kernel for Q8_0 rows of 96 without the bytes"):
         QuantLinear(torch.zeros(8, row_bytes(T.Q8_0, 96), dtype=torch.uint8), T.Q8_0, 96, 8, kernel="triton")
 
 
@@ -198,6 +233,7 @@ def test_missing_triton_is_one_clean_line(no_triton):
 def test_gpu_kernels_import_without_triton():
     code = ("import sys; sys.modules['triton'] = None\n"
             "import gpu_kernels.qlinear, gpu_kernels.triton_matvec as tm, gpu_kernels.triton_support as ts\n"
+            "import gpu_kernels.attention, gpu_kernels.norms, gpu_kernels.rotary, gpu_kernels.delta_net\n"
             "assert not ts.have_triton() and len(tm.TRITON_MATVEC_TYPES) == 12\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
@@ -247,6 +283,22 @@ def test_cuda_27b_ffn_shapes(qtype, n_out, n_in):
     assert_k_independent(batches, raw, qtype, x)
     lin = QuantLinear(raw, qtype, n_in, n_out)
     assert lin.fused_max > K_MAX and torch.equal(lin(x[:3]), batches[2])
+
+
+@CUDA
+@pytest.mark.parametrize("qtype", LEGACY_TYPES, ids=lambda t: t.name)
+def test_cuda_partial_last_chunk(qtype):
+    """SmolLM2's 576-wide rows compiled: accurate, k-independent, and QuantLinear's auto kernel
+    takes them when the rows come from device_rows."""
+    raw_np = weights(qtype, 1536, 576, seed=7)
+    raw = device_rows(torch.from_numpy(raw_np), qtype, 576, "cuda")
+    x = tokens(K_MAX, 576, seed=8, device="cuda")
+    batches = k_sweep(raw, qtype, x)
+    for k, y in enumerate(batches, start=1):
+        assert_close_to_gguf(y, raw_np, qtype, x[:k], f"{qtype.name} k={k}")
+    assert_k_independent(batches, raw, qtype, x)
+    lin = QuantLinear(raw, qtype, 576, 1536)
+    assert lin.fused_max > K_MAX and torch.equal(lin(x[:2]), batches[1])
 
 
 def test_kernel_compiles_for_a_gpu_without_one():
