@@ -97,6 +97,17 @@ def test_bench_json_has_predicted_and_measured_speed():
     assert plain["cpu_kernels"].startswith("int8 activations, ") and "AMX tiles" in plain["cpu_kernels"]
 
 
+def test_bench_spec_type_none_is_the_plain_bench(tiny_qwen35_mtp):
+    """--spec-type none plans and times plain decoding, as `run --spec-type none` decodes (it used
+    to start a speculative comparison and fail on the verify batches the plan did not reserve)."""
+    base = PlacementRequest(n_ctx=256, spec_type="none")
+    r = run_cli("bench", "-m", str(tiny_qwen35_mtp), "--vram", str(budget_for(tiny_qwen35_mtp, base, 3, 2.5)),
+                "-c", "256", "-p", "8", "-n", "4", "-r", "1", "--json", "--cpu-bw", "20", "--spec-type", "none")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["tg_tps"] > 0 and "plain_tps" not in d and d["placement"]["spec_type"] == "none"
+
+
 def test_bench_decodes_on_the_cache_run_uses(tiny_qwen3, monkeypatch):
     """`bench` times the KV cache `run` decodes on (-ctk / -ctv, f16 by default as llama.cpp), not
     the Python API's f32 default; a bad type is one error line."""
