@@ -209,9 +209,13 @@ def bench(
 
 def _bench_plain(m, n_prompt: int, n_gen: int, reps: int, as_json: bool, cpu_bw: float, threads: int,
                  cache_type: str) -> None:
-    # one short warm-up so JIT compilation and page faults are not timed
-    warm = m.session(16, cache_type)
-    warm.eval([1, 2, 3, 4], logits="last")
+    # a warm-up run of the same shapes, as llama-bench makes one: a prompt batch and a decode step,
+    # so first-use costs (JIT compilation, kernels loaded, page faults) are not timed. A 4-token
+    # warm-up (a decode-sized batch) left the prompt path's first use in the timed pp.
+    warm = m.session(None if m.plan is not None else n_prompt + 8, cache_type)
+    lo = min(1000, m.n_vocab // 4)
+    warm.eval([lo + i % (m.n_vocab - 2 * lo) for i in range(n_prompt)], logits="last")
+    warm.eval([lo], logits="last")
     t0 = time.perf_counter()
     pp, tg = bench_plain(m, n_prompt, n_gen, reps, cache_type=cache_type)
     predicted, source = predicted_speed(m, cpu_bw)
