@@ -5,7 +5,10 @@ then runs one GEMV per token: launch bound, and the decoded tile makes a round t
 Here each program owns BLOCK_N output rows and walks their K dimension one 256-weight chunk at a
 time (one K-quant super-block, or eight 32-weight legacy blocks): it loads the chunk's bytes once,
 decodes them into float32 registers and dots them with every token before moving on
-(weight-stationary), so W is read from memory exactly once per call whatever k is.
+(weight-stationary), so W is read from memory exactly once per call whatever k is. Rows of 32-weight
+blocks may end inside a chunk (SmolLM2's 576, Gemma 3's 640): the last chunk is then decoded whole,
+over the next row's first bytes (`device_rows` leaves slack after the last row), and its weights
+past the row are zeroed before the dot.
 
 Bit stability: speculative decoding needs a token's row to be bitwise the same alone or inside a
 k-token verify batch. k is a runtime loop bound (never specialized), so every k runs the same
