@@ -14,8 +14,9 @@
 #      (the real files if pulled, else random-weight files of their exact shapes and types), and a
 #      qwen35 + MTP file, each at budgets that put everything / about half / nothing of the FFN on
 #      the GPU; measured vs predicted t/s from --json; then one traced run of SmolLM2 at half;
-#   4. the kernel benches: fused dequantize-dot vs torch dequantize+matmul at the 27B FFN shapes
-#      (scripts/bench_gpu_kernels.py), the Gated DeltaNet step (scripts/bench_gpu_delta_net.py).
+#   4. the kernel benches: the host time per call of each device piece (scripts/bench_gpu_launch.py:
+#      what bounds a decode step today), fused dequantize-dot vs torch dequantize+matmul at the 27B
+#      FFN shapes (scripts/bench_gpu_kernels.py), the Gated DeltaNet step (scripts/bench_gpu_delta_net.py).
 # The plan path comes before the kernel benches: on a short lease it is the part that matters most.
 #
 # On the lent machines (see the device tool's README): nothing can be downloaded there, so carry
@@ -112,13 +113,14 @@ plan_bench() {   # plan_bench NAME EXTRA...: bench at three budgets, all / about
     local vram
     vram=$(python3 scripts/gpu_check_budget.py "$model" "$frac" "$@") || return 1
     echo "--- $name, FFN fraction $frac: --vram $vram"
-    hybridrt_cli bench -m "$model" --device cuda --vram "$vram" -p 128 -n 64 -r 2 --json "$@" \
+    hybridrt_cli bench -m "$model" --device cuda --vram "$vram" -p 128 -n 64 -r 3 --json "$@" \
       > "$OUTDIR/bench-$name-$frac.json" || return 1
     python3 - "$OUTDIR/bench-$name-$frac.json" <<'EOF'
 import json, sys
 d = json.load(open(sys.argv[1]))
 p = d.get("placement") or {}
-print(f"  measured {d['measured_tps']:.1f} t/s, predicted {d['predicted_tps'] or 0:.1f} t/s "
+pp = f"pp {d['pp_tps']:.0f} t/s, " if "pp_tps" in d else ""
+print(f"  {pp}measured {d['measured_tps']:.1f} t/s, predicted {d['predicted_tps'] or 0:.1f} t/s "
       f"({d['prediction']}); FFN on GPU {len(p.get('ffn_gpu_layers', []))}, on CPU {len(p.get('ffn_cpu_layers', []))}")
 EOF
   done
@@ -148,6 +150,7 @@ step trace hybridrt_cli run -m "$SMOLLM2_FILE" --device cuda \
   --vram "$(python3 scripts/gpu_check_budget.py "$SMOLLM2_FILE" 0.5)" \
   -p "The capital of France is" -n 32 --temp 0 --trace "$OUTDIR/trace-smollm2.json"
 step trace_summary python3 scripts/trace_summary.py "$OUTDIR/trace-smollm2.json"
+step bench_gpu_launch python3 scripts/bench_gpu_launch.py
 step bench_gpu_kernels python3 scripts/bench_gpu_kernels.py
 step bench_gpu_delta_net python3 scripts/bench_gpu_delta_net.py
 step bench_gpu_kernels_sweep python3 scripts/bench_gpu_kernels.py --sweep --ks 1,4,16

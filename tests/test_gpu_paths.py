@@ -146,3 +146,19 @@ def test_bench_loads_the_draft_where_run_does(monkeypatch, tiny_llama):
         cli_bench._bench_spec(m, "draft-simple", 3, str(tiny_llama), None, "random", "none", 8, 4, 1, True, 1e9,
                               None, "f32")
     assert seen["device"] == m.device and seen["tensor_devices"] is None and seen["exact_activations"] == m.binder.exact
+
+
+def test_launch_bench_runs_with_stubbed_launches():
+    """scripts/bench_gpu_launch.py --stub (its own process: it replaces the kernels' launches) times
+    every piece's wrapper without a GPU, so the script cannot rot between GPU sessions."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "scripts/bench_gpu_launch.py", "--stub", "-n", "3"], cwd=root,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.strip().splitlines()
+    assert "stubbed" in lines[0] and len(lines) == 8, r.stdout
+    assert all(float(line.rsplit(None, 1)[1]) > 0 for line in lines[1:])
