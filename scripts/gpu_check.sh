@@ -126,7 +126,14 @@ EOF
   done
 }
 
-export -f hybridrt_cli card models plan_bench
+traced_run() {   # SmolLM2 with half its FFN on the GPU, one traced run
+  local model; model=$(cat "$OUTDIR/models/smollm2-135m.path")
+  local vram; vram=$(python3 scripts/gpu_check_budget.py "$model" 0.5) || return 1
+  hybridrt_cli run -m "$model" --device cuda --vram "$vram" -p "The capital of France is" -n 32 --temp 0 \
+    --trace "$OUTDIR/trace-smollm2.json"
+}
+
+export -f hybridrt_cli card models plan_bench traced_run
 
 # the stand-in files take about a minute of CPU: written while the card and the tests run
 MODELS_PID=
@@ -145,10 +152,7 @@ fi
 step plan_smollm2 plan_bench smollm2-135m
 step plan_gemma3 plan_bench gemma3-270m
 step plan_qwen35_mtp plan_bench qwen35-mtp --spec-type draft-mtp --spec-draft-n-max 3
-SMOLLM2_FILE=$(cat "$OUTDIR/models/smollm2-135m.path" 2>/dev/null)
-step trace hybridrt_cli run -m "$SMOLLM2_FILE" --device cuda \
-  --vram "$(python3 scripts/gpu_check_budget.py "$SMOLLM2_FILE" 0.5)" \
-  -p "The capital of France is" -n 32 --temp 0 --trace "$OUTDIR/trace-smollm2.json"
+step trace traced_run
 step trace_summary python3 scripts/trace_summary.py "$OUTDIR/trace-smollm2.json"
 step bench_gpu_launch python3 scripts/bench_gpu_launch.py
 step bench_gpu_kernels python3 scripts/bench_gpu_kernels.py
