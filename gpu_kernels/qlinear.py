@@ -26,8 +26,8 @@ from gguf.constants import GGMLQuantizationType as T
 
 from .attention import ROWWISE_MAX
 from .quant import QUANTIZED_TYPES, dequantize_torch, row_bytes, type_name
-from .triton_act_quant import act_round_trip_triton
-from .triton_matvec import K_MAX, matvec_triton, readable_past_end, tail_slack, width_fits
+from .triton_act_quant import act_round_trip_unchecked
+from .triton_matvec import K_MAX, MatvecLaunch, readable_past_end, tail_slack, width_fits
 from .triton_support import have_triton, require_triton
 
 KERNELS = ("auto", "triton", "torch")
@@ -164,6 +164,7 @@ class QuantLinear:
         # one Triton launch instead of ~20 torch ops (40 with the second pass) wherever the fused
         # matvec runs: on a GPU those ops' launches were most of a decode step
         self.fused_round_trip = self.act_block is not None and self.fused_max > 0 and n_in % self.act_block == 0
+        self._launch = MatvecLaunch(self.raw, self.qtype, n_in) if self.fused_max > 0 else None
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [k, n_in] -> float32 [k, n_out] on the weights' device (written into `out` if given)."""
@@ -175,7 +176,7 @@ class QuantLinear:
             # the CPU sums W q1 d1 + W q2 d2 in float32; here W (q1 d1 + q2 d2): equal up to rounding
             again = self.residual and n_tok <= RESIDUAL_MAX_TOKENS
             if self.fused_round_trip:
-                x = act_round_trip_triton(x.contiguous(), self.act_block, again)
+                x = act_round_trip_unchecked(x.contiguous(), self.act_block, again)
             else:
                 first = int8_round_trip(x, self.act_block)
                 x = first + int8_round_trip(x - first, self.act_block) if again else first
@@ -189,9 +190,14 @@ class QuantLinear:
         return y
 
     def _fused(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        # K_MAX tokens per launch; a token's bits do not depend on which launch it is in
+        # K_MAX tokens per launch; a token's bits do not depend on which launch it is in. y is
+        # contiguous (fresh, or an `out` taken as is), and so are its row slices.
+        x = x.contiguous()
+        if x.shape[0] <= K_MAX:
+            self._launch(x, y)
+            return
         for i in range(0, x.shape[0], K_MAX):
-            matvec_triton(self.raw, self.qtype, self.n_in, x[i:i + K_MAX], out=y[i:i + K_MAX])
+            self._launch(x[i:i + K_MAX], y[i:i + K_MAX])
 
     def _tiles(self, xw: torch.Tensor, y: torch.Tensor) -> None:
         n_tok = xw.shape[0]

@@ -450,16 +450,36 @@ def matvec_triton(raw: torch.Tensor, qtype: int, n_in: int, x: torch.Tensor,
                          f"got {out.dtype} {tuple(out.shape)} on {out.device}")
     if n_out == 0:
         return out
-    default_n, default_warps, default_mid = launch_config(qtype, n_out)
-    block_n, num_warps = block_n or default_n, num_warps or default_warps
-    rows_mid = default_mid if rows_mid is None else rows_mid
-    raw, x = raw.contiguous(), x.contiguous()
-    slack = tail_slack(qtype, n_in)
-    if slack and readable_past_end(raw) < slack:
-        raise ValueError(f"matvec_triton: rows of {n_in} {type_name(qtype)} weights need {slack} readable bytes "
-                         f"past the last row (allocate them with device_rows)")
-    _matvec_kernel[matvec_grid(n_out, block_n)](
-        raw, x, out, n_out, n_in, raw.shape[1], k,
-        DECODE=_DECODERS[T(qtype)], CHUNK_BYTES=CHUNK // elems * nbytes, BLOCK_N=block_n, KT=K_MAX, ROWS_MID=rows_mid,
-        TAIL=slack > 0, num_warps=num_warps, enable_fp_fusion=fp_fusion)
+    launch = MatvecLaunch(raw.contiguous(), qtype, n_in, block_n=block_n, num_warps=num_warps, rows_mid=rows_mid,
+                          fp_fusion=fp_fusion)
+    launch(x.contiguous(), out)
     return out
+
+
+class MatvecLaunch:
+    """matvec_triton's launch for one matrix, checked and configured once: a decode step calls
+    each matrix once per layer, and the per-call checks and configuration were a fifth of the
+    host time of a call (scripts/bench_gpu_launch.py --stub). `launch(x, out)` takes what
+    matvec_triton takes, unchecked: x contiguous float32 [k <= K_MAX, n_in], out contiguous
+    float32 [k, n_out], both on raw's device."""
+
+    def __init__(self, raw: torch.Tensor, qtype: int, n_in: int, *, block_n: int | None = None,
+                 num_warps: int | None = None, rows_mid: bool | None = None, fp_fusion: bool = False):
+        elems, nbytes = block_shape(qtype)
+        n_out = raw.shape[0]
+        default_n, default_warps, default_mid = launch_config(qtype, n_out)
+        block_n, num_warps = block_n or default_n, num_warps or default_warps
+        slack = tail_slack(qtype, n_in)
+        if slack and readable_past_end(raw) < slack:
+            raise ValueError(f"matvec_triton: rows of {n_in} {type_name(qtype)} weights need {slack} readable bytes "
+                             f"past the last row (allocate them with device_rows)")
+        self.raw, self.n_out, self.n_in = raw, n_out, n_in
+        self.kernel = _matvec_kernel[matvec_grid(n_out, block_n)]
+        self.constants = dict(
+            DECODE=_DECODERS[T(qtype)], CHUNK_BYTES=CHUNK // elems * nbytes, BLOCK_N=block_n, KT=K_MAX,
+            ROWS_MID=default_mid if rows_mid is None else rows_mid, TAIL=slack > 0, num_warps=num_warps,
+            enable_fp_fusion=fp_fusion)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        if self.n_out:
+            self.kernel(self.raw, x, out, self.n_out, self.n_in, self.raw.shape[1], x.shape[0], **self.constants)
