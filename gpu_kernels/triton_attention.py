@@ -12,6 +12,11 @@ program sees keys [lo(t), p0 + t] and runs the same code whatever the number of 
 so a token's bits are the same alone or in a verify batch. The products run as IEEE float32 dots
 (no TF32). The bits differ from the torch path's (another summation and softmax order): within
 float32 rounding.
+
+Not yet measured at long contexts: one program walks all of a row's keys, so a decode step runs
+only n_kv programs (4 for Qwen3.6-27B), each over the whole context. At tens of thousands of keys
+that leaves most of a GPU idle; splitting the keys into fixed blocks of positions (so the split, and
+a token's bits, do not depend on the batch) with a combine pass (flash-decoding) is the step after.
 """
 from __future__ import annotations
 
