@@ -15,9 +15,10 @@ from .triton_support import have_triton, interpreting, require_triton
 
 
 def fits(x: torch.Tensor, rows) -> bool:
-    """Whether x [tokens, heads, head_dim] (last dimension contiguous) and the gathered cos / sin
-    rows [tokens, 1, n_rot / 2] can take the kernel."""
+    """Whether x [tokens, heads, head_dim] (float32, last dimension contiguous) and the gathered
+    cos / sin rows [tokens, 1, n_rot / 2] can take the kernel (anything else keeps torch's ops)."""
     return ((x.is_cuda or interpreting()) and have_triton() and x.dim() == 3 and x.stride(2) == 1
+            and x.dtype == rows.cos.dtype == rows.sin.dtype == torch.float32
             and x.numel() > 0 and rows.cos.shape[0] == x.shape[0] and rows.cos.stride(-1) == 1
             and rows.sin.stride(0) == rows.cos.stride(0) and rows.sin.stride(-1) == 1)
 

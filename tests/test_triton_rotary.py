@@ -38,6 +38,7 @@ def test_bad_inputs_are_named():
         rotary_triton(torch.zeros(1, 1, 32), rows.cos, rows.sin, 64, True)
     with pytest.raises(ValueError, match="float32"):
         rotary_triton(torch.zeros(1, 1, 64, dtype=torch.float16), rows.cos, rows.sin, 64, True)
+    assert not fits(torch.zeros(1, 1, 64, dtype=torch.float16), rows)       # apply_rotary keeps torch's ops
 
 
 @pytest.mark.cuda
