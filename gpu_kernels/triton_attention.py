@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_support import have_triton, interpreting, require_triton
+from .triton_support import have_triton, interpreting, pow2_at_least, require_triton
 
 BLOCK_KEYS = 32
 MAX_HEAD_DIM = 256
@@ -101,11 +101,11 @@ def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     group = n_head // n_kv
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty(n_tok, n_head, d_v, dtype=torch.float32, device=q.device)
-    bd, bdv = triton.next_power_of_2(d), triton.next_power_of_2(d_v)
+    bd, bdv = pow2_at_least(d), pow2_at_least(d_v)
     _attention_rows_kernel[(n_tok, n_kv)](
         q, k_cache, v_cache, out, p0, first, window, float(scale),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1),
-        GROUP=group, G=max(16, triton.next_power_of_2(group)), D=d, BD=bd, DV=d_v, BDV=bdv, BT=BLOCK_KEYS,
+        GROUP=group, G=max(16, pow2_at_least(group)), D=d, BD=bd, DV=d_v, BDV=bdv, BT=BLOCK_KEYS,
         num_warps=4 if max(bd, bdv) <= 128 else 8)
     return out

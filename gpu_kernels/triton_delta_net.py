@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_support import interpreting
+from .triton_support import interpreting, pow2_at_least
 
 
 def _check_device(t: torch.Tensor) -> None:
@@ -97,9 +97,9 @@ def delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_dec
         assert snapshots.dtype == torch.float32, snapshots.dtype
     # unused pointer and strides when there are no snapshots
     snap, snap_strides = (snapshots, snapshots.stride()) if snapshots is not None else (state, (0,) * 4)
-    BK = triton.next_power_of_2(d_k)
-    BV = block_v or min(32, triton.next_power_of_2(d_v))
-    assert BV == triton.next_power_of_2(BV), f"block_v must be a power of two, got {BV}"
+    BK = pow2_at_least(d_k)
+    BV = block_v or min(32, pow2_at_least(d_v))
+    assert BV == pow2_at_least(BV), f"block_v must be a power of two, got {BV}"
     # a warp per 256 state values, at most 4: small tiles (the tiny test models) leave no thread idle
     warps = num_warps or max(1, min(4, BK * BV // 256))
     _delta_rule_kernel[delta_rule_grid(H, d_v, BV)](
@@ -174,7 +174,7 @@ def causal_conv_triton(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.
     _causal_conv_kernel[causal_conv_grid(C, block_c)](
         x, conv_state, weight, out, hist, n, C, x.stride(0), conv_state.stride(0), *weight.stride(),
         out.stride(0), hist.stride(0),
-        K=K, KP=triton.next_power_of_2(max(K - 1, 1)), BC=block_c,
+        K=K, KP=pow2_at_least(max(K - 1, 1)), BC=block_c,
         HISTORY=history_out is not None, UPDATE=update_state, num_warps=max(1, min(4, block_c // 32)),
         enable_fp_fusion=False)     # multiply, then add, rounded apart: the torch path's arithmetic
     return out

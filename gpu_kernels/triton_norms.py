@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_support import have_triton, interpreting, require_triton
+from .triton_support import have_triton, interpreting, pow2_at_least, require_triton
 
 MAX_ROW = 1 << 15       # a row is held in one program's registers: model widths go to 8192 or so
 
@@ -61,5 +61,5 @@ def norm_rows_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, m
     w = weight.contiguous() if weight is not None else xc      # any pointer: HAS_W=False never reads it
     rows = xc.numel() // n
     _norm_rows_kernel[(rows,)](xc, w, y, n, float(eps), MEAN=mean, HAS_W=weight is not None,
-                               BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 4096 else 8)
+                               BLOCK=pow2_at_least(n), num_warps=4 if n <= 4096 else 8)
     return y

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_support import have_triton, interpreting, require_triton
+from .triton_support import have_triton, interpreting, pow2_at_least, require_triton
 
 
 def fits(x: torch.Tensor, rows) -> bool:
@@ -68,6 +68,6 @@ def rotary_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_rot: 
     y = torch.empty(n_tok, n_heads, head_dim, dtype=torch.float32, device=x.device)
     _rotary_kernel[(n_tok * n_heads,)](
         x, cos, sin, y, n_heads, head_dim, x.stride(0), x.stride(1), cos.stride(0),
-        HALF=half, NEOX=neox, BH=triton.next_power_of_2(half), BD=triton.next_power_of_2(head_dim),
+        HALF=half, NEOX=neox, BH=pow2_at_least(half), BD=pow2_at_least(head_dim),
         num_warps=1 if head_dim <= 128 else 2, enable_fp_fusion=False)
     return y

@@ -32,3 +32,10 @@ def require_triton(what: str) -> None:
     """Raise TritonMissing, with a one-line message naming `what` and how to install Triton."""
     if not have_triton():
         raise TritonMissing(f"{what} needs Triton, which is not installed: {INSTALL_HINT}")
+
+
+def pow2_at_least(n: int) -> int:
+    """The smallest power of two >= n (n >= 1), for block sizes. triton.next_power_of_2 is the same
+    number, but newer Tritons wrap it as a constexpr function that costs ~3 us a call on the host,
+    and the wrappers of a decode step's kernels call it a dozen times per layer."""
+    return 1 << (n - 1).bit_length()

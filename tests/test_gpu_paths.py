@@ -162,3 +162,10 @@ def test_launch_bench_runs_with_stubbed_launches():
     lines = r.stdout.strip().splitlines()
     assert "stubbed" in lines[0] and len(lines) == 8, r.stdout
     assert all(float(line.rsplit(None, 1)[1]) > 0 for line in lines[1:])
+
+
+def test_pow2_at_least_is_tritons_next_power_of_2():
+    triton = pytest.importorskip("triton")
+    from gpu_kernels.triton_support import pow2_at_least
+
+    assert all(pow2_at_least(n) == triton.next_power_of_2(n) for n in range(1, 70000))
