@@ -35,7 +35,7 @@ import torch
 from gguf.constants import GGMLQuantizationType as T
 
 from .quant import IQ4_LEVELS, block_shape, row_bytes, type_name
-from .triton_support import have_triton, require_triton
+from .triton_support import checked_runner, have_triton, require_triton
 
 K_MAX = 16          # tokens per launch: the accumulator is [BLOCK_N, K_MAX] whatever k is
 CHUNK = 256         # weights per row decoded per loop step
@@ -473,13 +473,25 @@ class MatvecLaunch:
         if slack and readable_past_end(raw) < slack:
             raise ValueError(f"matvec_triton: rows of {n_in} {type_name(qtype)} weights need {slack} readable bytes "
                              f"past the last row (allocate them with device_rows)")
-        self.raw, self.n_out, self.n_in = raw, n_out, n_in
-        self.kernel = _matvec_kernel[matvec_grid(n_out, block_n)]
-        self.constants = dict(
-            DECODE=_DECODERS[T(qtype)], CHUNK_BYTES=CHUNK // elems * nbytes, BLOCK_N=block_n, KT=K_MAX,
-            ROWS_MID=default_mid if rows_mid is None else rows_mid, TAIL=slack > 0, num_warps=num_warps,
-            enable_fp_fusion=fp_fusion)
+        self.raw, self.n_out, self.n_in, self.row_bytes = raw, n_out, n_in, raw.shape[1]
+        self.grid = matvec_grid(n_out, block_n)
+        self.kernel = _matvec_kernel[self.grid]
+        self.constexprs = dict(DECODE=_DECODERS[T(qtype)], CHUNK_BYTES=CHUNK // elems * nbytes, BLOCK_N=block_n,
+                               KT=K_MAX, ROWS_MID=default_mid if rows_mid is None else rows_mid, TAIL=slack > 0)
+        self.options = dict(num_warps=num_warps, enable_fp_fusion=fp_fusion)
+        # the compiled kernel's own launcher, by the alignment of x and out (what Triton specializes
+        # on among the arguments that change; k is not specialized): checked_runner
+        self.direct: dict[tuple[bool, bool], object] = {}
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        if self.n_out:
-            self.kernel(self.raw, x, out, self.n_out, self.n_in, self.raw.shape[1], x.shape[0], **self.constants)
+        if not self.n_out:
+            return
+        args = (self.raw, x, out, self.n_out, self.n_in, self.row_bytes, x.shape[0])
+        key = (x.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0)
+        runner = self.direct.get(key)
+        if runner is not None:
+            runner(*args, *self.constexprs.values())
+            return
+        compiled = self.kernel(*args, **self.constexprs, **self.options)
+        if key not in self.direct:
+            self.direct[key] = checked_runner(compiled, self.grid, args, tuple(self.constexprs.values()), 2)

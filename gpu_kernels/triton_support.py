@@ -9,6 +9,9 @@ import functools
 import importlib.util
 import os
 
+# HYBRIDRT_DIRECT_LAUNCH=0 keeps every launch on Triton's JIT path (for an A/B of checked_runner)
+DIRECT_LAUNCH = os.environ.get("HYBRIDRT_DIRECT_LAUNCH", "1").strip() != "0"
+
 INSTALL_HINT = "pip install 'hybridrt[gpu]' (or pip install triton)"
 
 
@@ -39,3 +42,31 @@ def pow2_at_least(n: int) -> int:
     number, but newer Tritons wrap it as a constexpr function that costs ~3 us a call on the host,
     and the wrappers of a decode step's kernels call it a dozen times per layer."""
     return 1 << (n - 1).bit_length()
+
+
+def checked_runner(compiled, grid: tuple, args: tuple, constexpr_values: tuple, out_index: int):
+    """Triton's launcher of an already compiled kernel (`compiled[grid]`, the CompiledKernel that a
+    JIT launch returns), or None.
+
+    Why: a JIT launch binds and specializes every argument, builds a cache key and looks the
+    kernel up before it launches: about 15 of the ~25 us of host time each Triton launch cost on
+    the H100's host (BENCHMARKS, "GPU check"), and a decode step makes ~15 per layer. The compiled
+    kernel is valid for every call whose arguments specialize the same way, which the caller keys
+    (pointer alignments; the other arguments are fixed or not specialized). The runner is taken
+    only if, on `args` (a JIT launch that just wrote args[out_index]), it reproduces that output
+    bit for bit into a fresh buffer; anything else (no compiled kernel, as under the interpreter,
+    another Triton's API, an error, other bits) gives None and the caller keeps the JIT path."""
+    import torch
+
+    if not DIRECT_LAUNCH or compiled is None or not hasattr(compiled, "run"):
+        return None
+    try:
+        runner = compiled[tuple(grid) + (1,) * (3 - len(grid))]
+        trial = list(args)
+        trial[out_index] = torch.empty_like(args[out_index])
+        runner(*trial, *constexpr_values)
+        if torch.equal(trial[out_index], args[out_index]):
+            return runner
+    except Exception:        # noqa: BLE001 -- any failure means: stay on the JIT path
+        pass
+    return None

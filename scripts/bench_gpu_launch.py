@@ -41,7 +41,7 @@ def cases(device: str):
     q = torch.randn(1, 9, 64, generator=gen).to(device)
     rows = rotary_rows(rotary_table(4096, 64, 1e4, False, device=device), 100, 1)
     cache = torch.randn(4096, 3, 64, generator=gen).half().to(device)
-    return {
+    pieces = {
         "torch add (reference)": lambda: x + x,
         "matvec_triton Q8_0 576 -> 1536": lambda: matvec_triton(raw, T.Q8_0, 576, x),
         "act_round_trip_triton": lambda: act_round_trip_triton(x, 32, True),
@@ -50,6 +50,7 @@ def cases(device: str):
         "rotary_triton": lambda: rotary_triton(q, rows.cos, rows.sin, 64, False),
         "attention_rows_triton (101 keys)": lambda: attention_rows_triton(q, cache, cache, 100, 0.125),
     }
+    return pieces, lin
 
 
 def stub_launches() -> None:
@@ -89,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_gpu_launch: needs a CUDA GPU (none found); --stub times the wrappers alone")
         return 0
     print(f"{what}: host microseconds per call (best of 5 rounds of {args.n})")
-    for name, fn in cases(device).items():
+    pieces, lin = cases(device)
+    for name, fn in pieces.items():
         for _ in range(min(50, args.n)):
             fn()
         sync()
@@ -101,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
             sync()
             best = min(best, (time.perf_counter() - t) / args.n)
         print(f"  {name:36s} {best * 1e6:7.1f}")
+    direct = [k for k, runner in lin._launch.direct.items() if runner is not None]
+    print(f"matvec launches through the compiled kernel's own launcher (checked_runner): "
+          f"{'on' if direct else 'off'} (HYBRIDRT_DIRECT_LAUNCH={os.environ.get('HYBRIDRT_DIRECT_LAUNCH', '1')})")
     return 0
 
 

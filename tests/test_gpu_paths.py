@@ -160,8 +160,9 @@ def test_launch_bench_runs_with_stubbed_launches():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.strip().splitlines()
-    assert "stubbed" in lines[0] and len(lines) == 8, r.stdout
-    assert all(float(line.rsplit(None, 1)[1]) > 0 for line in lines[1:])
+    assert "stubbed" in lines[0] and len(lines) == 9, r.stdout
+    assert all(float(line.rsplit(None, 1)[1]) > 0 for line in lines[1:8])
+    assert ": off (" in lines[8]                # no compiled kernel behind a stubbed launch
 
 
 def test_pow2_at_least_is_tritons_next_power_of_2():
@@ -169,3 +170,61 @@ def test_pow2_at_least_is_tritons_next_power_of_2():
     from gpu_kernels.triton_support import pow2_at_least
 
     assert all(pow2_at_least(n) == triton.next_power_of_2(n) for n in range(1, 70000))
+
+
+class FakeCompiled:
+    """A stand-in for Triton's CompiledKernel: `compiled[grid](*args)` runs `body` on the args."""
+
+    def __init__(self, body):
+        self.body, self.grids = body, []
+
+    def run(self, *args):           # present on a real one; checked_runner only asks that it exists
+        raise AssertionError("not called directly")
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return lambda *args: self.body(*args)
+
+
+def test_checked_runner_takes_only_a_launcher_that_reproduces_the_jit_output():
+    from gpu_kernels.triton_support import checked_runner
+
+    x = torch.arange(6.0)
+    out = x * 2                                  # what "the JIT launch" wrote
+    args = (x, out, 6)
+
+    def right(x, y, n, scale):
+        y.copy_(x * scale)
+
+    def wrong(x, y, n, scale):
+        y.copy_(x * scale + 1)
+
+    def broken(*args):
+        raise TypeError("another Triton's launcher signature")
+
+    good = FakeCompiled(right)
+    runner = checked_runner(good, (3,), args, (2.0,), 1)
+    assert runner is not None and good.grids == [(3, 1, 1)]       # the grid padded to three axes
+    assert torch.equal(out, x * 2)                                # the trial wrote elsewhere
+    y = torch.empty(6)
+    runner(x, y, 6, 2.0)
+    assert torch.equal(y, x * 2)
+    assert checked_runner(FakeCompiled(wrong), (3,), args, (2.0,), 1) is None
+    assert checked_runner(FakeCompiled(broken), (3,), args, (2.0,), 1) is None
+    assert checked_runner(None, (3,), args, (2.0,), 1) is None     # the interpreter returns no kernel
+
+
+def test_matvec_launch_passes_the_constexprs_in_the_kernels_order():
+    """The direct launcher takes every argument positionally, constexprs last, as Triton's JIT
+    passes them: MatvecLaunch's order must be the kernel's signature."""
+    from gguf.constants import GGMLQuantizationType as T
+
+    from gpu_kernels import triton_matvec
+    from gpu_kernels.quant import row_bytes
+
+    pytest.importorskip("triton")
+    raw = triton_matvec.device_rows(torch.zeros(4, row_bytes(T.Q8_0, 576), dtype=torch.uint8), T.Q8_0, 576, "cpu")
+    launch = triton_matvec.MatvecLaunch(raw, T.Q8_0, 576)
+    names = triton_matvec._matvec_kernel.arg_names
+    assert names[:7] == ["raw", "x", "y", "n_out", "n_in", "row_bytes", "k"]
+    assert list(launch.constexprs) == names[7:]
