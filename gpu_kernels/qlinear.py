@@ -26,7 +26,7 @@ from gguf.constants import GGMLQuantizationType as T
 
 from .attention import ROWWISE_MAX
 from .quant import QUANTIZED_TYPES, dequantize_torch, row_bytes, type_name
-from .triton_act_quant import act_round_trip_unchecked
+from .triton_act_quant import RoundTripLaunch
 from .triton_matvec import K_MAX, MatvecLaunch, readable_past_end, tail_slack, width_fits
 from .triton_support import have_triton, require_triton
 
@@ -165,6 +165,7 @@ class QuantLinear:
         # matvec runs: on a GPU those ops' launches were most of a decode step
         self.fused_round_trip = self.act_block is not None and self.fused_max > 0 and n_in % self.act_block == 0
         self._launch = MatvecLaunch(self.raw, self.qtype, n_in) if self.fused_max > 0 else None
+        self._round_trip = RoundTripLaunch(n_in, self.act_block) if self.fused_round_trip else None
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [k, n_in] -> float32 [k, n_out] on the weights' device (written into `out` if given)."""
@@ -175,8 +176,8 @@ class QuantLinear:
             x = x.to(self.device, torch.float32)
             # the CPU sums W q1 d1 + W q2 d2 in float32; here W (q1 d1 + q2 d2): equal up to rounding
             again = self.residual and n_tok <= RESIDUAL_MAX_TOKENS
-            if self.fused_round_trip:
-                x = act_round_trip_unchecked(x.contiguous(), self.act_block, again)
+            if self._round_trip is not None:
+                x = self._round_trip(x.contiguous(), again)
             else:
                 first = int8_round_trip(x, self.act_block)
                 x = first + int8_round_trip(x - first, self.act_block) if again else first

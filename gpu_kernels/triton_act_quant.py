@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_support import have_triton, interpreting, require_triton
+from .triton_support import checked_runner, have_triton, interpreting, require_triton
 
 BLOCKS_PER_PROGRAM = {32: 32, 256: 4}      # 1024 activations per program for either block size
 
@@ -78,18 +78,36 @@ def act_round_trip_triton(x: torch.Tensor, block: int, residual: bool) -> torch.
     if not x.is_cuda and not interpreting():
         raise ValueError(f"the Triton kernels need CUDA tensors (got {x.device}); on the CPU use "
                          f"int8_round_trip, or set TRITON_INTERPRET=1 before importing gpu_kernels")
-    return act_round_trip_unchecked(x, block, residual)
+    return RoundTripLaunch(x.shape[1], block)(x, residual)
 
 
-def act_round_trip_unchecked(x: torch.Tensor, block: int, residual: bool) -> torch.Tensor:
-    """act_round_trip_triton without its checks, for a caller that made them once (QuantLinear:
-    the checks were a third of the host time of a call)."""
-    y = torch.empty_like(x)
-    k, n = x.shape
-    if k == 0 or n == 0:
+class RoundTripLaunch:
+    """The round trip for one linear's input width (QuantLinear makes one), its checks made once.
+    After the first JIT launch for a (residual, k, layout of x) it launches through the compiled
+    kernel's own launcher (triton_support.checked_runner), skipping the JIT's per-call binding.
+    `launch(x, residual)` takes x as act_round_trip_triton does, unchecked."""
+
+    def __init__(self, n: int, block: int):
+        self.n_blocks, self.block, self.g = n // block, block, BLOCKS_PER_PROGRAM[block]
+        self.direct: dict[tuple, object] = {}
+
+    def __call__(self, x: torch.Tensor, residual: bool) -> torch.Tensor:
+        y = torch.empty_like(x)
+        k = x.shape[0]
+        if k == 0 or self.n_blocks == 0:
+            return y
+        grid = act_round_trip_grid(k, self.n_blocks, self.block)
+        args = (x, y, self.n_blocks, x.stride(0), y.stride(0))
+        constexprs = (self.block, self.g, residual, self.block == 32)        # the kernel's order
+        # what Triton specializes on among what changes: pointer alignments and x's row stride
+        # (y is x's shape, fresh: its stride follows from x's)
+        key = (residual, k, x.data_ptr() % 16 == 0, y.data_ptr() % 16 == 0, x.stride(0))
+        runner = self.direct.get(key)
+        if runner is not None:
+            runner(*args, *constexprs)
+            return y
+        compiled = _act_round_trip_kernel[grid](*args, BLOCK=self.block, G=self.g, RESIDUAL=residual,
+                                                F16_SCALE=self.block == 32, num_warps=4, enable_fp_fusion=False)
+        if key not in self.direct:
+            self.direct[key] = checked_runner(compiled, grid, args, constexprs, 1)
         return y
-    n_blocks = n // block
-    _act_round_trip_kernel[act_round_trip_grid(k, n_blocks, block)](
-        x, y, n_blocks, x.stride(0), y.stride(0), BLOCK=block, G=BLOCKS_PER_PROGRAM[block],
-        RESIDUAL=residual, F16_SCALE=block == 32, num_warps=4, enable_fp_fusion=False)
-    return y

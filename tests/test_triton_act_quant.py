@@ -68,7 +68,7 @@ def test_quantlinear_takes_it_with_the_fused_matvec(residual):
     raw = torch.from_numpy(weights(T.Q4_K, 24, N_IN, seed=5))
     fused = QuantLinear(raw, T.Q4_K, N_IN, 24, kernel="triton", int8_activations=True, residual=residual)
     torch_trip = QuantLinear(raw, T.Q4_K, N_IN, 24, kernel="triton", int8_activations=True, residual=residual)
-    torch_trip.fused_round_trip = False
+    torch_trip._round_trip = None                   # the torch ops instead
     assert fused.fused_round_trip
     assert not QuantLinear(raw, T.Q4_K, N_IN, 24, kernel="torch", int8_activations=True).fused_round_trip
     x = activations(5, N_IN, seed=6)
@@ -85,6 +85,14 @@ def test_cuda_bitwise_the_cpu_round_trip(block):
         x = activations(7, 17408, seed=block)
         got = act_round_trip_triton(x.cuda(), block, residual).cpu()
         assert torch.equal(got, reference(x, block, residual)), residual
+
+
+def test_launch_passes_arguments_in_the_kernels_order():
+    """RoundTripLaunch's direct launcher takes every argument positionally, constexprs last."""
+    from gpu_kernels import triton_act_quant
+
+    assert triton_act_quant._act_round_trip_kernel.arg_names == [
+        "x_ptr", "y_ptr", "n_blocks", "stride_x", "stride_y", "BLOCK", "G", "RESIDUAL", "F16_SCALE"]
 
 
 def test_kernel_compiles_for_a_gpu_without_one():
