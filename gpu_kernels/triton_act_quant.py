@@ -21,6 +21,7 @@ import torch
 from .triton_support import checked_runner, have_triton, interpreting, require_triton
 
 BLOCKS_PER_PROGRAM = {32: 32, 256: 4}      # 1024 activations per program for either block size
+DIRECT_MAX_TOKENS = 32     # batches up to this size launch directly once checked (RoundTripLaunch)
 
 
 def act_round_trip_grid(n_tokens: int, n_blocks: int, block: int) -> tuple[int, int]:
@@ -108,6 +109,8 @@ class RoundTripLaunch:
             return y
         compiled = _act_round_trip_kernel[grid](*args, BLOCK=self.block, G=self.g, RESIDUAL=residual,
                                                 F16_SCALE=self.block == 32, num_warps=4, enable_fp_fusion=False)
-        if key not in self.direct:
+        # decode and verify batches only: a prompt's many lengths would each cost a trial launch
+        # and a synchronize, for launches that are a small part of a prompt's time
+        if key not in self.direct and k <= DIRECT_MAX_TOKENS:
             self.direct[key] = checked_runner(compiled, grid, args, constexprs, 1)
         return y
