@@ -112,17 +112,26 @@ class CpuGluFFN:
 
 
 class GluFFN:
-    """An FFN layer with at least one matrix off the mmap: each matrix runs on its own backend."""
+    """An FFN layer with at least one matrix off the mmap: each matrix runs on its own backend.
+    gate_up = (backend, [n_ff, n_ff]) as stacked_linear returns it: gate's and up's rows stacked in
+    one backend (gate and up None), the first n_ff output columns gate's; every row is bitwise what
+    its own matrix gives."""
 
-    def __init__(self, gate: DeviceLinear, up: DeviceLinear, down: DeviceLinear, act: str):
-        self.gate, self.up, self.down, self.act = gate, up, down, act
-        self.nbytes = gate.nbytes + up.nbytes + down.nbytes
+    def __init__(self, gate: DeviceLinear | None, up: DeviceLinear | None, down: DeviceLinear, act: str,
+                 gate_up: tuple | None = None):
+        self.gate, self.up, self.down, self.act, self.gate_up = gate, up, down, act, gate_up
+        self.nbytes = down.nbytes + (gate_up[0].nbytes if gate_up is not None else gate.nbytes + up.nbytes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        g = self.gate(x)
+        if self.gate_up is not None:
+            linear, n_ff = self.gate_up[0], self.gate_up[1][0]
+            gu = linear(x)
+            g, u = gu[:, :n_ff], gu[:, n_ff:]
+        else:
+            g, u = self.gate(x), None
         g = per_token(torch.nn.functional.silu, g) if self.act == "silu" else \
             per_token(lambda t: torch.nn.functional.gelu(t, approximate="tanh"), g)
-        return self.down(g * self.up(x))
+        return self.down(g * (self.up(x) if u is None else u))
 
 
 STAGING_ALIGN = 256     # byte alignment of each matrix in the op-offload staging buffer
@@ -463,11 +472,15 @@ class WeightBinder:
         places = {self.where(n) for n in names}
         if self.split is not None and prefix == f"blk.{self.split[0]}" and places == {"cpu"} and not suffix:
             return self._split_ffn(prefix, names, act, self.split[1])
-        gate, up, down = (self.linear(n) for n in names)
         if places == {"cpu"}:
-            ffn = CpuGluFFN(gate, up, down, act)
+            ffn = CpuGluFFN(*(self.linear(n) for n in names), act)
             return ffn if self.executor is None else HostFFN(ffn, self.executor, prefix, self._streamed(ffn))
-        return GluFFN(gate, up, down, act)
+        # gate and up read the same input: on the device, one stacked matrix (one activation
+        # round trip and one matvec launch per layer instead of two of each)
+        stacked = self.stacked_linear(names[:2]) if self.where(names[0]) != "cpu" else None
+        if stacked is not None:
+            return GluFFN(None, None, self.linear(names[2]), act, gate_up=stacked)
+        return GluFFN(*(self.linear(n) for n in names), act)
 
     def routed_experts(self, prefix: str):
         """A MoE layer's routed experts (ffn_{gate,up,down}_exps, {n_in, n_out, n_expert}): one gated

@@ -72,7 +72,8 @@ def test_smollm2_binds_exactly_what_the_plan_says(smollm2_placed):
     for layer in range(30):
         ffn = ffn_of(m, layer)
         if layer in plan.ffn_gpu_layers:
-            assert isinstance(ffn, GluFFN) and all(isinstance(w, QuantLinear) for w in (ffn.gate, ffn.up, ffn.down))
+            assert isinstance(ffn, GluFFN) and all(isinstance(w, QuantLinear) for w in (ffn.gate_up[0], ffn.down))
+            assert ffn.gate is None and ffn.gate_up[1] == [1536, 1536]      # gate and up stacked
         elif layer == plan.ffn_split.layer:
             assert isinstance(ffn, SplitFFN)
             assert ffn.device_half.gate.n_out == plan.ffn_split.gpu_units
@@ -217,7 +218,7 @@ def test_default_int8_activations_placed_equals_mmap():
     way (QuantLinear's int8 round trip), so the placed run keeps the all-mmap run's tokens."""
     mmap = load_model(require(SMOLLM2))
     placed = load_model(require(SMOLLM2), placement=PlacementRequest(vram_bytes=716 * MiB, n_ctx=4096))
-    assert all(w.act_block for w in (ffn_of(placed, 0).gate, placed.output))
+    assert all(w.act_block for w in (ffn_of(placed, 0).gate_up[0], placed.output))
     ids = mmap.tokenize(PROMPT)
     ref, _ = generate(mmap, mmap.session(512, "f16"), ids, 32, GREEDY)
     got, _ = generate(placed, placed.session(512), ids, 32, GREEDY)

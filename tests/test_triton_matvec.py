@@ -306,3 +306,27 @@ def test_kernel_compiles_for_a_gpu_without_one():
     ptxas (tests/sm90_compile.py): the interpreter accepts code the real compiler rejects, and no
     GPU has been lent to check it on."""
     compile_for_sm90("matvec")
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0], ids=lambda t: t.name)
+def test_stacked_gate_up_ffn_is_bitwise_the_separate_one(qtype):
+    """A device FFN with gate's and up's rows in one matrix (the binder stacks them: one round trip
+    and one matvec a layer instead of two) gives the bits of the separate matrices, k = 1..4."""
+    from hybridrt.backends import GluFFN
+
+    n_embd = 512
+    n_ff = 96 if qtype == T.Q8_0 else 256          # Q8_0: down's rows end inside a chunk
+    gate_np, up_np = weights(qtype, n_ff, n_embd, seed=0), weights(qtype, n_ff, n_embd, seed=1)
+    down_np = weights(qtype, n_embd, n_ff, seed=2)
+
+    def lin(raw_np, n_in, n_out):
+        raw = device_rows(torch.from_numpy(raw_np), qtype, n_in, "cpu")
+        return QuantLinear(raw, qtype, n_in, n_out, kernel="triton", int8_activations=True)
+
+    down = lin(down_np, n_ff, n_embd)
+    separate = GluFFN(lin(gate_np, n_embd, n_ff), lin(up_np, n_embd, n_ff), down, "silu")
+    stacked = GluFFN(None, None, down, "silu", gate_up=(lin(np.concatenate([gate_np, up_np]), n_embd, 2 * n_ff),
+                                                       [n_ff, n_ff]))
+    x = tokens(4, n_embd, seed=9)
+    for k in range(1, 5):
+        assert torch.equal(stacked(x[:k]), separate(x[:k])), k
