@@ -129,6 +129,10 @@ def test_tiny_qwen35_mtp_placed_speculative_parity(tiny_qwen35_mtp):
     assert isinstance(ffn_of(placed, 3), SplitFFN) and isinstance(ffn_of(placed, 5), HostFFN)
     assert isinstance(placed.mtp.eh_proj, DeviceLinear)          # draft weights are reserved first
     plain = load_model(tiny_qwen35_mtp)
+    gdn = next(mixer for _, mixer, _, _ in placed.layers if hasattr(mixer, "in_rows"))
+    assert len(gdn.in_rows) == 4 and not gdn.w_rest                # the device trunk's GDN inputs, stacked
+    mmap_gdn = next(mixer for _, mixer, _, _ in plain.layers if hasattr(mixer, "in_rows"))
+    assert mmap_gdn.w_in is None and len(mmap_gdn.w_rest) == 4     # in the mmap: no stacked copy
     prompt = [1, 5, 9, 2, 7, 3, 8, 4]
     ref, _ = generate(plain, plain.session(256, "f32"), prompt, 24, GREEDY, stop_ids=set())
     spec = SpecConfig(n_max=3)

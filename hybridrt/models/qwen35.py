@@ -65,13 +65,14 @@ class GDNSpec:
 class GatedDeltaNet:
     def __init__(self, w: WeightBinder, prefix: str, spec: GDNSpec, index: int, split_ba: bool):
         self.spec, self.index = spec, index
-        self.w_qkv = w.linear(f"{prefix}.attn_qkv.weight")
-        self.w_gate = w.linear(f"{prefix}.attn_gate.weight")
-        if split_ba:
-            self.w_ba = w.linear(f"{prefix}.ssm_ba.weight")
-        else:
-            self.w_beta = w.linear(f"{prefix}.ssm_beta.weight")
-            self.w_alpha = w.linear(f"{prefix}.ssm_alpha.weight")
+        ba = [f"{prefix}.ssm_ba.weight"] if split_ba else [f"{prefix}.ssm_beta.weight", f"{prefix}.ssm_alpha.weight"]
+        names = [f"{prefix}.attn_qkv.weight", f"{prefix}.attn_gate.weight", *ba]
+        # the input projections all read x: on the device, their rows stacked into one backend
+        # where type and width agree (all of them, else qkv and gate): one matvec call and one
+        # activation quantization instead of up to four, bitwise the same rows
+        stacked = w.stacked_linear(names, device_only=True) or w.stacked_linear(names[:2], device_only=True)
+        self.w_in, self.in_rows = stacked if stacked is not None else (None, [])
+        self.w_rest = [w.linear(n) for n in names[len(self.in_rows):]]      # the ones not stacked
         self.split_ba = split_ba
         self.conv_w = w.dense(f"{prefix}.ssm_conv1d.weight")        # [C, K]
         self.dt_bias = w.dense(f"{prefix}.ssm_dt.bias")
@@ -79,20 +80,25 @@ class GatedDeltaNet:
         self.norm = w.dense(f"{prefix}.ssm_norm.weight")
         self.w_out = w.linear(f"{prefix}.ssm_out.weight")
 
-    def _beta_alpha(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _projections(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """[qkv, gate, beta, alpha] (or [qkv, gate, ba] for a split_ba file) of x."""
+        stacked = list(torch.split(self.w_in(x), self.in_rows, dim=-1)) if self.w_in is not None else []
+        return stacked + [linear(x) for linear in self.w_rest]
+
+    def _beta_alpha(self, ba: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.split_ba:
-            return self.w_beta(x), self.w_alpha(x)
+            return ba[0], ba[1]
         # qwen3next packs [beta | alpha] per key-head group
-        s, n = self.spec, x.shape[0]
-        ba = self.w_ba(x).view(n, s.n_k_heads, 2 * (s.n_v_heads // s.n_k_heads))
+        s, n = self.spec, ba[0].shape[0]
+        packed = ba[0].reshape(n, s.n_k_heads, 2 * (s.n_v_heads // s.n_k_heads))
         r = s.n_v_heads // s.n_k_heads
-        return ba[..., :r].reshape(n, s.n_v_heads), ba[..., r:].reshape(n, s.n_v_heads)
+        return packed[..., :r].reshape(n, s.n_v_heads), packed[..., r:].reshape(n, s.n_v_heads)
 
     def __call__(self, x: torch.Tensor, state: HybridState, capture: bool) -> torch.Tensor:
         s, n = self.spec, x.shape[0]
-        qkv = self.w_qkv(x)
-        z = self.w_gate(x).view(n, s.n_v_heads, s.head_dim)
-        b, a = self._beta_alpha(x)
+        qkv, gate, *ba = self._projections(x)
+        z = gate.reshape(n, s.n_v_heads, s.head_dim)
+        b, a = self._beta_alpha(ba)
         beta = per_token(torch.sigmoid, b)
         log_decay = self.ssm_a * per_token(F.softplus, a + self.dt_bias)
 
