@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_support import checked_runner, have_triton, interpreting, require_triton
+from .triton_support import Launches, have_triton, interpreting, require_triton
 
 BLOCKS_PER_PROGRAM = {32: 32, 256: 4}      # 1024 activations per program for either block size
 DIRECT_MAX_TOKENS = 32     # batches up to this size launch directly once checked (RoundTripLaunch)
@@ -88,9 +88,11 @@ class RoundTripLaunch:
     kernel's own launcher (triton_support.checked_runner), skipping the JIT's per-call binding.
     `launch(x, residual)` takes x as act_round_trip_triton does, unchecked."""
 
+    OPTIONS = dict(num_warps=4, enable_fp_fusion=False)
+
     def __init__(self, n: int, block: int):
         self.n_blocks, self.block, self.g = n // block, block, BLOCKS_PER_PROGRAM[block]
-        self.direct: dict[tuple, object] = {}
+        self.launches = Launches(_act_round_trip_kernel)
 
     def __call__(self, x: torch.Tensor, residual: bool) -> torch.Tensor:
         y = torch.empty_like(x)
@@ -99,18 +101,11 @@ class RoundTripLaunch:
             return y
         grid = act_round_trip_grid(k, self.n_blocks, self.block)
         args = (x, y, self.n_blocks, x.stride(0), y.stride(0))
-        constexprs = (self.block, self.g, residual, self.block == 32)        # the kernel's order
+        constexprs = dict(BLOCK=self.block, G=self.g, RESIDUAL=residual, F16_SCALE=self.block == 32)
         # what Triton specializes on among what changes: pointer alignments and x's row stride
-        # (y is x's shape, fresh: its stride follows from x's)
+        # (y is x's shape, fresh: its stride follows from x's); the grid follows k
         key = (residual, k, x.data_ptr() % 16 == 0, y.data_ptr() % 16 == 0, x.stride(0))
-        runner = self.direct.get(key)
-        if runner is not None:
-            runner(*args, *constexprs)
-            return y
-        compiled = _act_round_trip_kernel[grid](*args, BLOCK=self.block, G=self.g, RESIDUAL=residual,
-                                                F16_SCALE=self.block == 32, num_warps=4, enable_fp_fusion=False)
-        # decode and verify batches only: a prompt's many lengths would each cost a trial launch
-        # and a synchronize, for launches that are a small part of a prompt's time
-        if key not in self.direct and k <= DIRECT_MAX_TOKENS:
-            self.direct[key] = checked_runner(compiled, grid, args, constexprs, 1)
+        # direct launches for decode and verify batches only: a prompt's many lengths would each
+        # cost a trial launch and a synchronize, for launches that are a small part of its time
+        self.launches(key, grid, args, constexprs, self.OPTIONS, 1, try_direct=k <= DIRECT_MAX_TOKENS)
         return y

@@ -35,7 +35,7 @@ import torch
 from gguf.constants import GGMLQuantizationType as T
 
 from .quant import IQ4_LEVELS, block_shape, row_bytes, type_name
-from .triton_support import checked_runner, have_triton, require_triton
+from .triton_support import Launches, have_triton, require_triton
 
 K_MAX = 16          # tokens per launch: the accumulator is [BLOCK_N, K_MAX] whatever k is
 CHUNK = 256         # weights per row decoded per loop step
@@ -403,7 +403,7 @@ if have_triton():
         if TAIL:
             # rows of 32-weight blocks whose width is not a multiple of 256 (SmolLM2's 576, Gemma
             # 3's 640): the last chunk is decoded whole, over the next row's first bytes (or the
-            # slack past the last row, TAIL_SLACK), and what lies past the row is zeroed
+            # slack past the last row, tail_slack), and what lies past the row is zeroed
             wa, wb, xa, xb = DECODE(p + n_full * CHUNK_BYTES)
             wa = tl.where(n_full * 256 + xa < n_in, wa, 0.0)
             wb = tl.where(n_full * 256 + xb < n_in, wb, 0.0)
@@ -475,23 +475,16 @@ class MatvecLaunch:
                              f"past the last row (allocate them with device_rows)")
         self.raw, self.n_out, self.n_in, self.row_bytes = raw, n_out, n_in, raw.shape[1]
         self.grid = matvec_grid(n_out, block_n)
-        self.kernel = _matvec_kernel[self.grid]
         self.constexprs = dict(DECODE=_DECODERS[T(qtype)], CHUNK_BYTES=CHUNK // elems * nbytes, BLOCK_N=block_n,
                                KT=K_MAX, ROWS_MID=default_mid if rows_mid is None else rows_mid, TAIL=slack > 0)
         self.options = dict(num_warps=num_warps, enable_fp_fusion=fp_fusion)
-        # the compiled kernel's own launcher, by the alignment of x and out (what Triton specializes
-        # on among the arguments that change; k is not specialized): checked_runner
-        self.direct: dict[tuple[bool, bool], object] = {}
+        self.launches = Launches(_matvec_kernel)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
         if not self.n_out:
             return
         args = (self.raw, x, out, self.n_out, self.n_in, self.row_bytes, x.shape[0])
+        # what Triton specializes on among the arguments that change: the alignment of x and out
+        # (k is not specialized)
         key = (x.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0)
-        runner = self.direct.get(key)
-        if runner is not None:
-            runner(*args, *self.constexprs.values())
-            return
-        compiled = self.kernel(*args, **self.constexprs, **self.options)
-        if key not in self.direct:
-            self.direct[key] = checked_runner(compiled, self.grid, args, tuple(self.constexprs.values()), 2)
+        self.launches(key, self.grid, args, self.constexprs, self.options, 2)

@@ -70,3 +70,26 @@ def checked_runner(compiled, grid: tuple, args: tuple, constexpr_values: tuple, 
     except Exception:        # noqa: BLE001 -- any failure means: stay on the JIT path
         pass
     return None
+
+
+class Launches:
+    """One owner's launches of one Triton kernel (a matrix's matvec, a linear's round trip): the
+    JIT launch, then, per specialization key the caller computes, the compiled kernel's own
+    launcher once checked_runner has checked it. `direct` maps each key seen to its runner (None:
+    that key stays on the JIT path)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.direct: dict[tuple, object] = {}
+
+    def __call__(self, key: tuple, grid: tuple, args: tuple, constexprs: dict, options: dict, out_index: int,
+                 try_direct: bool = True) -> None:
+        """Launch kernel[grid](*args, **constexprs, **options); args[out_index] is its output.
+        try_direct=False: a JIT launch that does not check (or remember) a runner for the key."""
+        runner = self.direct.get(key)
+        if runner is not None:
+            runner(*args, *constexprs.values())       # constexprs in the kernel's signature order
+            return
+        compiled = self.kernel[grid](*args, **constexprs, **options)
+        if try_direct and key not in self.direct:
+            self.direct[key] = checked_runner(compiled, grid, args, tuple(constexprs.values()), out_index)

@@ -228,3 +228,34 @@ def test_matvec_launch_passes_the_constexprs_in_the_kernels_order():
     names = triton_matvec._matvec_kernel.arg_names
     assert names[:7] == ["raw", "x", "y", "n_out", "n_in", "row_bytes", "k"]
     assert list(launch.constexprs) == names[7:]
+
+
+def test_launches_take_the_checked_runner_after_the_first_jit_launch():
+    """Launches (MatvecLaunch's and RoundTripLaunch's dispatch): a key's first launch goes through
+    the JIT and checks a runner; later launches with that key take the runner; try_direct=False
+    launches through the JIT without keeping anything."""
+    from gpu_kernels.triton_support import Launches
+
+    jit_calls = []
+
+    def body(x, y, scale):
+        y.copy_(x * scale)
+
+    class FakeKernel:
+        def __getitem__(self, grid):
+            def jit(*args, **kwargs):
+                jit_calls.append(grid)
+                body(*args, *kwargs.values())
+                return FakeCompiled(body)
+            return jit
+
+    launches = Launches(FakeKernel())
+    x = torch.arange(4.0)
+    for _ in range(3):
+        y = torch.empty(4)
+        launches(("k",), (1,), (x, y), {"scale": 3.0}, {}, 1)
+        assert torch.equal(y, x * 3)
+    assert jit_calls == [(1,)] and launches.direct[("k",)] is not None
+    launches(("p",), (2,), (x, torch.empty(4)), {"scale": 3.0}, {}, 1, try_direct=False)
+    launches(("p",), (2,), (x, torch.empty(4)), {"scale": 3.0}, {}, 1, try_direct=False)
+    assert jit_calls == [(1,), (2,), (2,)] and ("p",) not in launches.direct
