@@ -141,7 +141,7 @@ def bench(
     reps: int = typer.Option(2, "-r", "--repetitions", help="Repetitions (best is reported)."),
     threads: Optional[int] = typer.Option(None, "-t", "--threads", help="CPU threads."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
-    spec_type: Optional[str] = typer.Option(None, "--spec-type", help="Compare plain and speculative decoding: draft-mtp, draft-simple, ngram-simple (none: the plain bench)."),
+    spec_type: Optional[str] = typer.Option(None, "--spec-type", help="Compare plain and speculative decoding: draft-mtp, draft-simple, ngram-simple, or a chain such as ngram-simple,draft-mtp (none: the plain bench)."),
     draft_n_max: int = typer.Option(3, "--spec-draft-n-max", "--draft-max", help="Most draft tokens per step."),
     model_draft: Optional[str] = typer.Option(None, "-md", "--model-draft", help="Draft model for draft-simple."),
     prompt_file: Optional[Path] = typer.Option(None, "-f", "--file", help="Speculative bench: prompt text file."),

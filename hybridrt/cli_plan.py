@@ -153,6 +153,7 @@ def plan(
     from .gguf_file import GGUFError
     from .model_profile import load_profile
     from .registry import resolve_model
+    from .speculative.spec_types import model_spec_type
 
     try:
         profile = load_profile(resolve_model(model_opt or model))
@@ -163,6 +164,7 @@ def plan(
     n_ctx = context_size(ctx_size, profile.n_ctx_train)
     if spec_type is None:
         spec_type = "draft-simple" if draft else ("draft-mtp" if profile.has_mtp else "none")
+    spec_type = model_spec_type(spec_type)      # a chain (ngram-simple,draft-mtp): its model source's VRAM
     if draft is not None and spec_type != "draft-simple":
         raise UserError(f"-md is a draft model for --spec-type draft-simple, not {spec_type}")
 

@@ -67,19 +67,24 @@ def placement_options(model_path: str, vram: Optional[str], device: str, ctx_siz
     unless --vram is given or the device is a GPU (then the free VRAM is the budget)."""
     from .place import PlacementRequest, parse_size
     from .registry import resolve_model
+    from .speculative.spec_types import model_spec_type
 
     if vram is None and not device.startswith("cuda"):
         return None
     return PlacementRequest(
         vram_bytes=None if vram in (None, "auto") else parse_size(vram, "--vram"),
-        n_ctx=ctx_size or None, cache_type_k=cache_type_k, cache_type_v=cache_type_v, spec_type=spec_type,
+        n_ctx=ctx_size or None, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
+        spec_type=model_spec_type(spec_type) if spec_type else None,     # a chain: its model source sizes it
         spec_draft_n_max=draft_n_max, draft_path=str(resolve_model(model_draft)) if model_draft else None,
         margin_bytes=parse_size(margin, "--margin"), op_offload=op_offload)
 
 
 def adaptive_default(spec_type: str) -> bool:
-    """Adaptive length pays where a draft costs a forward (model drafts); n-gram drafts are free."""
-    return spec_type in ("draft-mtp", "draft-simple")
+    """Adaptive length pays where a draft costs a forward (model drafts, alone or in a chain); n-gram
+    drafts are free."""
+    from .speculative.spec_types import MODEL_TYPES, spec_type_parts
+
+    return any(p in MODEL_TYPES for p in spec_type_parts(spec_type))
 
 
 def check_spec_flags(draft_n_max: int, ngram_n: int = 4) -> None:
@@ -140,7 +145,7 @@ def run(
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome/Perfetto trace (device work, CPU FFN, transfers, draft, verify) to this file."),
     display_prompt: bool = typer.Option(True, "--display-prompt/--no-display-prompt", help="Echo the prompt before the output."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="End-of-generation tokens do not stop generation (-n tokens or a full context do)."),
-    spec_type: Optional[str] = typer.Option(None, "--spec-type", help="Speculative drafts: none, draft-mtp, draft-simple, ngram-simple (default: draft-mtp when the model has an MTP head, else none)."),
+    spec_type: Optional[str] = typer.Option(None, "--spec-type", help="Speculative drafts: none, draft-mtp, draft-simple, ngram-simple, or a lookup and a model source together (ngram-simple,draft-mtp: the lookup drafts where the text repeats, the model elsewhere) (default: draft-mtp when the model has an MTP head, else none)."),
     model_draft: Optional[str] = typer.Option(None, "-md", "--model-draft", help="Draft model for --spec-type draft-simple (same vocabulary)."),
     draft_n_max: int = typer.Option(3, "--spec-draft-n-max", "--draft-max", help=f"Most draft tokens per step (1..{MAX_DRAFTS})."),
     draft_n_min: int = typer.Option(0, "--spec-draft-n-min", "--draft-min", help="Drop proposals shorter than this."),
@@ -190,7 +195,7 @@ def run(
         n_ctx = context_size(ctx_size, m.n_ctx_train, m.plan.options.n_ctx if m.plan is not None else None)
         if len(ids) >= n_ctx:
             raise UserError(f"prompt is {len(ids)} tokens, the context is {n_ctx} (raise -c or shorten the prompt)")
-        if m.plan is not None:
+        if m.plan is not None and spec_type is None:
             spec_type = m.plan.options.spec_type
         spec_type = spec_type or ("draft-simple" if model_draft else default_spec_type(m))
         spec = dataclasses.replace(spec, adaptive=adaptive_default(spec_type) if adaptive is None else adaptive)

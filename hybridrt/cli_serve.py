@@ -76,7 +76,7 @@ def serve(
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for a session; more get 503."),
     threads: Optional[int] = typer.Option(None, "-t", "--threads", show_default=False,
                                           help="CPU threads per session (default: the cores shared out over --parallel)."),
-    spec_type: Optional[str] = typer.Option(None, "--spec-type", help="Speculative drafts: none, draft-mtp, draft-simple, ngram-simple (default: draft-mtp when the model has an MTP head, else none)."),
+    spec_type: Optional[str] = typer.Option(None, "--spec-type", help="Speculative drafts: none, draft-mtp, draft-simple, ngram-simple, or a lookup and a model source together (ngram-simple,draft-mtp: the lookup drafts where the text repeats, the model elsewhere) (default: draft-mtp when the model has an MTP head, else none)."),
     model_draft: Optional[str] = typer.Option(None, "-md", "--model-draft", help="Draft model for --spec-type draft-simple (same vocabulary)."),
     draft_n_max: int = typer.Option(3, "--spec-draft-n-max", "--draft-max", help="Most draft tokens per step."),
     draft_n_min: int = typer.Option(0, "--spec-draft-n-min", "--draft-min", help="Drop proposals shorter than this."),
@@ -98,6 +98,7 @@ def serve(
     from .server.schemas import ModelCard
     from .speculative.loop import SpecConfig
     from .speculative.sources import build_source, default_spec_type
+    from .speculative.spec_types import spec_type_parts
     from .warmup import announce_and_compile, compile_head, compile_notice
 
     if parallel < 1 or max_queue < 0:
@@ -132,7 +133,7 @@ def serve(
     # a bad speculation setup is a start-up error, not a failure of every request
     build_source(spec_type, pool.sessions[0], SamplerConfig(), spec, draft_model, ngram_n_max=ngram_n,
                  cache_type=cache_type)
-    if spec_type == "draft-mtp":
+    if "draft-mtp" in spec_type_parts(spec_type):
         with compile_notice():      # a trained head's quant types (cached: loaded once, ~1 s)
             compile_head(m)
     served = model if model in KNOWN_MODELS else Path(path).stem

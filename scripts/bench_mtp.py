@@ -4,8 +4,9 @@
 For each model, trains a head with `hybridrt train-mtp` (or reuses the one cached under
 ~/.cache/hybridrt/heads/), then on the held-out prompts (never used in training: chat, prose, code,
 lists, Q&A) and two adversarial ones decodes greedily with plain decoding, draft-mtp at each fixed
-N (--no-adaptive) and adaptive draft-mtp (the default) with n_max = the largest N, the runs of one
-prompt alternating so that all see the same machine load (best of --reps per prompt and mode).
+N (--no-adaptive) and adaptive draft-mtp (the default) with n_max = the largest N (--lookup: the
+same modes again with prompt lookup drafting first, `--spec-type ngram-simple,draft-mtp`), the runs
+of one prompt alternating so that all see the same machine load (best of --reps per prompt and mode).
 Every speculative output is checked token for token against plain decoding.
 
     python3 scripts/bench_mtp.py -m smollm2-135m -m gemma3-270m -t 2 --json out.json
@@ -65,14 +66,15 @@ def prompts(m) -> list[tuple[str, list[int]]]:
     return out
 
 
-def run_mode(m, ids: list[int], n_gen: int, n_max: int | None, adaptive: bool, gate: bool = True):
+def run_mode(m, ids: list[int], n_gen: int, n_max: int | None, adaptive: bool, gate: bool = True,
+             spec_type: str = "draft-mtp"):
     """(tokens, decode seconds, drafted, accepted); n_max None: plain decoding."""
     if n_max is None:
         out, stats = generate(m, m.session(len(ids) + n_gen + 16), ids, n_gen, GREEDY, stop_ids=set())
         return out, stats.decode_s, 0, 0
     spec = SpecConfig(n_max=n_max, adaptive=adaptive, gate=gate)
     session = m.session(len(ids) + n_gen + 16, k_max=spec.k_max)
-    source = build_source("draft-mtp", session, GREEDY, spec)
+    source = build_source(spec_type, session, GREEDY, spec)
     out, stats = speculative_generate(m, session, ids, n_gen, GREEDY, source, spec, stop_ids=set())
     return out, stats.decode_s, sum(stats.spec.drafted), sum(stats.spec.accepted)
 
@@ -105,10 +107,14 @@ def step_costs(m, reps: int = 30, k_max: int = 4) -> dict:
 def bench_model(model: str, args) -> dict:
     head = head_for(model, args)
     m = load_model(model, threads=args.threads, mtp_head=head)
-    modes = [("plain", None, False, True)] + [(f"N={n}", n, False, True) for n in args.n_max] + \
-        [(f"adaptive<={max(args.n_max)}", max(args.n_max), True, True)]
+    modes = [("plain", None, False, True, "")] + [(f"N={n}", n, False, True, "draft-mtp") for n in args.n_max] + \
+        [(f"adaptive<={max(args.n_max)}", max(args.n_max), True, True, "draft-mtp")]
     if args.ungated:
-        modes.append((f"adaptive<={max(args.n_max)} ungated", max(args.n_max), True, False))
+        modes.append((f"adaptive<={max(args.n_max)} ungated", max(args.n_max), True, False, "draft-mtp"))
+    if args.lookup:
+        chain = "ngram-simple,draft-mtp"
+        modes += [(f"lookup+N={n}", n, False, True, chain) for n in args.n_max] + \
+            [(f"lookup+adaptive<={max(args.n_max)}", max(args.n_max), True, True, chain)]
     run_mode(m, m.tokenize("Hello"), 8, max(args.n_max), False)        # compile / warm up
     costs = step_costs(m)
     verify = ", ".join(f"{k[len('verify'):]}: {v:.1f}" for k, v in costs.items()
@@ -123,8 +129,8 @@ def bench_model(model: str, args) -> dict:
         best = {label: None for label, *_ in modes}
         ref = None
         for _ in range(args.reps):
-            for label, n, adaptive, gate in modes:        # alternating: every mode sees the same load
-                out, secs, drafted, accepted = run_mode(m, ids, args.n_gen, n, adaptive, gate)
+            for label, n, adaptive, gate, spec_type in modes:   # alternating: every mode sees the same load
+                out, secs, drafted, accepted = run_mode(m, ids, args.n_gen, n, adaptive, gate, spec_type)
                 if n is None:
                     ref = out
                 same = out == ref
@@ -180,6 +186,8 @@ def main() -> None:
     ap.add_argument("--limit", type=int, help="only the first LIMIT prompts (a quick check)")
     ap.add_argument("--costs-only", action="store_true", help="only the plain / verify-2 / draft step costs")
     ap.add_argument("--ungated", action="store_true", help="also adaptive without the confidence gate (SpecConfig.gate)")
+    ap.add_argument("--lookup", action="store_true",
+                    help="also every mode with prompt lookup first (--spec-type ngram-simple,draft-mtp)")
     ap.add_argument("--json", type=Path, help="write the raw results here")
     args = ap.parse_args()
     results = [bench_model(model, args) for model in args.model]

@@ -92,6 +92,7 @@ def test_cpu_bandwidth_is_measured_when_not_given():
     (["--vram", "300MiB", "-c", "4096"], "needs at least"),
     (["--vram", "twelve"], "bad --vram"),
     (["--spec-type", "draft-mtp"], "no MTP head"),
+    (["--spec-type", "ngram-simple,draft-mtp"], "no MTP head"),       # a chain plans its model source
     (["-ctk", "q4_0"], "unknown --cache-type-k"),
     (["--spec-type", "none", "-md", "smollm2-135m"], "-md is a draft model"),
 ])

@@ -21,12 +21,14 @@ class Draft:
     """Proposed tokens and, for sampled drafts, the distribution each was drawn from (one row of
     `filtered_probs` per token: candidate ids [m] and probabilities [m]). q None means one-hot.
     `conf`: the top-1 probability of each draft's row, where a picker gate asked for it; `refused`:
-    one more row was computed but the gate turned its token down (what it would have proposed)."""
+    one more row was computed but the gate turned its token down (what it would have proposed).
+    `source`: which source of a chain (draft_chain.py) proposed it, for the per-source figures."""
     tokens: list[int] = field(default_factory=list)
     q_ids: list[torch.Tensor] | None = None
     q_probs: list[torch.Tensor] | None = None
     conf: list[float] = field(default_factory=list)
     refused: "RefusedDraft | None" = None
+    source: str = ""
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -39,8 +41,8 @@ class Draft:
         if n >= len(self.tokens):
             return self
         if self.q_ids is None:
-            return Draft(self.tokens[:n])
-        return Draft(self.tokens[:n], self.q_ids[:n], self.q_probs[:n])
+            return Draft(self.tokens[:n], source=self.source)
+        return Draft(self.tokens[:n], self.q_ids[:n], self.q_probs[:n], source=self.source)
 
 
 ONE = torch.ones(1)     # a greedy draft's q: its argmax with probability 1 (never written)

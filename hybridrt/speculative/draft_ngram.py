@@ -69,5 +69,9 @@ class NgramSource:
     def catch_up(self) -> None:
         pass            # the index is updated as tokens are observed
 
+    def has_match(self, certain: int) -> bool:
+        """Whether propose would draft anything after `certain` (a chain asks before sizing the step)."""
+        return bool(self.index.lookup(certain, 1))
+
     def propose(self, certain: int, pos: int, n_max: int) -> Draft:
         return Draft(self.index.lookup(certain, n_max))

@@ -1,4 +1,5 @@
-"""`--spec-type` names to draft sources (llama.cpp's names)."""
+"""`--spec-type` names to draft sources (llama.cpp's names). A comma-separated list mixes a lookup
+with a model source (draft_chain.py), tried in llama.cpp's order of preference: lookup first."""
 from __future__ import annotations
 
 from ..errors import UserError
@@ -6,12 +7,12 @@ from ..models.base import Model
 from ..sampling import SamplerConfig, make_generator
 from ..session import Session
 from .draft import DraftPicker, DraftSource
+from .draft_chain import DraftChain
 from .draft_model import DraftModelSource, check_same_vocab
 from .draft_mtp import MTPSource
 from .draft_ngram import NgramSource
 from .loop import SpecConfig
-
-SPEC_TYPES = ("none", "draft-mtp", "draft-simple", "ngram-simple")
+from .spec_types import spec_type_parts
 
 
 def default_spec_type(model: Model) -> str:
@@ -22,8 +23,12 @@ def build_source(spec_type: str, session: Session, sampler: SamplerConfig, spec:
                  draft_model: Model | None = None, ngram_n_max: int = 4, ngram_n_min: int = 2,
                  cache_type: str = "f32") -> DraftSource | None:
     """A fresh source for one generation on `session` (None for "none")."""
-    if spec_type not in SPEC_TYPES:
-        raise UserError(f"unknown --spec-type '{spec_type}' (one of: {', '.join(SPEC_TYPES)})")
+    parts = spec_type_parts(spec_type)
+    if len(parts) > 1:
+        if draft_model is not None and "draft-simple" not in parts:
+            raise UserError(f"-md/--model-draft needs draft-simple in --spec-type, not {spec_type}")
+        return DraftChain([build_source(p, session, sampler, spec, draft_model if p == "draft-simple" else None,
+                                        ngram_n_max, ngram_n_min, cache_type) for p in parts])
     if spec_type != "draft-simple" and draft_model is not None:
         raise UserError(f"-md/--model-draft needs --spec-type draft-simple, not {spec_type}")
     if spec_type == "none":
