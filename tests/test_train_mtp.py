@@ -490,21 +490,22 @@ def test_ablation_script_reads_a_cached_text(tiny_llama, llama_head):
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
 def test_real_model_greedy_parity_with_trained_head(name):
     """Greedy draft-mtp with the cached trained head (scripts/bench_mtp.py trains it) equals plain
-    decoding, at fixed N and adaptive."""
+    decoding, at fixed N and adaptive, alone and behind prompt lookup (ngram-simple,draft-mtp)."""
     head = Path.home() / f".cache/hybridrt/heads/{name}.v4.mtp.gguf"
     if not head.exists():
         pytest.skip(f"no trained head at {head}: python3 scripts/bench_mtp.py -m {name}")
     m = load_model(name, mtp_head=head)
     ids = m.tokenize("Question: Why do leaves change color in autumn?\nAnswer:")
     ref, _ = generate(m, m.session(256), ids, 32, GREEDY, stop_ids=set())
-    for n_max, adaptive in ((1, False), (3, False), (3, True)):
-        spec = SpecConfig(n_max=n_max, adaptive=adaptive)
-        session = m.session(256, k_max=spec.k_max)
-        out, stats = speculative_generate(m, session, ids, 32, GREEDY, build_source("draft-mtp", session, GREEDY, spec),
-                                          spec, stop_ids=set())
-        assert out == ref
-        if not adaptive:
-            assert sum(stats.spec.accepted) > 0
+    for spec_type in ("draft-mtp", "ngram-simple,draft-mtp"):
+        for n_max, adaptive in ((1, False), (3, False), (3, True)):
+            spec = SpecConfig(n_max=n_max, adaptive=adaptive)
+            session = m.session(256, k_max=spec.k_max)
+            out, stats = speculative_generate(m, session, ids, 32, GREEDY, build_source(spec_type, session, GREEDY, spec),
+                                              spec, stop_ids=set())
+            assert out == ref
+            if not adaptive:
+                assert sum(stats.spec.accepted) > 0
 
 
 def test_cli_defaults_are_train_config_and_cost_no_torch():

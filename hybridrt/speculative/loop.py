@@ -155,11 +155,11 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
         if pos >= session.n_ctx:
             stats.stopped_by = "context"
             break
-        # drafts past the -n cap or the context could never be emitted
         # a chain's drafter this step: its first source with something to propose (a lookup: a match)
         policy = policies.get(source.drafter(certain) if hasattr(source, "drafter") else source.name) \
             if policies else None
         chosen = policy.choose() if policy is not None else spec.n_max
+        # drafts past the -n cap or the context could never be emitted
         room = min(chosen, session.n_ctx - pos - 1)
         if n_predict >= 0:
             room = min(room, n_predict - len(out))
