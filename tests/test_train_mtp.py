@@ -522,3 +522,16 @@ def test_cli_defaults_are_train_config_and_cost_no_torch():
     assert shared >= set(cfg) - {"heldout_len"}     # every knob but the held-out length is an option
     assert {k: options[k] for k in shared} == {k: cfg[k] for k in shared}
 
+
+
+def test_lookup_vs_head_script(tiny_llama, llama_head):
+    """scripts/lookup_vs_head.py reads a train-mtp run's checkpoint and text and compares prompt
+    lookup with the head on the held-out positions."""
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "scripts/lookup_vs_head.py"), "-m", str(tiny_llama), "--head",
+                        str(llama_head), "--draft-vocab", str(TINY.draft_vocab), "--ngram", "4,2", "3,3", "-t", "1"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert "held-out positions; the head alone right at" in lines[0]
+    assert lines[1].startswith("lookup n 4..2: a match at") and lines[2].startswith("lookup n 3..3")
