@@ -58,6 +58,7 @@ def train_mtp(
     head_type: str = typer.Option(DEFAULTS.head_type, "--head-type", help="Storage of the head's matrices: q8_0, f16, f32."),
     head_ffn_layers: int = typer.Option(DEFAULTS.head_ffn_layers, "--head-ffn-layers", help="The head block's FFN starts as the target's last N layers' FFNs side by side (N times as wide, a costlier draft): learns faster early, no better after the default steps."),
     full_teacher_vocab: bool = typer.Option(DEFAULTS.full_teacher_vocab, "--full-teacher-vocab", help="The teacher writes all its text over the whole vocabulary (default: after its first 64 steps, only over the ids those steps ranked in a top-40; Gemma 3's text ~1.6x faster)."),
+    for_lookup: bool = typer.Option(DEFAULTS.for_lookup, "--for-lookup", help="A head to draft behind prompt lookup (--spec-type ngram-simple,draft-mtp): it learns only at positions where the lookup has no match, and is chosen by its acceptance behind the lookup."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (no progress bar)."),
 ):
     """Train an MTP (NextN) draft head by self-distillation: the target writes its own text, the head
@@ -70,7 +71,8 @@ def train_mtp(
 
     cfg = TrainConfig(tokens=tokens, steps=steps, draft_vocab=draft_vocab, seed=seed, loss=loss, lr=lr,
                       batch=batch, gen_len=gen_len, eval_every=eval_every, clip=clip, patience=patience,
-                      head_type=head_type, head_ffn_layers=head_ffn_layers, full_teacher_vocab=full_teacher_vocab)
+                      head_type=head_type, head_ffn_layers=head_ffn_layers, full_teacher_vocab=full_teacher_vocab,
+                      for_lookup=for_lookup)
     if not out.parent.exists():
         raise UserError(f"-o {out}: directory {out.parent} does not exist")
     _reuse_freed_memory()
@@ -79,6 +81,7 @@ def train_mtp(
     block_kind(m.arch)      # an unsupported target is one error line before any work
     r = run_training(m, out, cfg, quiet=as_json)
     summary = {"head": str(r.path), "heldout_acceptance": r.acceptance, "heldout_acceptance_n_max_1": r.acceptance_n_max_1,
+               "heldout_acceptance_lookup_first": r.acceptance_lookup_first,
                "steps": r.steps, "draft_vocab": r.draft_vocab,
                "train_tokens": r.n_train_tokens, "wall_s": round(r.wall_s, 1), "cpu_s": round(r.cpu_s, 1),
                "history": r.history}
@@ -86,6 +89,7 @@ def train_mtp(
         print(json.dumps(summary, indent=2))
     else:
         print(f"wrote {r.path}: held-out greedy acceptance {r.acceptance:.1%} per position, "
-              f"{r.acceptance_n_max_1:.1%} of drafts at --spec-draft-n-max 1, after {r.steps} steps, "
+              f"{r.acceptance_n_max_1:.1%} of drafts at --spec-draft-n-max 1, {r.acceptance_lookup_first:.1%} per "
+              f"position behind prompt lookup (--spec-type ngram-simple,draft-mtp), after {r.steps} steps, "
               f"draft vocabulary {r.draft_vocab}, {r.n_train_tokens} training tokens, "
               f"{r.wall_s:.0f} s wall / {r.cpu_s:.0f} s CPU")

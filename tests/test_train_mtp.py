@@ -358,7 +358,46 @@ def test_heldout_text_is_hybridrts_own_greedy_decoding(tiny_llama, tmp_path):
     meta = GGUFFile(r.path).metadata
     assert meta["mtp_head.train.heldout_acceptance"] == pytest.approx(r.acceptance)
     assert meta["mtp_head.train.heldout_acceptance_n_max_1"] == pytest.approx(r.acceptance_n_max_1)
-    assert 0.0 <= r.acceptance_n_max_1 <= 1.0 and set(r.history[-1]) >= {"acceptance", "acceptance_n_max_1"}
+    assert meta["mtp_head.train.heldout_acceptance_lookup_first"] == pytest.approx(r.acceptance_lookup_first)
+    assert 0.0 <= r.acceptance_n_max_1 <= 1.0 and set(r.history[-1]) >= {"acceptance", "acceptance_n_max_1",
+                                                                          "acceptance_lookup_first"}
+
+
+def test_lookup_proposals_are_what_ngram_simple_drafts():
+    """train-mtp's view of prompt lookup is the run's: the same proposal at every position."""
+    from hybridrt.speculative.draft_ngram import NgramSource
+
+    tokens = [5, 6, 7, 5, 6, 8, 5, 6, 7, 9, 6, 7, 5]
+    proposals = train_module.lookup_proposals(tokens, 2)
+    source = NgramSource()
+    source.observe(0, tokens[:2], None)
+    for j in range(2, len(tokens)):
+        want = source.propose(tokens[j], j, 1).tokens
+        assert proposals[j - 2] == (want[0] if want else None), j
+        source.observe(j, [tokens[j]], None)
+    assert proposals[:4] == [None, None, 7, None] and proposals[-1] == 6      # (5, 6) -> 7; (7, 5) -> 6
+
+
+def test_for_lookup_leaves_matched_entries_out_of_the_loss(tiny_llama):
+    """--for-lookup: a step's batch marks invalid exactly the entries where the lookup has a match
+    (the head drafts behind it only where it has none); everything else is the same batch."""
+    m = load_model(tiny_llama, exact_activations=True)
+    h = torch.zeros(16, m.n_embd)
+    train = [train_module.Sequence(torch.tensor(t), h[:len(t)], 2) for t in
+             ([5, 6, 7, 5, 6, 8, 5, 6, 7, 9, 6, 7, 5], [3, 4, 3, 4, 3, 4, 3, 4], [9, 10, 11, 12, 13])]
+    cfg = dataclasses.replace(TINY, batch=3)
+    plain = train_module.step_batch(m, train, cfg, 0)
+    masked = train_module.step_batch(m, train, dataclasses.replace(cfg, for_lookup=True), 0)
+    for a, b in zip(plain[:4], masked[:4]):
+        assert torch.equal(a, b)
+    dropped = plain[4] & ~masked[4]
+    assert not (masked[4] & ~plain[4]).any() and dropped.any()
+    for row in range(3):
+        # which sequence this row is (the batch draws them in its own order): by its embeddings
+        seq = next(s for s in train if torch.equal(m.embed(s.tokens[1:]), plain[0][row, :len(s.tokens) - 1]))
+        matched = [p is not None for p in train_module.lookup_proposals(seq.tokens.tolist(), 1)]
+        assert dropped[row, :len(matched)].tolist() == matched
+        assert not dropped[row, len(matched):].any()
 
 
 @pytest.mark.parametrize("n_max", [1, 2, 3])

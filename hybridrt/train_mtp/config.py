@@ -26,6 +26,7 @@ class TrainConfig:
     head_type: str = "q8_0"
     head_ffn_layers: int = 1     # the head block's FFN as the target's last N layers' FFNs side by side
     full_teacher_vocab: bool = False   # the teacher's logits over every id in every batch (not only the first)
+    for_lookup: bool = False     # a head that drafts behind prompt lookup: learns only where the lookup has no match
 
     def __post_init__(self):
         from ..mtp_head import HEAD_TYPES       # the head writer's storage types (imports torch)
