@@ -24,7 +24,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybridrt.loader import load_model  # noqa: E402
-from hybridrt.speculative.draft_ngram import NgramIndex  # noqa: E402
 from hybridrt.train_mtp import train as T  # noqa: E402
 from hybridrt.train_mtp.config import TrainConfig  # noqa: E402
 
@@ -54,16 +53,11 @@ def main() -> None:
             toks = s.tokens.tolist()
             first = max(s.n_prompt, 1)
             last = len(toks) if not args.first else min(len(toks), s.n_prompt + args.first)
-            index = {n: NgramIndex(*n) for n in sizes}
+            targets = s.argmax[first:last].tolist()
+            head_hits += (draft[first - 1:last - 1] == s.argmax[first:last]).tolist()
             for n in sizes:
-                index[n].extend(toks[:first])
-            for j in range(first, last):
-                target = int(s.argmax[j])
-                head_hits.append(int(draft[j - 1]) == target)
-                for n in sizes:
-                    proposal = index[n].lookup(toks[j], 1)
-                    lookups[n].append((bool(proposal), bool(proposal) and proposal[0] == target))
-                    index[n].append(toks[j])
+                proposals = T.lookup_proposals(toks[:last], first, *n)
+                lookups[n] += [(p is not None, p == t) for p, t in zip(proposals, targets)]
     total = len(head_hits)
     print(f"{Path(args.model).stem}: {total} held-out positions; the head alone right at {sum(head_hits) / total:.1%}")
     for n, rows in lookups.items():

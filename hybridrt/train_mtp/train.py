@@ -202,10 +202,10 @@ def new_head(model, train: list[Sequence], cfg: TrainConfig) -> tuple[MTPHeadMod
     return head, draft_ids, output_rows(model, draft_ids), scale
 
 
-def lookup_proposals(tokens: list[int], start: int) -> list[int | None]:
-    """What prompt lookup (`ngram-simple` as `run` sets it up) drafts after each position j >= start
-    of a committed sequence: the token it proposes for j + 1, or None where it has no match."""
-    index = NgramIndex()
+def lookup_proposals(tokens: list[int], start: int, n_max: int = 4, n_min: int = 2) -> list[int | None]:
+    """What prompt lookup (`ngram-simple`, by default as `run` sets it up) drafts after each position
+    j >= start of a committed sequence: the token it proposes for j + 1, or None where it has no match."""
+    index = NgramIndex(n_max, n_min)
     index.extend(tokens[:start])
     out = []
     for token in tokens[start:]:
