@@ -8,8 +8,10 @@
    final-normed hidden at every position: exactly the hidden `draft_mtp` feeds the head at run time.
 3. The head learns p(t_(j+1) | h_(j-1), t_j) against the target's own distribution at j (KL to
    the target's logits restricted to the draft vocabulary, or cross-entropy to their argmax),
-   evaluated by held-out greedy acceptance (head argmax == target argmax) per position and as a
-   run at --spec-draft-n-max 1 meets the same hits; the best evaluation is what gets written.
+   evaluated by held-out greedy acceptance (head argmax == target argmax) per position, as a run at
+   --spec-draft-n-max 1 meets the same hits, and behind prompt lookup (the lookup's draft where it
+   has a match); the best evaluation is what gets written (--for-lookup: the best behind the lookup,
+   the loss leaving out the positions the lookup covers).
 Everything is a function of --seed; the text and hiddens are cached next to the output
 (`HEAD.gguf.data.pt`) and the optimizer state checkpointed (`HEAD.gguf.ckpt`) at every
 evaluation, so an interrupted run resumes where it stopped.
