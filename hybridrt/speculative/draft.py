@@ -37,13 +37,6 @@ class Draft:
     def gated(self) -> bool:
         return self.refused is not None
 
-    def truncated(self, n: int) -> "Draft":
-        if n >= len(self.tokens):
-            return self
-        if self.q_ids is None:
-            return Draft(self.tokens[:n], source=self.source)
-        return Draft(self.tokens[:n], self.q_ids[:n], self.q_probs[:n], source=self.source)
-
 
 ONE = torch.ones(1)     # a greedy draft's q: its argmax with probability 1 (never written)
 

@@ -8,7 +8,9 @@ drafts everywhere else.
 
 Every source sees every committed token (`observe`), whichever drafted, so each keeps its own
 state (the MTP KV, the n-gram index) as it would alone. A model source skipped for a step defers
-those tokens and writes them with its next proposal, as after a plain step.
+those tokens and writes them with its next proposal, as after a plain step. With adaptive length
+each source has its own policy, the model source's confidence gate on its own picker
+(`loop.length_policies`).
 """
 from __future__ import annotations
 
@@ -25,10 +27,6 @@ class DraftChain:
             raise ValueError("a draft chain needs at least two sources")
         self.sources = list(sources)
         self.name = ",".join(s.name for s in self.sources)
-        # the model source's picker: the loop installs the adaptive policy's confidence gate on it,
-        # which then weighs that source's drafts only (lookup drafts carry no confidence)
-        pickers = [s.picker for s in self.sources if getattr(s, "picker", None) is not None]
-        self.picker = pickers[0] if pickers else None
 
     def observe(self, start: int, tokens: Sequence[int], hidden: torch.Tensor | None) -> None:
         for s in self.sources:
