@@ -350,9 +350,14 @@ def _decode_row(src, off, qtype, n_cols, out, out_off):
 
 # Lives here, not in dequant.py: Numba's cache only notices edits to the caller's own file, and the
 # decoders above are inlined into this loop.
-@njit(parallel=True, cache=True)
-def decode_rows(flat, row_bytes, qtype, n_cols, row_ids, out):
+def _decode_rows(flat, row_bytes, qtype, n_cols, row_ids, out):
     """out[i] = row row_ids[i] of the tensor whose rows of row_bytes bytes are packed in flat;
     qtype: formats.type_tag of the tensor's type (one compilation per type a model holds)."""
     for i in prange(row_ids.shape[0]):
         decode_row(flat, row_ids[i] * row_bytes, qtype, n_cols, out[i], 0)
+
+
+decode_rows = njit(parallel=True, cache=True)(_decode_rows)
+# A decode step's few rows (its embedding rows): waking the thread pool right after a decode step
+# streamed the weights costs ~35 us, three times what decoding one row does.
+decode_rows_serial = njit(cache=True)(_decode_rows)

@@ -109,7 +109,7 @@ def _rms_scale(x, lo, n, eps):
 
 
 @njit(cache=CACHE, nogil=True)
-def _rms_norm_rows(x, w, eps):
+def rms_norm_rows(x, w, eps):
     """rms_norm of every row of x (k, n) with weight w (n,)."""
     k, n = x.shape
     out = np.empty((k, n), np.float32)
@@ -312,7 +312,7 @@ def attention_block(h, n_threads, int_types, float_path, attn_norm, post_norm, h
     `kernel_types` of (at least) these matrices."""
     k, n_embd = h.shape
     nq, nk = n_head * d, n_kv * d
-    x = _rms_norm_rows(h, attn_norm, eps)
+    x = rms_norm_rows(h, attn_norm, eps)
     qkv = np.empty((k, nq + nk + n_kv * dv), np.float32)
     _project(n_threads, int_types, float_path, wq, tq, eq, iq, nq, wk, tk, ek, ik, nk, wv, tv, ev, iv, n_kv * dv,
              x, qkv)
@@ -354,7 +354,7 @@ def ffn_block(h, n_threads, int_types, float_path, ffn_norm, post_norm, has_post
     act as cpu_kernels.ffn.ACTIVATIONS (0: SiLU, 1: GELU-tanh); int_types, float_path as for attention_block."""
     k, n_embd = h.shape
     n_ff = wg.shape[0]
-    x = _rms_norm_rows(h, ffn_norm, eps)
+    x = rms_norm_rows(h, ffn_norm, eps)
     gu = np.empty((k, 2 * n_ff), np.float32)
     _project(n_threads, int_types, float_path, wg, tg, eg, ig, n_ff, wu, tu, eu, iu, n_ff, wu, tu, eu, iu, NONE, x, gu)
     hidden = np.empty((k, n_ff), np.float32)
@@ -384,7 +384,7 @@ def ffn_block_tiles(h, ffn_norm, post_norm, has_post, eps, gate, up, down, act: 
     (matvec_int's bits) with the same activation code, and down through `matvec`. act: the
     activation's name (ffn.ACTIVATIONS). Separate calls from Python: the tile kernels are parallel
     regions of their own."""
-    x = _rms_norm_rows(h, ffn_norm, eps)
+    x = rms_norm_rows(h, ffn_norm, eps)
     y = ffn_glu(x, gate[0], gate[1], up[0], up[1], down[0], down[1], act, exact=False,
                 down_residual=down[3] == 2)
     return _residual(h, y, post_norm, has_post, eps)

@@ -15,12 +15,13 @@ import numpy as np
 import torch
 
 from cpu_kernels import int_blocks, kv_attention, layer_fused
-from cpu_kernels.dequant import dequantize, gather_rows
+from cpu_kernels.dequant import RowGather, dequantize
 from cpu_kernels.ffn import ACTIVATIONS, ffn_glu
 from cpu_kernels.formats import format_of
 from cpu_kernels.matvec import matvec, use_int
 from gpu_kernels.attention import ROWWISE_MAX, attend
 from gpu_kernels.linear import linear_rows
+from gpu_kernels.norms import rms_norm
 from gpu_kernels.pointwise import per_token
 from gpu_kernels.qlinear import QuantLinear, TileScratch, tile_rows_of
 from gpu_kernels.quant import QUANTIZED_TYPES
@@ -277,6 +278,12 @@ def _rows_f32(h: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(h.numpy() if h.dtype == torch.float32 else _cpu_f32(h).numpy())
 
 
+def rms_norm_on_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """gpu_kernels.norms.rms_norm's result as one compiled call: its seven torch ops cost ~25 us on
+    a few rows right after a decode step streamed the weights out of every cache, this ~5 us."""
+    return torch.from_numpy(layer_fused.rms_norm_rows(_rows_f32(x), weight.numpy(), eps))
+
+
 class FusedAttentionBlock:
     """A layer's attention half (norm, q/k/v, q/k norm, rotary, KV write, attention, output
     projection, post-norm, residual) as one layer_fused call, for a CPU trunk whose attention
@@ -350,11 +357,11 @@ class Embedding:
         info = gguf.tensors[name]
         format_of(info.qtype)
         self.raw, self.qtype, self.n_embd, self.device = gguf.tensor_bytes(name), info.qtype, info.shape[0], device
+        self.gather = RowGather(self.raw, info.qtype, info.shape[0])
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         ids = tokens.to("cpu", torch.int64).numpy()
-        rows = torch.from_numpy(gather_rows(self.raw, self.qtype, self.n_embd, ids))
-        return rows.to(self.device)
+        return torch.from_numpy(self.gather(ids)).to(self.device)
 
 
 def _ffn_units(raw: np.ndarray, qtype: int, n_cols: int, lo: int, hi: int) -> np.ndarray:
@@ -543,6 +550,11 @@ class WeightBinder:
         """The attention over a KV cache the torch layers call (gpu_kernels.attention.attend's
         signature): on a plain CPU trunk kv_attention's (attend_on_cpu), else torch's."""
         return attend_on_cpu if self._fusable() else attend
+
+    def norm_kernel(self):
+        """The RMSNorm small per-token layers outside the fused halves call (rms_norm's
+        signature): on a plain CPU trunk one compiled call, else torch's."""
+        return rms_norm_on_cpu if self._fusable() else rms_norm
 
     def attention_block(self, block):
         """How a layer's attention half runs: `block` (models.common.AttentionBlock, torch ops

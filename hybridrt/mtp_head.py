@@ -26,7 +26,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpu_kernels.norms import rms_norm
 
 from .backends import WeightBinder
 from .errors import UserError
@@ -102,6 +101,7 @@ class TrainedMTPHead:
         self.attn_half = attention_block(w, p, spec, 0, "post_attention_norm" if kind.sandwich else None)
         self.ffn_half = ffn_block(w, p, kind.act, model.eps, "post_ffw_norm" if kind.sandwich else None)
         self.head_norm = w.dense(f"{p}.head_norm.weight")
+        self.norm = w.norm_kernel()     # a draft's three norms are most of its small ops' time
         self.output = w.linear(f"{p}.head.weight")
         self.spec, self.draft_ids = spec, draft_ids
         self.n_out = self.output.n_out
@@ -126,11 +126,11 @@ class TrainedMTPHead:
         each; returns (logits or None, the head's output hidden for chaining)."""
         n = tokens.shape[0]
         pos_list = list(range(start_pos, start_pos + n))
-        e = rms_norm(self.model.embed(tokens), self.enorm, self.eps)
-        hn = rms_norm(hidden, self.hnorm, self.eps)
+        e = self.norm(self.model.embed(tokens), self.enorm, self.eps)
+        hn = self.norm(hidden, self.hnorm, self.eps)
         x = self.eh_proj(torch.cat((e, hn), dim=-1))
         x = self.ffn_half(self.attn_half(x, self._head_state(state), pos_list))
-        normed = rms_norm(x, self.head_norm, self.eps)
+        normed = self.norm(x, self.head_norm, self.eps)
         return (self.head(normed, out=out) if logits else None), normed
 
     def head(self, normed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

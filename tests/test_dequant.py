@@ -8,7 +8,7 @@ from gguf.quants import IQ4_NL as GGUF_IQ4_NL
 from gguf.quants import dequantize as gguf_dequantize
 
 from cpu_kernels import blocks
-from cpu_kernels.dequant import dequantize, dequantize_rows, gather_rows
+from cpu_kernels.dequant import SERIAL_ROWS, RowGather, dequantize, dequantize_rows, gather_rows
 from cpu_kernels.formats import FORMATS, UnsupportedQuantType
 from tests.real_models import GEMMA3, SMOLLM2, require
 
@@ -90,8 +90,14 @@ def test_gather_rows_and_ranges():
     readonly = raw.copy()
     readonly.flags.writeable = False                                       # mmap views are read-only
     assert_bit_equal(dequantize(readonly, T.Q4_K, n_cols), full)
-    with pytest.raises(IndexError):
-        gather_rows(raw, T.Q4_K, n_cols, np.array([11]))
+    many = rng.integers(0, 11, SERIAL_ROWS + 5)                          # past the serial decode's rows
+    assert_bit_equal(gather_rows(raw, T.Q4_K, n_cols, many), full[many])
+    for bad in ([11], [-1], [0] * SERIAL_ROWS + [11], [-1] + [0] * SERIAL_ROWS):    # both decode paths
+        with pytest.raises(IndexError):
+            gather_rows(raw, T.Q4_K, n_cols, np.array(bad))
+    gather = RowGather(readonly, T.Q4_K, n_cols)                           # an embedding's: reused
+    assert_bit_equal(gather(ids), full[ids])
+    assert_bit_equal(gather(ids[:1]), full[ids[:1]])
     with pytest.raises(IndexError):
         dequantize_rows(raw, T.Q4_K, n_cols, 3, 12)
 

@@ -307,6 +307,18 @@ def test_ffn_block_token_does_not_depend_on_the_batch_or_threads(integer):
         assert np.array_equal(np.concatenate([run(h[i:i + k], threads) for i in range(0, 32, k)]), singles), k
 
 
+def test_rms_norm_rows_matches_float64_and_the_binders_cpu_norm_is_it():
+    from hybridrt.backends import rms_norm_on_cpu
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((3, 576)) * rng.uniform(0.01, 30, (3, 1))).astype(np.float32)
+    w = rng.standard_normal(576).astype(np.float32)
+    ref = x.astype(np.float64) / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * w
+    got = layer_fused.rms_norm_rows(x, w, 1e-6)
+    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+    on_cpu = rms_norm_on_cpu(torch.from_numpy(x[1:]), torch.from_numpy(w), 1e-6)    # a row view: copied
+    assert torch.equal(on_cpu, torch.from_numpy(got[1:]))
+
+
 def test_kernel_types_must_cover_every_matrix():
     """The compile-time type set and float flag leave other types' code out, so a matrix outside
     them would write nothing: the binder refuses such a layer at load time."""
