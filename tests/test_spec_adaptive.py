@@ -162,6 +162,27 @@ def test_gated_steps_that_lose_less_than_a_head_row_keep_drafting():
         assert (chosen[20:].count(0) <= 2) if drafting else (chosen[20:].count(0) >= 30), chosen
 
 
+def test_gated_gain_is_the_mean_over_rows_of_what_the_gate_would_do():
+    """gated_gain reads each row's gain from a per-tenth table: the same as asking _pays row by row."""
+    import random
+    rng = random.Random()
+    for _ in range(20):
+        p = DraftLengthPolicy(n_max=2, gating=True)
+        p.observe(0, 0, rng.uniform(0.004, 0.006), 0.0)
+        p.observe(1, rng.randint(0, 1), rng.uniform(0.004, 0.007), rng.uniform(0.0002, 0.001), conf=[rng.random()])
+        for _ in range(rng.randint(1, 60)):
+            top1 = rng.random()
+            p.keep_draft(0, top1)
+            p.observe(1, int(rng.random() < top1), 0.005, 0.0005, conf=[top1])
+        d, v1, v2 = p._draft_cost(), p.verify_cost(1), p.verify_cost(2)
+        want = weight = 0.0
+        for age, top1 in enumerate(reversed(p.first_top1)):
+            a = p.accept_given(top1)
+            want += 0.9 ** age * (1 + a - (v2 + d) / v1 if p._pays(0, a, 1.0) else -d / v1)
+            weight += 0.9 ** age
+        assert p.gated_gain() == pytest.approx(want / weight, rel=1e-9, abs=1e-12)
+
+
 def test_refused_drafts_teach_the_gate():
     """Drafts at top-1 0.1-0.2 that the target accepts 60 % of the time: the prior (15 %) refuses
     them, and only judging the refused ones shows the gate they pay."""
