@@ -15,14 +15,16 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 
 import make_model
+from cpu_kernels.dequant import dequantize
 from gpu_kernels.norms import rms_norm
 from hybridrt.errors import UserError
 from hybridrt.generate import generate
 from hybridrt.gguf_file import GGUFFile
 from hybridrt.loader import load_model
-from hybridrt.mtp_head import TrainedMTPHead, block_kind, head_attention_spec
+from hybridrt.mtp_head import TrainedMTPHead, block_kind, head_attention_spec, write_head
 from hybridrt.models.qwen35 import MTPHead
 from hybridrt.sampling import SamplerConfig, dense_probs
 from hybridrt.speculative.acceptance import SampledAcceptor
@@ -257,6 +259,34 @@ def test_head_round_trip_and_runtime_matches_torch(tiny_llama, tmp_path):
     ref = module(m.embed(tokens)[None], hidden[None], torch.arange(1, 7)[None], torch.ones(1, 6, dtype=torch.bool))[0]
     assert logits.shape == (6, TINY.draft_vocab)
     assert torch.allclose(logits, ref.detach(), atol=1e-4, rtol=1e-4)
+
+
+def test_a_q4_1_head_drafts_what_its_own_weights_give(llama_head, tiny_llama, tmp_path):
+    """--head-type q4_1: the writer quantizes the head's matrices to Q4_1 (gguf-py's rounding), the
+    runtime computes that head (as the torch module over the file's dequantized tensors does)."""
+    def as_f32(f: GGUFFile, name: str) -> np.ndarray:
+        info = f.tensors[name]
+        return dequantize(f.tensor_bytes(name), info.qtype, info.shape[0]).reshape(list(reversed(info.shape)))
+
+    f = GGUFFile(llama_head)
+    tensors = {n: as_f32(f, n) for n in f.tensors}
+    m = load_model(tiny_llama, exact_activations=True)
+    ids = np.asarray(f.metadata["mtp_head.draft_vocab"])
+    write_head(tmp_path / "q41.gguf", tensors, m.gguf, m.n_vocab, ids, "q4_1")
+    q = GGUFFile(tmp_path / "q41.gguf")
+    assert {q.tensors[n].qtype for n in q.tensors if len(q.tensors[n].shape) >= 2} == {int(GGMLQuantizationType.Q4_1)}
+    assert q.tensors["mtp.eh_proj.weight"].nbytes < 0.6 * f.tensors["mtp.eh_proj.weight"].nbytes
+    m = load_model(tiny_llama, exact_activations=True, mtp_head=tmp_path / "q41.gguf")
+    deq = {n[len("mtp."):-len(".weight")]: torch.from_numpy(as_f32(q, n)) for n in q.tensors}
+    _, spec = head_attention_spec(m)
+    module = MTPHeadModule(deq, spec, block_kind("llama"), m.eps, 64)
+    g = torch.Generator().manual_seed(2)
+    tokens, hidden = torch.randint(3, 200, (5,), generator=g), torch.randn(5, m.n_embd, generator=g)
+    logits, _ = m.mtp.step(m.session(64).state, tokens, hidden, 1)
+    ref = module(m.embed(tokens)[None], hidden[None], torch.arange(1, 6)[None], torch.ones(1, 5, dtype=torch.bool))[0]
+    assert torch.allclose(logits, ref.detach(), atol=1e-4, rtol=1e-4)
+    with pytest.raises(UserError, match="--head-type must be one of f32, f16, q8_0, q4_1"):
+        dataclasses.replace(TINY, head_type="q3_k")
 
 
 def test_mismatched_target_is_refused(llama_head, tiny_llama, tmp_path):
