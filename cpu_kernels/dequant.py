@@ -39,8 +39,8 @@ class RowGather:
     the way (the flat view, a bounds check by min/max) costs 10-25 us."""
 
     def __init__(self, raw: np.ndarray, qtype: int, n_cols: int):
-        self.fmt, self.n_cols = format_of(qtype), n_cols
-        self.row_bytes = self.fmt.row_bytes(n_cols)
+        fmt = format_of(qtype)
+        self.tag, self.n_cols, self.row_bytes = type_tag(fmt.qtype), n_cols, fmt.row_bytes(n_cols)
         self.flat, self.n_rows = _flat_rows(raw, self.row_bytes)
 
     def __call__(self, row_ids: np.ndarray) -> np.ndarray:
@@ -53,7 +53,7 @@ class RowGather:
         out = np.empty((row_ids.size, self.n_cols), dtype=np.float32)
         if row_ids.size:
             decode = decode_rows_serial if few else decode_rows
-            decode(self.flat, self.row_bytes, type_tag(self.fmt.qtype), self.n_cols, row_ids, out)
+            decode(self.flat, self.row_bytes, self.tag, self.n_cols, row_ids, out)
         return out
 
 

@@ -355,9 +355,7 @@ class Embedding:
 
     def __init__(self, gguf: GGUFFile, name: str, device: torch.device):
         info = gguf.tensors[name]
-        format_of(info.qtype)
-        self.raw, self.qtype, self.n_embd, self.device = gguf.tensor_bytes(name), info.qtype, info.shape[0], device
-        self.gather = RowGather(self.raw, info.qtype, info.shape[0])
+        self.gather, self.device = RowGather(gguf.tensor_bytes(name), info.qtype, info.shape[0]), device
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         ids = tokens.to("cpu", torch.int64).numpy()

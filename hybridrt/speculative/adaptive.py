@@ -171,7 +171,7 @@ class DraftLengthPolicy:
         by_bin = []
         for b in range(N_BINS):
             p = self.accept_given((b + 0.5) / N_BINS)
-            by_bin.append(1 + p - (v2 + d) / v1 if (1 + p) / (v2 + d) > 1 / (v1 + d) else -d / v1)
+            by_bin.append(1 + p - (v2 + d) / v1 if self._pays(0, p, 1.0) else -d / v1)
         gain = weight = 0.0
         w = 1.0
         for top1 in reversed(self.first_top1):
