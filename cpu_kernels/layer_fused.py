@@ -301,6 +301,43 @@ def _residual(h, a, post_norm, has_post, eps):
 
 
 @njit(cache=CACHE, nogil=True)
+def _store_kv(kv, off, k_norm, qk_norm, eps, cos, sin, n_rot, neox, k_cache, v_cache, start, n_kv, d, dv):
+    """Keys (k-normed, rotated) and values of kv's rows (row t: position start + t; keys at columns
+    off .. off + n_kv d, values after them) into the caches."""
+    nk = n_kv * d
+    krow, vrow = np.empty(d, np.float32), np.empty(dv, np.float32)     # new rows before they are stored
+    for t in range(kv.shape[0]):
+        pos = start + t
+        for g in range(n_kv):
+            for i in range(d):
+                krow[i] = kv[t, off + g * d + i]
+            if qk_norm:
+                r = _rms_scale(krow, 0, d, eps)
+                for i in range(d):
+                    krow[i] = (krow[i] * r) * k_norm[i]
+            _rotate(krow, 0, cos, sin, pos, n_rot, neox)
+            cache_store(k_cache[pos, g], krow)
+            for i in range(dv):
+                vrow[i] = kv[t, off + nk + g * dv + i]
+            cache_store(v_cache[pos, g], vrow)
+
+
+@njit(cache=CACHE, nogil=True)
+def attention_kv(h, n_threads, int_types, float_path, attn_norm, eps, wk, tk, ek, ik, wv, tv, ev, iv,
+                 k_norm, qk_norm, cos, sin, n_rot, neox, k_cache, v_cache, start, n_kv, d, dv):
+    """Only the KV-cache rows attention_block writes for h (k, n_embd) at positions start ..
+    start+k-1, bit for bit (the same row norm, projections and key code), without the queries,
+    the attention, the output projection or anything after it: an MTP head catching up on
+    committed tokens needs nothing else from them (their outputs are never read)."""
+    k = h.shape[0]
+    x = rms_norm_rows(h, attn_norm, eps)
+    kv = np.empty((k, n_kv * (d + dv)), np.float32)
+    _project(n_threads, int_types, float_path, wk, tk, ek, ik, n_kv * d, wv, tv, ev, iv, n_kv * dv, wv, tv, ev, iv, NONE,
+             x, kv)
+    _store_kv(kv, 0, k_norm, qk_norm, eps, cos, sin, n_rot, neox, k_cache, v_cache, start, n_kv, d, dv)
+
+
+@njit(cache=CACHE, nogil=True)
 def attention_block(h, n_threads, int_types, float_path, attn_norm, post_norm, has_post, eps,
                     wq, tq, eq, iq, wk, tk, ek, ik, wv, tv, ev, iv, wo, to, eo, io,
                     q_norm, k_norm, qk_norm, cos, sin, n_rot, neox,
@@ -317,7 +354,6 @@ def attention_block(h, n_threads, int_types, float_path, attn_norm, post_norm, h
     _project(n_threads, int_types, float_path, wq, tq, eq, iq, nq, wk, tk, ek, ik, nk, wv, tv, ev, iv, n_kv * dv,
              x, qkv)
     q = np.empty((k, nq), np.float32)
-    krow, vrow = np.empty(d, np.float32), np.empty(dv, np.float32)     # new rows before they are stored
     for t in range(k):
         pos = start + t
         for c in range(nq):
@@ -328,18 +364,7 @@ def attention_block(h, n_threads, int_types, float_path, attn_norm, post_norm, h
                 for i in range(d):
                     q[t, hd * d + i] = (q[t, hd * d + i] * r) * q_norm[i]
             _rotate(q[t], hd * d, cos, sin, pos, n_rot, neox)
-        for g in range(n_kv):
-            for i in range(d):
-                krow[i] = qkv[t, nq + g * d + i]
-            if qk_norm:
-                r = _rms_scale(krow, 0, d, eps)
-                for i in range(d):
-                    krow[i] = (krow[i] * r) * k_norm[i]
-            _rotate(krow, 0, cos, sin, pos, n_rot, neox)
-            cache_store(k_cache[pos, g], krow)
-            for i in range(dv):
-                vrow[i] = qkv[t, nq + nk + g * dv + i]
-            cache_store(v_cache[pos, g], vrow)
+    _store_kv(qkv, nq, k_norm, qk_norm, eps, cos, sin, n_rot, neox, k_cache, v_cache, start, n_kv, d, dv)
     o = np.empty((k, n_head * dv), np.float32)
     attend(n_threads, q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale, window, first)
     a = np.empty((k, n_embd), np.float32)

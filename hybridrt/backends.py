@@ -323,6 +323,18 @@ class FusedAttentionBlock:
             s.first_pos)
         return torch.from_numpy(out)
 
+    def write_kv(self, h: torch.Tensor, state, pos_list: list[int]) -> None:
+        """Only the KV rows __call__ would write for h (an MTP head catching up), bit for bit."""
+        s = self.attn.spec
+        views = _fused_state(state, self.attn.cache_index, s)
+        if views is None or len(pos_list) > ROWWISE_MAX:       # where __call__ takes the torch path
+            return self.block.write_kv(h, state, pos_list)
+        k_cache, v_cache, cos, sin = views
+        layer_fused.attention_kv(
+            _rows_f32(h), numba.get_num_threads(), *self.kernel_types, self.norm, s.eps, *self.qkv[1], *self.qkv[2],
+            self.k_norm, s.qk_norm, cos, sin, s.rope.n_rot, s.rope.neox, k_cache, v_cache, pos_list[0], s.n_kv,
+            s.head_dim, s.head_dim_v)
+
 
 class FusedFfnBlock:
     """A layer's FFN half (norm, gate/up, activation, down, post-norm, residual) as one

@@ -115,8 +115,8 @@ def compile_kernels(model: "Model") -> None:
 
 def compile_head(model: "Model") -> None:
     """The model's MTP head (built in, or a trained one from `--mtp-head`), as drafting calls it:
-    one, two and four tokens (a proposal after a verify, and a prompt's catch-up) with their logits
-    rows. A trained head stores its matrices as Q8_0, which a target of other quant types has never
+    one, two and four tokens (a proposal after a verify) with their logits rows, and a catch-up's
+    KV rows. A trained head stores its matrices as Q8_0, which a target of other quant types has never
     compiled: without this, a server's first draft stalled for seconds. Nothing without a head."""
     import torch
 
@@ -129,6 +129,7 @@ def compile_head(model: "Model") -> None:
     hidden = session.hidden
     for k in (1, 2, 4):
         mtp.step(session.state, torch.full((k,), token, dtype=torch.int64), hidden[:k], 1, logits=True)
+    mtp.write_kv(session.state, torch.full((4,), token, dtype=torch.int64), hidden[:4], 1)     # a catch-up
 
 
 def announce_and_compile(model: "Model | str | os.PathLike | None") -> bool:

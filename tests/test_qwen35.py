@@ -103,3 +103,18 @@ def test_rollback_outside_the_last_batch_is_a_clear_error(tiny_qwen35):
     s.eval(TOKENS[10:13])
     with pytest.raises(UserError, match="cannot roll the recurrent state back"):
         s.truncate(9)
+
+
+def test_mtp_catch_up_writes_the_kv_a_step_writes(tiny_qwen35_mtp):
+    """MTPHead.write_kv (a catch-up on committed tokens) leaves the MTP KV as step() does, bit for
+    bit, without the block's attention and FFN."""
+    model = load_model(tiny_qwen35_mtp)
+    caches = []
+    for name in ("step", "write_kv"):
+        s = model.session(128)
+        s.eval(TOKENS, logits="none")
+        args = (s.state, torch.tensor(TOKENS[1:]), s.hidden[:-1], 1)
+        model.mtp.step(*args, logits=False) if name == "step" else model.mtp.write_kv(*args)
+        caches.append((s.state.mtp_kv.k[0].clone(), s.state.mtp_kv.v[0].clone()))
+    assert caches[0][0][1:len(TOKENS)].abs().sum() > 0
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])

@@ -604,3 +604,23 @@ def test_lookup_vs_head_script(tiny_llama, llama_head):
     lines = r.stdout.strip().splitlines()
     assert "held-out positions; the head alone right at" in lines[0]
     assert lines[1].startswith("lookup n 4..2: a match at") and lines[2].startswith("lookup n 3..3")
+
+
+@pytest.mark.parametrize("n", [1, 3, 40])     # 40: past the fused kernels' batches, the torch path
+def test_a_catch_up_writes_the_kv_a_step_writes(llama_head, tiny_llama, n):
+    """write_kv (a catch-up on committed tokens) leaves the head's KV cache bit for bit as step()
+    does, without the rest of the block."""
+    from hybridrt.mtp_head import HEAD_STATE_KEY
+    m = load_model(tiny_llama, mtp_head=llama_head)
+    g = torch.Generator().manual_seed(n)
+    tokens = torch.randint(3, 200, (n,), generator=g)
+    hidden = torch.randn(n, m.n_embd, generator=g)
+    caches = []
+    for write in (lambda s: m.mtp.step(s.state, tokens, hidden, 5, logits=False),
+                  lambda s: m.mtp.write_kv(s.state, tokens, hidden, 5)):
+        s = m.session(64)
+        write(s)
+        kv = s.state.extra[HEAD_STATE_KEY].kv
+        caches.append((kv.k[0].clone(), kv.v[0].clone()))
+    assert caches[0][0][5:5 + n].abs().sum() > 0
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])

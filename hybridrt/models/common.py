@@ -118,10 +118,7 @@ class Attention:
 
     def __call__(self, x: torch.Tensor, state: ModelState, pos_list: list[int]) -> torch.Tensor:
         s, n = self.spec, x.shape[0]
-        if self.wqkv is not None:
-            q, k, v = torch.split(self.wqkv(x), self.qkv_rows, dim=-1)
-        else:
-            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q, k, v = self._project(x)
         gate = None
         if s.gated:
             q = q.reshape(n, s.n_head, 2 * s.head_dim)
@@ -132,16 +129,33 @@ class Attention:
         v = v.reshape(n, s.n_kv, s.head_dim_v)
         if s.qk_norm:
             q = rms_norm(q, self.q_norm, s.eps)
-            k = rms_norm(k, self.k_norm, s.eps)
         rows = state.rotary_at(s.rope, pos_list[0], n, x.device)
         q = apply_rotary(q, rows)
-        k = apply_rotary(k, rows)
-        state.kv.write(self.cache_index, pos_list[0], k, v)
+        self._store(k, v, state, pos_list, rows)
         o = self.attend(q, state.kv.k[self.cache_index], state.kv.v[self.cache_index], pos_list,
                         s.scale, s.window, s.first_pos).reshape(n, s.n_head * s.head_dim_v)
         if gate is not None:
             o = o * per_token(torch.sigmoid, gate)
         return self.wo(o)
+
+    def write_kv(self, x: torch.Tensor, state: ModelState, pos_list: list[int]) -> None:
+        """Only the KV rows __call__ writes for x (the same values): an MTP head catching up on
+        committed tokens, whose outputs nobody reads."""
+        s, n = self.spec, x.shape[0]
+        _, k, v = self._project(x) if self.wqkv is not None else (None, self.wk(x), self.wv(x))
+        self._store(k.reshape(n, s.n_kv, s.head_dim), v.reshape(n, s.n_kv, s.head_dim_v), state, pos_list,
+                    state.rotary_at(s.rope, pos_list[0], n, x.device))
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.wqkv is not None:
+            return torch.split(self.wqkv(x), self.qkv_rows, dim=-1)
+        return self.wq(x), self.wk(x), self.wv(x)
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor, state: ModelState, pos_list: list[int], rows) -> None:
+        """k [n, n_kv, d] (before its norm and rotary), v [n, n_kv, dv] into the cache."""
+        if self.spec.qk_norm:
+            k = rms_norm(k, self.k_norm, self.spec.eps)
+        state.kv.write(self.cache_index, pos_list[0], apply_rotary(k, rows), v)
 
 
 class AttentionBlock:
@@ -158,6 +172,9 @@ class AttentionBlock:
     def __call__(self, h: torch.Tensor, state: ModelState, pos_list: list[int]) -> torch.Tensor:
         a = self.attn(rms_norm(h, self.norm, self.eps), state, pos_list)
         return h + (a if self.post_norm is None else rms_norm(a, self.post_norm, self.eps))
+
+    def write_kv(self, h: torch.Tensor, state: ModelState, pos_list: list[int]) -> None:
+        self.attn.write_kv(rms_norm(h, self.norm, self.eps), state, pos_list)
 
 
 class FfnBlock:

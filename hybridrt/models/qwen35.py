@@ -272,13 +272,25 @@ class MTPHead:
         """tokens [n] at positions [start_pos, +n) with the trunk's (or the previous MTP step's)
         final hidden of the position before each. Writes the MTP KV at those positions.
         Returns (logits [n, V] or None, the MTP output hidden [n, n_embd] for chaining)."""
-        n = tokens.shape[0]
-        pos_list = list(range(start_pos, start_pos + n))
-        e = rms_norm(self.embed(tokens), self.enorm, self.eps)
-        hn = rms_norm(hidden, self.hnorm, self.eps)
-        x = self.eh_proj(torch.cat((e, hn), dim=-1))
-        mtp_state = ModelState(n_ctx=state.n_ctx, kv=state.mtp_kv, rope=state.rope, rope_rows=state.rope_rows)
-        x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), mtp_state, pos_list)
+        pos_list = list(range(start_pos, start_pos + tokens.shape[0]))
+        x = self._input(tokens, hidden)
+        x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), self._state(state), pos_list)
         x = x + self.ffn(rms_norm(x, self.ffn_norm, self.eps))
         normed = rms_norm(x, self.head_norm, self.eps)
         return (self.head(normed, out=out) if logits else None), normed
+
+    def write_kv(self, state: HybridState, tokens: torch.Tensor, hidden: torch.Tensor, start_pos: int) -> None:
+        """Only the MTP KV that step() writes for these tokens (the same values): what catching up
+        on committed tokens needs, without their attention, FFN (an MoE for qwen35moe) or outputs."""
+        pos_list = list(range(start_pos, start_pos + tokens.shape[0]))
+        self.attn.write_kv(rms_norm(self._input(tokens, hidden), self.attn_norm, self.eps), self._state(state),
+                           pos_list)
+
+    def _input(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        e = rms_norm(self.embed(tokens), self.enorm, self.eps)
+        hn = rms_norm(hidden, self.hnorm, self.eps)
+        return self.eh_proj(torch.cat((e, hn), dim=-1))
+
+    @staticmethod
+    def _state(state: HybridState) -> ModelState:
+        return ModelState(n_ctx=state.n_ctx, kv=state.mtp_kv, rope=state.rope, rope_rows=state.rope_rows)

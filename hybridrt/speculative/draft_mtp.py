@@ -52,9 +52,7 @@ class MTPSource:
                 self.prev_hidden.append(self.last_hidden)
             self.last_hidden = hidden[j:j + 1]
         if len(self.tokens) >= EAGER_TOKENS:
-            self._write(self.tokens, torch.cat(self.prev_hidden), self.synced)
-            self.synced += len(self.tokens)
-            self.tokens, self.prev_hidden = [], []
+            self.catch_up()
 
     def _write(self, tokens: list[int], hiddens: torch.Tensor, start: int) -> torch.Tensor:
         """MTP entries for `tokens` at [start, +n) from the trunk hiddens before each; returns
@@ -66,8 +64,12 @@ class MTPSource:
         return h[-1:]
 
     def catch_up(self) -> None:
+        """The deferred tokens' MTP KV only (MTPHead.write_kv): nothing reads their outputs."""
         if self.tokens:
-            self._write(self.tokens, torch.cat(self.prev_hidden), self.synced)
+            tok, hiddens = torch.tensor(self.tokens, dtype=torch.int64), torch.cat(self.prev_hidden)
+            for lo in range(0, len(tok), PROMPT_CHUNK):
+                self.mtp.write_kv(self.state, tok[lo:lo + PROMPT_CHUNK], hiddens[lo:lo + PROMPT_CHUNK],
+                                  self.synced + lo)
             self.synced += len(self.tokens)
             self.tokens, self.prev_hidden = [], []
 
