@@ -346,3 +346,47 @@ def test_a_stale_plain_step_cost_is_measured_again():
                   verify_s=lambda k: 0.010 if k == 1 else 0.0115)
     first_plain = chosen.index(0)
     assert first_plain <= 17 and chosen[40:].count(0) >= 15, chosen
+
+
+def test_a_verify_is_never_taken_as_cheaper_than_a_shorter_one():
+    """A 2-token verify timed below a plain step (a stale t(1), or a t(2) from a fast stretch) is
+    taken at t(1): it does all of a plain step's work."""
+    p = DraftLengthPolicy(n_max=3)
+    p.observe(0, 0, 0.0110, 0.0)
+    p.observe(1, 0, 0.0104, 0.001)
+    p.observe(3, 0, 0.0130, 0.003)
+    assert p.verify_cost(1) == p.verify_cost(2) == 0.0110
+    assert p.verify_cost(3) == pytest.approx(0.0117) and p.verify_cost(4) == 0.0130
+
+
+def test_a_first_plain_timing_above_a_longer_verify_is_measured_again_at_once():
+    """Gemma 3 on random tokens: the run's one plain-step timing came out ~5 % slow, a 2-token verify
+    then looked cheaper than a plain step and the gate kept rejected drafts for the 16 steps until
+    t(1) was refreshed. A t(1) of fewer than three timings above a longer verify's is measured again
+    at once, and drafting that does not pay stops within a few steps."""
+    p = DraftLengthPolicy(n_max=1, gating=True)
+    p.observe(0, 0, 0.0130, 0.0)                # the slow first plain step
+    rows = iter([(0.3, False)] * 200)            # kept by the gate: 2-token verifies, never right
+    chosen = run_gated(p, rows, 40, verify_s=(0.0123, 0.0125))
+    assert chosen[:4].count(0) >= 1 and chosen[8:].count(0) >= 28, chosen
+    assert p.verify_cost(1) == pytest.approx(0.0123)
+
+
+def test_a_plain_stretch_lasts_until_its_probe():
+    """Once plain steps win, the policy stays plain until its probe however t(1) moves: plain steps
+    teach it nothing about drafts, and a fresh t(1) above the last 2-token verifies' flipped steps
+    back to drafting, each resetting the probe gap (so probes did not back off)."""
+    p = DraftLengthPolicy(n_max=1, gating=True, probe_every=16)
+    rows = iter([(0.5, False)] * 400)
+    for _ in range(80):                  # gated steps of an always-wrong head until plain wins
+        run_gated(p, rows, 1)
+        if p.plain_streak:
+            break
+    assert p.plain_streak == 1 and p.probe_gap == 16
+    zeros = 0
+    while p.choose() == 0:
+        zeros += 1
+        p.observe(0, 0, 0.0145, 0.0)     # plain steps now dearer than the last 2-token verifies
+    # plain up to the step that would be the probe's (plain_streak 1 .. 15 of 16), where the choice
+    # is made again on the new t(1); before, drafting won back 3 steps into the stretch
+    assert zeros == 14, zeros

@@ -16,14 +16,16 @@ t_verify(k) is the median of its last RECENT_TIMES measurements per k (a weighte
 stalled step of a shared machine move t(1) by ~20 %, enough to make drafts that were never accepted
 look as if they paid); a k never measured is extrapolated from the nearest measured one at the
 measured per-token slope (or 10 % of a token's cost per extra token before two sizes are known: a
-memory-bound verify of k tokens reads the weights once). t_draft is the weighted mean per proposed
-draft. While drafting barely pays on the estimates (less than REFRESH_GAIN) or t(1) is above the
-chosen verify's, a t(1) older than REFRESH_STEPS steps is measured again by a plain step, which
-replaces its old timings: otherwise an estimate too high from a slow stretch is never corrected, as
-no step verifies one token. While n = 0 is chosen nothing about drafts is learned, so
-after `probe_every` plain steps one step proposes a single draft (then after twice as many, up to
-four times, while plain steps keep winning); and every `explore_every` drafting steps one tries a
-length next to the best, so the cost curve is measured around where it is used.
+memory-bound verify of k tokens reads the weights once); and no t_verify(k) is below a shorter
+verify's. t_draft is the weighted mean per proposed draft. While drafting barely pays on the
+estimates (less than REFRESH_GAIN) or t(1) is above the chosen verify's, a t(1) older than
+REFRESH_STEPS steps is measured again by a plain step, which replaces its old timings: otherwise an
+estimate too high from a slow stretch is never corrected, as no step verifies one token (a t(1) of
+one or two timings above a longer verify's is measured again at once). While n = 0 is chosen
+nothing about drafts is learned, so a plain stretch lasts until, after `probe_every` plain steps,
+one step proposes a single draft (then after twice as many, up to four times, while plain steps
+keep winning); and every `explore_every` drafting steps one tries a length next to the best, so
+the cost curve is measured around where it is used.
 
 Confidence gate (`keep_draft`, installed as the draft picker's gate for model drafts): within a
 step, each draft whose row the head has computed is kept only if the step's expected tokens per
@@ -59,6 +61,7 @@ MIN_ROWS = 4            # gated steps before plain ones may win: one costs at mo
 # token) at 0.985-0.995 and 0.950, adversarial prompts unchanged (1.00x plain).
 PLAIN_MARGIN = 0.75
 RECENT_TIMES = 5        # verify timings per k whose median is t_verify(k)
+SURE_TIMES = 3          # timings of t(1) from which one slow step cannot move its median
 REFRESH_STEPS = 16      # steps without a plain one after which a stale t(1) is measured again,
 REFRESH_GAIN = 1.1      # where drafting's expected rate is under this times a plain step's
 
@@ -86,6 +89,7 @@ class DraftLengthPolicy:
     first_top1: deque = field(default_factory=lambda: deque(maxlen=RECENT_ROWS))   # of gated steps
     step_tokens: float = 1.0              # the step being drafted: expected tokens so far
     step_prob: float = 1.0                # and the chance that every draft so far is accepted
+    _costs: list | None = None            # verify_cost(0 .. n_max + 1), made anew after each step
 
     def __post_init__(self):
         self.probe_gap = self.probe_gap or self.probe_every
@@ -96,6 +100,24 @@ class DraftLengthPolicy:
         return (self.accept_hits + 2 * self.prior_accept) / (self.accept_trials + 2)
 
     def verify_cost(self, k: int) -> float:
+        """t_verify(k), never below a measured shorter verify's: a k-token verify does all of a
+        shorter one's work, so a median below one (a stale t(1) from a slow stretch, or a t(2)
+        from a fast one) is a stale estimate, and taken as it is it made a 2-token verify plus a
+        head row look cheaper than a plain step (Gemma 3 on random tokens: 26 gated steps with
+        no draft ever accepted, 0.92x plain). Made once per observed step (the policy asks for
+        it ~30 times a step)."""
+        costs = self._costs
+        if costs is None or k >= len(costs):
+            costs = self._costs = self._monotone_costs(max(k, self.n_max + 1))
+        return costs[k]
+
+    def _monotone_costs(self, k_max: int) -> list[float]:
+        costs = [0.0]
+        for k in range(1, k_max + 1):
+            costs.append(max(costs[-1], self._raw_verify_cost(k)))
+        return costs
+
+    def _raw_verify_cost(self, k: int) -> float:
         known = sorted(self.verify_s)
         if not known:
             return 1.0 + 0.1 * (k - 1)      # relative units: only the shape matters before data
@@ -187,6 +209,12 @@ class DraftLengthPolicy:
             # a plain step's cost is measured, not extrapolated: from a 4-token verify at 10 % per
             # token it looked 0.93x of it where it is ~0.5x, and drafting never stopped paying
             return 0
+        if 0 < self.plain_streak < self.probe_gap - 1:
+            # a plain stretch lasts until its probe: plain steps teach nothing about drafts, only
+            # t(1) moves, and a fresh t(1) against a stale t(2) flipped single steps back to drafting
+            # (each resetting the probe gap: Gemma 3 on random tokens, 9 such steps in 128)
+            self.plain_streak += 1
+            return 0
         best = max(range(self.n_max + 1), key=self.expected_rate)
         if self.gating:
             # gated drafting against plain steps (untried: drafting)
@@ -204,7 +232,10 @@ class DraftLengthPolicy:
                 self.probe_gap = min(2 * self.probe_gap, 4 * self.probe_every)
                 return 1
             return 0
-        if self.since_plain >= REFRESH_STEPS and (self.verify_cost(1) >= self.verify_cost(best + 1) or
+        inverted = self.verify_cost(1) >= self.verify_cost(best + 1)      # t(1) at or above a longer verify's
+        if inverted and len(self.verify_recent[1]) < SURE_TIMES:
+            return 0                # a t(1) of one or two timings (the run's first steps'): measure it again now
+        if self.since_plain >= REFRESH_STEPS and (inverted or
                                                   self.expected_rate(best) < REFRESH_GAIN * self.expected_rate(0)):
             return 0                # re-measure t(1): the choice hangs on it, or it is above a longer verify's
         self.plain_streak, self.probe_gap = 0, self.probe_every
@@ -227,6 +258,7 @@ class DraftLengthPolicy:
             recent.clear()          # a re-measure: the old timings are stale
         recent.append(verify_s)
         self.verify_s[k] = sorted(recent)[(len(recent) - 1) // 2]     # of an even count the lower
+        self._costs = None
         self.since_plain = 0 if k == 1 else self.since_plain + 1
         judged = [(top1, float(j < n_accepted)) for j, top1 in enumerate(conf[:n_accepted + 1])]
         if refused is not None:
