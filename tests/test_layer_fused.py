@@ -396,3 +396,15 @@ def test_attention_kernels_agree_compiled_or_loaded_from_the_cache(tmp_path):
         assert r.returncode == 0, r.stderr[-2000:]
     (fresh_sum, fresh_equal), (loaded_sum, loaded_equal) = (r.stdout.split() for r in runs)
     assert fresh_equal == loaded_equal == "True" and fresh_sum == loaded_sum
+
+
+def test_a_plain_cpu_models_final_norm_is_the_compiled_one(tiny_llama):
+    """The trunk's final norm runs rms_norm_rows on a plain CPU trunk (torch's ops cost ~3x as much
+    after a decode step), torch's rms_norm wherever a plan executes."""
+    from hybridrt.backends import FUSED_DEFAULT, rms_norm_on_cpu
+    from hybridrt.loader import load_model
+    m = load_model(tiny_llama)
+    assert (m.norm is rms_norm_on_cpu) == FUSED_DEFAULT
+    h = torch.randn(3, m.n_embd)
+    want = layer_fused.rms_norm_rows(h.numpy(), m.output_norm.numpy(), m.eps)
+    assert not FUSED_DEFAULT or torch.equal(m.final_norm(h), torch.from_numpy(want))
