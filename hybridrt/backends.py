@@ -309,10 +309,15 @@ class FusedAttentionBlock:
         self.weights = (*self.qkv[0], *self.qkv[1], *self.qkv[2], *self.wo)
         self.kernel_types = _covering(kernel_types, [*self.qkv, self.wo])
 
+    def _views(self, state, n: int) -> tuple | None:
+        """The fused kernels' cache and rotary views, or None where the torch path runs (a bf16
+        cache, a prompt batch): __call__ and write_kv route alike, so their KV rows are the same."""
+        return _fused_state(state, self.attn.cache_index, self.attn.spec) if n <= ROWWISE_MAX else None
+
     def __call__(self, h: torch.Tensor, state, pos_list: list[int]) -> torch.Tensor:
         s = self.attn.spec
-        views = _fused_state(state, self.attn.cache_index, s)
-        if views is None or len(pos_list) > ROWWISE_MAX:
+        views = self._views(state, len(pos_list))
+        if views is None:
             return self.block(h, state, pos_list)
         k_cache, v_cache, cos, sin = views
         out = layer_fused.attention_block(
@@ -326,8 +331,8 @@ class FusedAttentionBlock:
     def write_kv(self, h: torch.Tensor, state, pos_list: list[int]) -> None:
         """Only the KV rows __call__ would write for h (an MTP head catching up), bit for bit."""
         s = self.attn.spec
-        views = _fused_state(state, self.attn.cache_index, s)
-        if views is None or len(pos_list) > ROWWISE_MAX:       # where __call__ takes the torch path
+        views = self._views(state, len(pos_list))
+        if views is None:
             return self.block.write_kv(h, state, pos_list)
         k_cache, v_cache, cos, sin = views
         layer_fused.attention_kv(

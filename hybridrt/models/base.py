@@ -6,7 +6,6 @@ import functools
 import numpy as np
 import torch
 
-
 from ..backends import WeightBinder
 from ..errors import UserError
 from ..gguf_file import GGUFFile

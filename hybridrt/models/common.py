@@ -142,7 +142,10 @@ class Attention:
         """Only the KV rows __call__ writes for x (the same values): an MTP head catching up on
         committed tokens, whose outputs nobody reads."""
         s, n = self.spec, x.shape[0]
-        _, k, v = self._project(x) if self.wqkv is not None else (None, self.wk(x), self.wv(x))
+        if self.wqkv is not None:       # the stacked matrix: q comes with k and v
+            _, k, v = self._project(x)
+        else:
+            k, v = self.wk(x), self.wv(x)
         self._store(k.reshape(n, s.n_kv, s.head_dim), v.reshape(n, s.n_kv, s.head_dim_v), state, pos_list,
                     state.rotary_at(s.rope, pos_list[0], n, x.device))
 

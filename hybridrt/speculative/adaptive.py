@@ -89,7 +89,7 @@ class DraftLengthPolicy:
     first_top1: deque = field(default_factory=lambda: deque(maxlen=RECENT_ROWS))   # of gated steps
     step_tokens: float = 1.0              # the step being drafted: expected tokens so far
     step_prob: float = 1.0                # and the chance that every draft so far is accepted
-    _costs: list | None = None            # verify_cost(0 .. n_max + 1), made anew after each step
+    _costs: list | None = field(default=None, init=False, repr=False, compare=False)   # verify_cost(0 ..), anew each step
 
     def __post_init__(self):
         self.probe_gap = self.probe_gap or self.probe_every
