@@ -7,8 +7,10 @@ the loss (KL to the target's logits over the draft vocabulary, or cross-entropy 
 an EAGLE-style regression of the target's next final-normed hidden added to it (--reg, smooth L1),
 the draft vocabulary's size, the head's FFN width (--head-ffn-layers), the learning rate, the
 batch, noise on the hidden it reads (--noise, EAGLE-1's), weight decay, gradient clipping (--clip,
-train-mtp's by default), or the target's residuals after some layers as further inputs
-(--aux-layers, EAGLE-3's low and middle features). Prints the
+train-mtp's by default), the target's residuals after some layers as further inputs
+(--aux-layers, EAGLE-3's low and middle features), the target layer the block starts from
+(--init-layer), a pull toward the starting weights (--anchor, L2-SP) or parameters left at their
+start (--freeze). Prints the
 held-out acceptance (per position, and as a run at --spec-draft-n-max 1 meets it) every --eval
 steps, and how much of the held-out argmax tokens the draft vocabulary covers.
 Evaluations do not stop the run early, and the batches are train-mtp's own at --seed 0
@@ -36,7 +38,7 @@ from hybridrt.loader import load_model  # noqa: E402
 from hybridrt.mtp_head import block_kind  # noqa: E402
 from hybridrt.train_mtp import train as T  # noqa: E402
 from hybridrt.train_mtp.config import LOSSES, TrainConfig  # noqa: E402
-from hybridrt.train_mtp.torch_model import MTPHeadModule, TorchTeacher, visible  # noqa: E402
+from hybridrt.train_mtp.torch_model import MTPHeadModule, TorchTeacher, block_tensor_names, visible  # noqa: E402
 
 
 def coverage(heldout, ids: torch.Tensor | None, n_vocab: int) -> float:
@@ -87,6 +89,28 @@ class AuxHead(nn.Module):
         return self.features(emb, hidden, pos, k_valid) @ self.head.T
 
 
+def start_block(model, head: MTPHeadModule, layer: int, tokens: list[int]) -> None:
+    """The block's tensors from target layer `layer` instead of the last full-attention layer (same
+    shapes: a target whose layers all have one attention spec), eh_proj at that layer's residual RMS."""
+    from hybridrt.train_mtp.torch_model import read_f32
+    kind = block_kind(model.arch)
+    for mine, theirs in block_tensor_names(kind, head.block.spec).items():
+        head.block.w[mine].data.copy_(read_f32(model.gguf, f"blk.{layer}.{theirs}.weight"))
+    if not kind.sandwich:
+        rms = TorchTeacher(model, kind, T.MAX_SEQ).residual_rms(tokens, layer)
+        head.eh_proj.data.copy_(torch.cat((torch.eye(model.n_embd),) * 2, 1) * (rms / 2 ** 0.5))
+
+
+def freeze(head: MTPHeadModule, names: list[str]) -> None:
+    groups = {"attn": ("attn_",), "ffn": ("ffn_",)}
+    for name, p in head.named_parameters():
+        short = name.rsplit(".", 1)[-1]
+        for want in names:
+            if (short == want or (want == "norms" and "norm" in short)
+                    or any(short.startswith(g) and "norm" not in short for g in groups.get(want, ()))):
+                p.requires_grad_(False)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", required=True)
@@ -105,6 +129,12 @@ def main() -> None:
     ap.add_argument("--clip", type=float, default=TrainConfig.clip, help="gradient norm clipping (0: none)")
     ap.add_argument("--aux-layers", default="",
                     help="comma-separated target layers (0-based) whose residual outputs the head also reads")
+    ap.add_argument("--init-layer", type=int, help="start the block from this target layer (default: train-mtp's, "
+                    "the last full-attention layer), at that layer's residual scale")
+    ap.add_argument("--anchor", type=float, default=0.0,
+                    help="weight of an L2 pull of every parameter toward its starting value (L2-SP; 0: none)")
+    ap.add_argument("--freeze", default="", help="comma-separated parameters left at their start: block tensor "
+                    "names (attn_q, ffn_up, ...), or attn / ffn for all of a half, eh_proj, head, norms")
     ap.add_argument("--eval", type=int, default=100, help="steps between held-out evaluations")
     ap.add_argument("-t", "--threads", type=int, default=2)
     args = ap.parse_args()
@@ -117,6 +147,9 @@ def main() -> None:
                       head_ffn_layers=args.head_ffn_layers, clip=args.clip)
     torch.manual_seed(cfg.seed)
     head, ids, w_draft, _ = T.new_head(m, train, cfg)
+    if args.init_layer is not None:
+        start_block(m, head, args.init_layer, train[0].tokens.tolist())
+    freeze(head, [x for x in args.freeze.split(",") if x])
     aux = [int(x) for x in args.aux_layers.split(",") if x]
     if aux:
         teacher = TorchTeacher(m, block_kind(m.arch), T.MAX_SEQ, dtype=torch.bfloat16 if T.BF16 else torch.float32)
@@ -126,7 +159,9 @@ def main() -> None:
         head = AuxHead(head, len(aux), m.n_embd)
     print(json.dumps({"variant": vars(args), "train_tokens": sum(len(s.tokens) - s.n_prompt for s in train),
                       "heldout_coverage": round(coverage(heldout, ids, m.n_vocab), 4)}), flush=True)
-    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=args.weight_decay)
+    start = {n: p.detach().clone() for n, p in head.named_parameters() if p.requires_grad}
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr,
+                            weight_decay=args.weight_decay)
     t0 = time.perf_counter()
     for step in range(cfg.steps):
         for group in opt.param_groups:
@@ -141,6 +176,9 @@ def main() -> None:
         loss = T.distill_loss(logits, target, cfg.loss).mean()      # at the real entries only
         if args.reg:
             loss = loss + args.reg * F.smooth_l1_loss(features.float()[valid], h_tgt[valid])
+        if args.anchor:
+            loss = loss + args.anchor * sum((p - start[n]).pow(2).sum() for n, p in head.named_parameters()
+                                            if p.requires_grad)
         opt.zero_grad()
         loss.backward()
         T.clip_gradient(head, cfg)

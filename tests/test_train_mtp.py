@@ -555,6 +555,36 @@ def test_ablation_script_reads_a_cached_text(tiny_llama, llama_head):
         assert all(0.0 <= x["acceptance"] <= 1.0 and math.isfinite(x["loss"]) for x in lines[1:])
 
 
+def test_ablation_script_starts_and_freezes_the_head_as_asked(tiny_llama, llama_head):
+    """ablate_mtp_head.py's --init-layer copies that target layer into the block (at its residual
+    scale) and --freeze leaves the named parameters out of the optimizer; a run with both and
+    --anchor trains and evaluates."""
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "ablate_mtp_head.py"
+    spec = importlib.util.spec_from_file_location("ablate_mtp_head", script)
+    ablate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ablate)
+    m = load_model(tiny_llama)
+    saved = torch.load(f"{llama_head}.data.pt", weights_only=False)
+    head, *_ = train_module.new_head(m, saved["train"], TrainConfig(draft_vocab=24))
+    last = head_attention_spec(m)[0]
+    assert last != 0 and not torch.equal(head.block.w["attn_q"], read_f32(m.gguf, "blk.0.attn_q.weight"))
+    ablate.start_block(m, head, 0, saved["train"][0].tokens.tolist())
+    for name in ("attn_q", "attn_k", "ffn_down", "attn_norm"):
+        assert torch.equal(head.block.w[name].detach(), read_f32(m.gguf, f"blk.0.{name}.weight"))
+    ablate.freeze(head, ["ffn", "head"])
+    frozen = {n.rsplit(".", 1)[-1] for n, p in head.named_parameters() if not p.requires_grad}
+    assert frozen == {"ffn_gate", "ffn_up", "ffn_down", "head"}
+    r = subprocess.run([sys.executable, str(script), "-m", str(tiny_llama), "--data", f"{llama_head}.data.pt",
+                        "--steps", "2", "--eval", "2", "--draft-vocab", "24", "--init-layer", "0",
+                        "--freeze", "ffn,norms", "--anchor", "0.01", "-t", "1"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(x) for x in r.stdout.splitlines()]
+    assert lines[0]["variant"]["init_layer"] == 0 and [x["step"] for x in lines[1:]] == [2]
+    assert math.isfinite(lines[1]["loss"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
 def test_real_model_greedy_parity_with_trained_head(name):
