@@ -67,15 +67,16 @@ def prompts(m) -> list[tuple[str, list[int]]]:
 
 
 def run_mode(m, ids: list[int], n_gen: int, n_max: int | None, adaptive: bool, gate: bool = True,
-             spec_type: str = "draft-mtp"):
-    """(tokens, decode seconds, drafted, accepted); n_max None: plain decoding."""
+             spec_type: str = "draft-mtp", policies: dict | None = None):
+    """(tokens, decode seconds, drafted, accepted); n_max None: plain decoding. policies: adaptive
+    length's policies to continue (as a server's session keeps them between requests)."""
     if n_max is None:
         out, stats = generate(m, m.session(len(ids) + n_gen + 16), ids, n_gen, GREEDY, stop_ids=set())
         return out, stats.decode_s, 0, 0
     spec = SpecConfig(n_max=n_max, adaptive=adaptive, gate=gate)
     session = m.session(len(ids) + n_gen + 16, k_max=spec.k_max)
     source = build_source(spec_type, session, GREEDY, spec)
-    out, stats = speculative_generate(m, session, ids, n_gen, GREEDY, source, spec, stop_ids=set())
+    out, stats = speculative_generate(m, session, ids, n_gen, GREEDY, source, spec, stop_ids=set(), policies=policies)
     return out, stats.decode_s, sum(stats.spec.drafted), sum(stats.spec.accepted)
 
 
@@ -125,12 +126,14 @@ def bench_model(model: str, args) -> dict:
     if args.costs_only:
         return {"model": str(resolve_model(model)), "head": str(head), "costs": costs}
     rows = []
+    kept = {label: {} for label, *_ in modes} if args.keep_policies else {}    # per mode, across prompts
     for name, ids in prompts(m)[:args.limit]:
         best = {label: None for label, *_ in modes}
         ref = None
         for _ in range(args.reps):
             for label, n, adaptive, gate, spec_type in modes:   # alternating: every mode sees the same load
-                out, secs, drafted, accepted = run_mode(m, ids, args.n_gen, n, adaptive, gate, spec_type)
+                out, secs, drafted, accepted = run_mode(m, ids, args.n_gen, n, adaptive, gate, spec_type,
+                                                        kept.get(label))
                 if n is None:
                     ref = out
                 same = out == ref
@@ -185,6 +188,9 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=4096)
     ap.add_argument("--limit", type=int, help="only the first LIMIT prompts (a quick check)")
     ap.add_argument("--costs-only", action="store_true", help="only the plain / verify-2 / draft step costs")
+    ap.add_argument("--keep-policies", action="store_true",
+                    help="adaptive modes continue their length policies from prompt to prompt, as `serve` does "
+                         "between a session's requests (default: each run learns afresh, as `run` does)")
     ap.add_argument("--ungated", action="store_true", help="also adaptive without the confidence gate (SpecConfig.gate)")
     ap.add_argument("--lookup", action="store_true",
                     help="also every mode with prompt lookup first (--spec-type ngram-simple,draft-mtp)")

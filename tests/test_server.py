@@ -58,6 +58,36 @@ def test_logprob_track_releases_a_token_once_its_text_shows():
     assert track.rest(stopped=False, total=3) == [(e[3], 3)]
 
 
+def test_a_session_keeps_its_length_policies_between_requests(tiny_qwen35_mtp):
+    """The pool continues adaptive length's policies from one request to the next on a session
+    (speculative_generate's `policies`): one per session, greedy and sampled requests apart; each
+    request's output is still plain decoding's."""
+    from hybridrt.loader import load_model
+    from hybridrt.server.metrics import Metrics
+    from hybridrt.server.pool import ServeConfig, SessionPool
+    from hybridrt.server.schemas import GenRequest
+    from hybridrt.speculative.loop import SpecConfig
+
+    m = load_model(tiny_qwen35_mtp)
+    pool = SessionPool(m, ServeConfig(n_ctx=256, spec_type="draft-mtp", spec=SpecConfig(n_max=2, adaptive=True), n_parallel=2),
+                       Metrics(2))
+    s0, s1 = pool.sessions
+    ids = [5, 9, 31, 7, 12, 40]
+    ref, _ = generate(m, m.session(256), ids, 12, SamplerConfig(temp=0.0), stop_ids=set())
+    seen = []
+    for session, temp in ((s0, 0.0), (s0, 0.0), (s1, 0.0), (s0, 0.7)):
+        req = GenRequest("text", "m", ids, 12, SamplerConfig(temp=temp, seed=3), (), False, ignore_eos=True)
+        out, _ = pool._generate(session, req, lambda token: False, None, None)
+        if temp == 0.0:
+            assert out == ref
+        kept = pool._policies[(id(session), temp == 0.0)]
+        assert len(kept) == 1
+        seen.extend(kept.values())
+    assert seen[1] is seen[0]                                  # the same session's next greedy request
+    assert seen[2] is not seen[0] and seen[3] is not seen[0]     # another session; a sampled request
+    assert len(pool._policies) == 3
+
+
 def test_serve_without_the_stack_prints_one_install_line(monkeypatch):
     from hybridrt import cli_serve
 

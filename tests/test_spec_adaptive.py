@@ -7,6 +7,7 @@ import pytest
 from hybridrt.sampling import SamplerConfig
 from hybridrt.speculative.adaptive import DraftLengthPolicy
 from hybridrt.speculative.draft_forced import ForcedSource
+from hybridrt.speculative.loop import SpecConfig, speculative_generate
 from hybridrt.speculative.sources import build_source
 from tests.test_spec_loop import GREEDY, N_GEN, plain, prompt, qwen3, qwen35, spec_run  # noqa: F401 (fixtures)
 
@@ -390,3 +391,43 @@ def test_a_plain_stretch_lasts_until_its_probe():
     # plain up to the step that would be the probe's (plain_streak 1 .. 15 of 16), where the choice
     # is made again on the new t(1); before, drafting won back 3 steps into the stretch
     assert zeros == 14, zeros
+
+
+def test_a_new_run_keeps_what_was_learned_and_drops_the_stretch():
+    p = DraftLengthPolicy(n_max=2, probe_every=4)
+    feed(p, 40, accept=lambda n: 0, verify_s=lambda k: 0.010 + 0.004 * (k - 1))
+    assert p.plain_streak > 0 or p.probe_gap > p.probe_every       # inside a plain stretch
+    learned = (dict(p.verify_s), p.accept_hits, p.accept_trials, p.draft_s, list(p.bin_trials))
+    p.new_run()
+    assert (p.plain_streak, p.probe_gap) == (0, p.probe_every)
+    assert (dict(p.verify_s), p.accept_hits, p.accept_trials, p.draft_s, list(p.bin_trials)) == learned
+
+
+@pytest.mark.parametrize("gate", [True, False])
+def test_kept_policies_continue_into_the_next_sequence(qwen35, gate):
+    """speculative_generate(policies=kept): the first sequence fills `kept` with its source's policy;
+    the next one continues that same policy (its timings grow on), with the new source's picker
+    asking it, and both outputs are plain decoding's."""
+    kept = {}
+    for seed in (5, 6):
+        ids = prompt(seed)
+        ref = plain(qwen35, ids)
+        spec = SpecConfig(n_max=3, adaptive=True, gate=gate)
+        session = qwen35.session(256, k_max=spec.k_max)
+        source = build_source("draft-mtp", session, GREEDY, spec, None)
+        out, _ = speculative_generate(qwen35, session, ids, N_GEN, GREEDY, source, spec, stop_ids=set(),
+                                      policies=kept)
+        assert out == ref
+        policy = kept[source.name]
+        if seed == 5:
+            first, first_drafting = policy, policy.drafting_steps
+            assert policy.verify_s
+        else:
+            assert policy is first and policy.drafting_steps >= first_drafting
+        if gate:
+            assert source.picker.gate == policy.keep_draft
+    other = SpecConfig(n_max=2, adaptive=True)          # another n_max: a policy of its own
+    session = qwen35.session(256, k_max=other.k_max)
+    source = build_source("draft-mtp", session, GREEDY, other, None)
+    speculative_generate(qwen35, session, prompt(7), 8, GREEDY, source, other, stop_ids=set(), policies=kept)
+    assert kept[source.name] is not first and kept[source.name].n_max == 2

@@ -82,6 +82,11 @@ class SessionPool:
         self._admitted = 0
         self._running: set[Job] = set()      # jobs decoding now, one per busy session
         self._threads: list[threading.Thread] = []
+        # adaptive length's policies, kept between the requests of a session (one worker thread
+        # each): what they learned of the verify costs and the head's calibration is the machine's
+        # and the head's, not the request's. Greedy and sampled requests learn apart (a sampled
+        # draft's acceptance is another quantity).
+        self._policies: dict[tuple[int, bool], dict] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -244,9 +249,10 @@ class SessionPool:
         if source is None:      # as `hybridrt run`: plain decoding without a source
             return generate(model, session, ids, req.max_tokens, req.sampler, on_token=on_token,
                             stop_ids=stop_ids, on_logits=on_logits, on_prompt_row=on_prompt_row)
+        kept = self._policies.setdefault((id(session), req.sampler.greedy), {})
         return speculative_generate(model, session, ids, req.max_tokens, req.sampler, source, cfg.spec,
                                     on_token=on_token, stop_ids=stop_ids, on_logits=on_logits,
-                                    on_prompt_row=on_prompt_row)
+                                    on_prompt_row=on_prompt_row, policies=kept)
 
 
 def _decoded_offsets(tokenizer, ids: list[int]) -> tuple[str, list[int]]:

@@ -94,6 +94,16 @@ class DraftLengthPolicy:
     def __post_init__(self):
         self.probe_gap = self.probe_gap or self.probe_every
 
+    def new_run(self) -> None:
+        """Continue into another sequence (a server's next request on the same session): what was
+        learned about the machine and the head (verify and draft costs, acceptance, calibration,
+        the recent first rows) carries over; the stretch and probe of the last sequence do not.
+        A policy learned afresh in every 128-token run trailed one kept across 32 of them by 1-3 %
+        on SmolLM2's head (BENCHMARKS.md, session 35): each run paid for its first plain steps and
+        chose plain stretches on a handful of rows."""
+        self.plain_streak, self.probe_gap = 0, self.probe_every
+        self.step_tokens, self.step_prob = 1.0, 1.0
+
     @property
     def acceptance(self) -> float:
         # the prior counts as two trials, so a couple of steps move it but not all the way

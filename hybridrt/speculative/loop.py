@@ -58,17 +58,27 @@ class SpecConfig:
         return self.n_max + 1
 
 
-def length_policies(source: DraftSource | None, spec: SpecConfig) -> dict[str, DraftLengthPolicy]:
+def length_policies(source: DraftSource | None, spec: SpecConfig,
+                    kept: dict[str, DraftLengthPolicy] | None = None) -> dict[str, DraftLengthPolicy]:
     """Adaptive length: a policy per source that may draft, keyed by its name. A chain's lookup and
     its model source each learn their own acceptance and draft cost (SmolLM2: the lookup's drafts
     67 % accepted and free, the head's 38 % at 12 % of a step each): one policy over both sized the
     head's steps by the lookup's acceptance and priced the head's rows at the lookup's cost. A model
-    source's drafts are each weighed by their confidence (its picker's gate, adaptive.py)."""
+    source's drafts are each weighed by their confidence (its picker's gate, adaptive.py).
+    `kept`: policies of earlier sequences to continue (DraftLengthPolicy.new_run), by source name;
+    new ones are added to it."""
     if not spec.adaptive or source is None:
         return {}
     policies = {}
     for s in getattr(source, "sources", [source]):
-        policy = policies[s.name] = DraftLengthPolicy(spec.n_max)
+        policy = kept.get(s.name) if kept is not None else None
+        if policy is not None and policy.n_max == spec.n_max:
+            policy.new_run()
+        else:
+            policy = DraftLengthPolicy(spec.n_max)
+            if kept is not None:
+                kept[s.name] = policy
+        policies[s.name] = policy
         picker = getattr(s, "picker", None)
         if picker is not None and spec.gate:
             picker.gate, picker.worth, policy.gating = policy.keep_draft, policy.worth_row, True
@@ -106,14 +116,17 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
                          on_token: Callable[[int], None] | None = None, stop_ids: set[int] | None = None,
                          gen: torch.Generator | None = None, trace: Tracer | None = None,
                          on_logits: Callable[[int, torch.Tensor], None] | None = None,
-                         on_prompt_row: Callable[[int, torch.Tensor], None] | None = None) -> tuple[list[int], GenerationStats]:
+                         on_prompt_row: Callable[[int, torch.Tensor], None] | None = None,
+                         policies: dict[str, DraftLengthPolicy] | None = None) -> tuple[list[int], GenerationStats]:
     """Generate up to n_predict tokens (< 0: until a stop token or a full context) with drafts
     from `source` (None: plain decoding through the same loop). Output and stopping rules are
     those of `generate.generate` (a true return from `on_token` stops there too, and
     `on_logits(token, row)` sees each token's target logits row just before it, `on_prompt_row`
     the prompt's rows as `generate.prefill`'s `visit`); at temp 0 the
     tokens are identical to it. `source` must be fresh (it follows this one sequence) and
-    `session.k_max` at least spec.k_max."""
+    `session.k_max` at least spec.k_max. `policies`: adaptive length's policies to continue from
+    earlier sequences and keep learning in (`length_policies`' `kept`; a server keeps one such
+    dict per session); None: fresh ones."""
     stop_ids = model.tokenizer.eog_ids if stop_ids is None else stop_ids
     if session.k_max < spec.k_max:
         raise UserError(f"the session's k_max {session.k_max} is below --spec-draft-n-max + 1 = {spec.k_max}")
@@ -126,7 +139,7 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
     logits_buf = torch.empty(spec.k_max, model.n_vocab)     # every verify writes into this
     no_draft = Draft()
     plain_run = CATCH_UP_AFTER  # steps since the last one that verified drafts (the prompt: many)
-    policies = length_policies(source, spec)
+    policies = length_policies(source, spec, policies)
 
     t0 = time.perf_counter()
     certain_row = prefill(session, prompt_ids, source, logits_buf, on_prompt_row)    # the row `certain` came from
