@@ -80,8 +80,9 @@ def length_policies(source: DraftSource | None, spec: SpecConfig,
                 kept[s.name] = policy
         policies[s.name] = policy
         picker = getattr(s, "picker", None)
-        if picker is not None and spec.gate:
-            picker.gate, picker.worth, policy.gating = policy.keep_draft, policy.worth_row, True
+        policy.gating = picker is not None and spec.gate
+        if policy.gating:
+            picker.gate, picker.worth = policy.keep_draft, policy.worth_row
     return policies
 
 
