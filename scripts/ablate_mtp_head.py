@@ -38,7 +38,7 @@ from hybridrt.loader import load_model  # noqa: E402
 from hybridrt.mtp_head import block_kind  # noqa: E402
 from hybridrt.train_mtp import train as T  # noqa: E402
 from hybridrt.train_mtp.config import LOSSES, TrainConfig  # noqa: E402
-from hybridrt.train_mtp.torch_model import MTPHeadModule, TorchTeacher, block_tensor_names, visible  # noqa: E402
+from hybridrt.train_mtp.torch_model import MTPHeadModule, TorchTeacher, initial_head_tensors, visible  # noqa: E402
 
 
 def coverage(heldout, ids: torch.Tensor | None, n_vocab: int) -> float:
@@ -89,16 +89,15 @@ class AuxHead(nn.Module):
         return self.features(emb, hidden, pos, k_valid) @ self.head.T
 
 
-def start_block(model, head: MTPHeadModule, layer: int, tokens: list[int]) -> None:
-    """The block's tensors from target layer `layer` instead of the last full-attention layer (same
-    shapes: a target whose layers all have one attention spec), eh_proj at that layer's residual RMS."""
-    from hybridrt.train_mtp.torch_model import read_f32
-    kind = block_kind(model.arch)
-    for mine, theirs in block_tensor_names(kind, head.block.spec).items():
-        head.block.w[mine].data.copy_(read_f32(model.gguf, f"blk.{layer}.{theirs}.weight"))
-    if not kind.sandwich:
-        rms = TorchTeacher(model, kind, T.MAX_SEQ).residual_rms(tokens, layer)
-        head.eh_proj.data.copy_(torch.cat((torch.eye(model.n_embd),) * 2, 1) * (rms / 2 ** 0.5))
+def start_block(model, head: MTPHeadModule, layer: int, tokens: list[int], draft_ids: torch.Tensor | None) -> None:
+    """The block's tensors and eh_proj as initial_head_tensors makes them from target layer `layer`
+    (at that layer's residual scale) instead of the last full-attention layer; same shapes: a
+    target whose layers all have one attention spec."""
+    start = initial_head_tensors(model, draft_ids, block_kind(model.arch), T.residual_scale(model, tokens, layer),
+                                 layer=layer)
+    for name in head.block.w:
+        head.block.w[name].data.copy_(start[name])
+    head.eh_proj.data.copy_(start["eh_proj"])
 
 
 def freeze(head: MTPHeadModule, names: list[str]) -> None:
@@ -148,7 +147,7 @@ def main() -> None:
     torch.manual_seed(cfg.seed)
     head, ids, w_draft, _ = T.new_head(m, train, cfg)
     if args.init_layer is not None:
-        start_block(m, head, args.init_layer, train[0].tokens.tolist())
+        start_block(m, head, args.init_layer, train[0].tokens.tolist(), ids)
     freeze(head, [x for x in args.freeze.split(",") if x])
     aux = [int(x) for x in args.aux_layers.split(",") if x]
     if aux:

@@ -567,10 +567,10 @@ def test_ablation_script_starts_and_freezes_the_head_as_asked(tiny_llama, llama_
     spec.loader.exec_module(ablate)
     m = load_model(tiny_llama)
     saved = torch.load(f"{llama_head}.data.pt", weights_only=False)
-    head, *_ = train_module.new_head(m, saved["train"], TrainConfig(draft_vocab=24))
+    head, ids, *_ = train_module.new_head(m, saved["train"], TrainConfig(draft_vocab=24))
     last = head_attention_spec(m)[0]
     assert last != 0 and not torch.equal(head.block.w["attn_q"], read_f32(m.gguf, "blk.0.attn_q.weight"))
-    ablate.start_block(m, head, 0, saved["train"][0].tokens.tolist())
+    ablate.start_block(m, head, 0, saved["train"][0].tokens.tolist(), ids)
     for name in ("attn_q", "attn_k", "ffn_down", "attn_norm"):
         assert torch.equal(head.block.w[name].detach(), read_f32(m.gguf, f"blk.0.{name}.weight"))
     ablate.freeze(head, ["ffn", "head"])

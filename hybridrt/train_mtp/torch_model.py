@@ -176,7 +176,7 @@ class MTPHeadModule(nn.Module):
 
 
 def initial_head_tensors(model, draft_ids: torch.Tensor, kind: BlockKind, scale: float = 1.0,
-                         ffn_layers: int = 1) -> dict[str, torch.Tensor]:
+                         ffn_layers: int = 1, layer: int | None = None) -> dict[str, torch.Tensor]:
     """Start from the target: the block from its last full-attention layer, the head norm from its
     output norm, the head from its output rows of the draft vocabulary, enorm = hnorm = 1 and
     eh_proj = [I | I] * scale / sqrt(2): the sum of the normed embedding and the normed hidden at
@@ -186,8 +186,10 @@ def initial_head_tensors(model, draft_ids: torch.Tensor, kind: BlockKind, scale:
     layer's and those of the layers before it), each one's pre-FFN norm folded into its gate and up
     rows, so a pre-norm block's starts as their sum (gemma3's sandwich norm applies to the sum).
     SmolLM2's head learned faster that way (600 steps: +2.6 points held-out) but ended level
-    after train-mtp's default steps (BENCHMARKS.md, session 19)."""
-    layer, spec = head_attention_spec(model)
+    after train-mtp's default steps (BENCHMARKS.md, session 19). `layer`: another target layer to
+    copy (of the same attention shape; scripts/ablate_mtp_head.py's --init-layer)."""
+    last, spec = head_attention_spec(model)
+    layer = last if layer is None else layer
     g, d = model.gguf, model.n_embd
     t = {mine: read_f32(g, f"blk.{layer}.{theirs}.weight") for mine, theirs in block_tensor_names(kind, spec).items()}
     norm = t["ffn_norm"]

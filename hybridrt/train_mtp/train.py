@@ -378,15 +378,17 @@ def _progress():
                     TimeRemainingColumn(), TextColumn("{task.fields[info]}"), transient=False, console=console)
 
 
-def residual_scale(model, tokens: list[int]) -> float:
+def residual_scale(model, tokens: list[int], layer: int | None = None) -> float:
     """The residual RMS the head's block starts at: the target's, for a pre-norm block (llama,
     qwen3; SmolLM2 ~30: held-out acceptance 14 % vs 11.5 % from unit scale, same data). 1.0 for
     gemma3, whose residual (RMS ~1280) is a few huge channels: starting there gave KL ~250 and 6 %
-    after 100 steps. 1.0 where there is no torch teacher (qwen35)."""
+    after 100 steps. 1.0 where there is no torch teacher (qwen35). `layer`: the layer the block
+    copies (default: initial_head_tensors')."""
     kind = block_kind(model.arch)
     if model.arch not in TorchTeacher.SUPPORTED or kind.sandwich:
         return 1.0
-    return TorchTeacher(model, kind, MAX_SEQ).residual_rms(tokens, head_attention_spec(model)[0])
+    layer = head_attention_spec(model)[0] if layer is None else layer
+    return TorchTeacher(model, kind, MAX_SEQ).residual_rms(tokens, layer)
 
 
 def prepare_data(model, cfg: TrainConfig, cache: Path, progress) -> tuple[list[Sequence], list[Sequence]]:
