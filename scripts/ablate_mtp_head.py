@@ -89,6 +89,11 @@ class AuxHead(nn.Module):
         return self.features(emb, hidden, pos, k_valid) @ self.head.T
 
 
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def start_block(model, head: MTPHeadModule, layer: int, tokens: list[int], draft_ids: torch.Tensor | None) -> None:
     """The block's tensors and eh_proj as initial_head_tensors makes them from target layer `layer`
     (at that layer's residual scale) instead of the last full-attention layer; same shapes: a
@@ -140,6 +145,10 @@ def main() -> None:
 
     m = load_model(args.model, threads=args.threads)
     torch.set_num_threads(args.threads)         # after loading, which leaves torch one thread beside Numba's
+    if args.init_layer is not None and not 0 <= args.init_layer < len(m.layers):
+        fail(f"--init-layer must be a layer of the target, 0 .. {len(m.layers) - 1}")
+    if not Path(args.data).is_file():
+        fail(f"no train-mtp text cache at {args.data}")
     data = torch.load(args.data, weights_only=False)
     train, heldout = data["train"], data["heldout"]
     cfg = TrainConfig(steps=args.steps, draft_vocab=args.draft_vocab, loss=args.loss, lr=args.lr, batch=args.batch,

@@ -583,6 +583,11 @@ def test_ablation_script_starts_and_freezes_the_head_as_asked(tiny_llama, llama_
     lines = [json.loads(x) for x in r.stdout.splitlines()]
     assert lines[0]["variant"]["init_layer"] == 0 and [x["step"] for x in lines[1:]] == [2]
     assert math.isfinite(lines[1]["loss"])
+    for bad, line in ((["--data", f"{llama_head}.data.pt", "--init-layer", "99"], "error: --init-layer must be a layer"),
+                      (["--data", str(Path(llama_head).parent / "none.pt")], "error: no train-mtp text cache at")):
+        r = subprocess.run([sys.executable, str(script), "-m", str(tiny_llama), *bad, "-t", "1"],
+                           capture_output=True, text=True)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith(line)
 
 
 @pytest.mark.slow
