@@ -15,6 +15,12 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 SAMPLED = SamplerConfig(temp=0.7, seed=5)
 
 
+def Policy(**kw) -> DraftLengthPolicy:
+    """A policy that keeps every timing it is shown (these sources are simulated: no first call
+    loads a kernel)."""
+    return DraftLengthPolicy(skip_first_timings=False, **kw)
+
+
 def feed(policy: DraftLengthPolicy, steps: int, accept, verify_s, draft_s: float = 0.001) -> list[int]:
     """Run the policy against a simulated source: accept(n) -> kept drafts, verify_s(k) -> seconds."""
     chosen = []
@@ -26,7 +32,7 @@ def feed(policy: DraftLengthPolicy, steps: int, accept, verify_s, draft_s: float
 
 
 def test_drafts_that_are_always_rejected_turn_drafting_off_with_probes():
-    p = DraftLengthPolicy(n_max=4, probe_every=8)
+    p = Policy(n_max=4, probe_every=8)
     chosen = feed(p, 80, accept=lambda n: 0, verify_s=lambda k: 0.010 + 0.002 * (k - 1))
     assert p.acceptance < 0.2          # the prior (two trials at 0.6) against ~10 weighted failures
     tail = chosen[20:]
@@ -35,7 +41,7 @@ def test_drafts_that_are_always_rejected_turn_drafting_off_with_probes():
 
 
 def test_probes_back_off_while_plain_steps_keep_winning_and_reset_when_drafting_does():
-    p = DraftLengthPolicy(n_max=2, probe_every=4)
+    p = Policy(n_max=2, probe_every=4)
     chosen = feed(p, 120, accept=lambda n: 0, verify_s=lambda k: 0.010 + 0.004 * (k - 1))
     probes = [i for i, n in enumerate(chosen) if n and i > 3]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
@@ -45,14 +51,14 @@ def test_probes_back_off_while_plain_steps_keep_winning_and_reset_when_drafting_
 
 
 def test_drafts_that_are_always_accepted_with_cheap_verify_use_n_max():
-    p = DraftLengthPolicy(n_max=6)
+    p = Policy(n_max=6)
     chosen = feed(p, 30, accept=lambda n: n, verify_s=lambda k: 0.010 + 0.0005 * (k - 1))
     assert chosen[-16:].count(6) >= 14 and min(chosen[-16:]) >= 5 and p.acceptance > 0.9   # + neighbour probes
 
 
 def test_expensive_verify_shortens_the_window():
     """At acceptance 0.5, a verify whose cost doubles per extra token makes one draft the best."""
-    cheap, costly = DraftLengthPolicy(n_max=5), DraftLengthPolicy(n_max=5)
+    cheap, costly = Policy(n_max=5), Policy(n_max=5)
     half = lambda n: min(n, 1) if n else 0                  # noqa: E731  (accept ~ half the judged drafts)
     feed(cheap, 40, accept=half, verify_s=lambda k: 0.010 + 0.0002 * (k - 1))
     feed(costly, 40, accept=half, verify_s=lambda k: 0.010 * k)
@@ -61,7 +67,7 @@ def test_expensive_verify_shortens_the_window():
 
 
 def test_verify_cost_interpolates_and_extrapolates():
-    p = DraftLengthPolicy(n_max=8)
+    p = Policy(n_max=8)
     p.observe(0, 0, 0.010, 0.0)       # k = 1
     p.observe(3, 1, 0.016, 0.003)     # k = 4
     assert p.verify_cost(1) == 0.010 and p.verify_cost(4) == 0.016
@@ -97,7 +103,7 @@ def test_adaptive_mtp_parity(qwen35, gate):
 
 
 def test_confidence_table_learns_acceptance_per_tenth():
-    p = DraftLengthPolicy(n_max=3, gating=True)
+    p = Policy(n_max=3, gating=True)
     assert p.accept_given(0.95) == pytest.approx(0.95) and p.accept_given(0.15) == pytest.approx(0.15)   # prior
     for _ in range(60):     # confident drafts right 20 % of the time, unsure ones 90 %: the table follows
         p.observe(1, 0, 0.012, 0.001, conf=[0.95])
@@ -111,7 +117,7 @@ def test_confidence_table_learns_acceptance_per_tenth():
 
 def test_gate_keeps_only_drafts_that_pay_for_their_verify():
     """Verify of 2 tokens costs 1.36x one (SmolLM2 on this CPU): a draft needs ~40 % to pay."""
-    p = DraftLengthPolicy(n_max=3, gating=True)
+    p = Policy(n_max=3, gating=True)
     p.observe(0, 0, 0.010, 0.0)
     p.observe(1, 1, 0.0136, 0.0005, conf=[0.85])
     p.observe(2, 1, 0.0190, 0.0010, conf=[0.85, 0.25])
@@ -144,7 +150,7 @@ def run_gated(p: DraftLengthPolicy, rows, steps: int, verify_s=(0.0123, 0.0139))
 def test_gated_drafting_that_does_not_pay_turns_into_plain_steps():
     """A head sure of itself (top-1 0.5-0.9) and always wrong: the table learns it, and plain steps
     win, with probes."""
-    p = DraftLengthPolicy(n_max=3, gating=True, probe_every=8)
+    p = Policy(n_max=3, gating=True, probe_every=8)
     rows = iter([(0.5 + 0.1 * (i % 5), False) for i in range(200)])
     chosen = run_gated(p, rows, 80)
     assert chosen[0] >= 1 and chosen[20:].count(0) >= 0.8 * len(chosen[20:]) and 1 in chosen[20:]
@@ -156,7 +162,7 @@ def test_gated_steps_that_lose_less_than_a_head_row_keep_drafting():
     plain steps) lose ~0.01 token a step: drafting goes on, as a plain stretch would last until a
     probe; the same head right 0 % of the time loses more than a row's worth and goes plain."""
     for right, drafting in ((lambda i: i % 5 == 0, True), (lambda i: False, False)):
-        p = DraftLengthPolicy(n_max=1, gating=True)
+        p = Policy(n_max=1, gating=True)
         p.observe(0, 0, 0.0123, 0.0)
         rows = iter([(0.25, right(i)) for i in range(400)])
         chosen = run_gated(p, rows, 60)
@@ -168,7 +174,7 @@ def test_gated_gain_is_the_mean_over_rows_of_what_the_gate_would_do():
     import random
     rng = random.Random()
     for _ in range(20):
-        p = DraftLengthPolicy(n_max=2, gating=True)
+        p = Policy(n_max=2, gating=True)
         p.observe(0, 0, rng.uniform(0.004, 0.006), 0.0)
         p.observe(1, rng.randint(0, 1), rng.uniform(0.004, 0.007), rng.uniform(0.0002, 0.001), conf=[rng.random()])
         for _ in range(rng.randint(1, 60)):
@@ -187,7 +193,7 @@ def test_gated_gain_is_the_mean_over_rows_of_what_the_gate_would_do():
 def test_refused_drafts_teach_the_gate():
     """Drafts at top-1 0.1-0.2 that the target accepts 60 % of the time: the prior (15 %) refuses
     them, and only judging the refused ones shows the gate they pay."""
-    p = DraftLengthPolicy(n_max=1, gating=True)
+    p = Policy(n_max=1, gating=True)
     p.observe(0, 0, 0.0123, 0.0)
     p.observe(1, 1, 0.0160, 0.0010, conf=[0.95])       # a 2-token verify costs 1.3x: p > 0.28 pays
     assert not p.keep_draft(0, 0.12)
@@ -200,7 +206,7 @@ def test_a_few_refused_first_rows_do_not_stop_a_good_head():
     """Gemma 3's head on a prompt it predicts (64 % accepted, 1.28x plain at N = 1): its first two
     rows were unsure and wrong, the rest mostly sure. Drafting must go on (the rate-based
     choice went plain for the next 32 steps)."""
-    p = DraftLengthPolicy(n_max=3, gating=True, probe_every=16)
+    p = Policy(n_max=3, gating=True, probe_every=16)
     p.observe(0, 0, 0.0123, 0.0)
     rows = iter([(0.07, False), (0.08, False)] + [(0.7 + 0.02 * (i % 10), i % 3 != 0) for i in range(100)])
     chosen = run_gated(p, rows, 40)
@@ -211,7 +217,7 @@ def test_plain_step_cost_is_measured_not_extrapolated():
     """After the first drafting step the policy takes one plain step to measure t(1): with t(4) =
     2x t(1) and 20 % acceptance, drafting does not pay, and without that measurement the
     extrapolated t(1) (0.93 t(4)) made it look as if it did."""
-    p = DraftLengthPolicy(n_max=3)
+    p = Policy(n_max=3)
     chosen = feed(p, 40, accept=lambda n: 1 if n and p.drafting_steps % 5 == 0 else 0,
                   verify_s=lambda k: 0.020 if k == 1 else 0.034 + 0.004 * (k - 2))
     assert chosen[0] == 3 and chosen[1] == 0
@@ -291,7 +297,7 @@ def test_a_chain_stops_before_a_row_that_could_not_pay():
     """SmolLM2-like costs (a row 13 % of a plain step, a 3-token verify 1.5x): after an unsure first
     draft even a sure second one could not pay for its row and the longer verify, so the head is not
     asked for it; after a sure first draft it is."""
-    p = DraftLengthPolicy(n_max=3, gating=True)
+    p = Policy(n_max=3, gating=True)
     p.observe(0, 0, 0.0062, 0.0)
     p.observe(1, 1, 0.0070, 0.0008, conf=[0.9])
     p.observe(2, 1, 0.0093, 0.0016, conf=[0.9, 0.3])
@@ -321,7 +327,7 @@ def test_one_stalled_plain_step_does_not_start_a_run_of_rejected_drafts():
     stalled 3x by a neighbour on the machine made a weighted-mean t(1) ~20 % too high: a 2-token
     verify plus a row then looked cheaper than a plain step, the gate kept every draft, and no plain
     step came to correct t(1) (40 rejected drafts in 63 steps, 0.81x plain)."""
-    p = DraftLengthPolicy(n_max=3, gating=True)
+    p = Policy(n_max=3, gating=True)
     t1, t2, row = 0.0105, 0.0113, 0.0010
     drafted = 0
     for step in range(64):
@@ -340,7 +346,7 @@ def test_a_stale_plain_step_cost_is_measured_again():
     """t(1) measured in a slow stretch (2x) and then never again, as every step drafts: while
     drafting pays little on the estimates, a plain step re-measures it within REFRESH_STEPS and
     the rejected drafts stop."""
-    p = DraftLengthPolicy(n_max=1)
+    p = Policy(n_max=1)
     for _ in range(5):
         p.observe(0, 0, 0.020, 0.0)
     chosen = feed(p, 60, accept=lambda n: 1 if n and p.drafting_steps % 8 == 0 else 0,
@@ -352,7 +358,7 @@ def test_a_stale_plain_step_cost_is_measured_again():
 def test_a_verify_is_never_taken_as_cheaper_than_a_shorter_one():
     """A 2-token verify timed below a plain step (a stale t(1), or a t(2) from a fast stretch) is
     taken at t(1): it does all of a plain step's work."""
-    p = DraftLengthPolicy(n_max=3)
+    p = Policy(n_max=3)
     p.observe(0, 0, 0.0110, 0.0)
     p.observe(1, 0, 0.0104, 0.001)
     p.observe(3, 0, 0.0130, 0.003)
@@ -365,7 +371,7 @@ def test_a_first_plain_timing_above_a_longer_verify_is_measured_again_at_once():
     then looked cheaper than a plain step and the gate kept rejected drafts for the 16 steps until
     t(1) was refreshed. A t(1) of fewer than three timings above a longer verify's is measured again
     at once, and drafting that does not pay stops within a few steps."""
-    p = DraftLengthPolicy(n_max=1, gating=True)
+    p = Policy(n_max=1, gating=True)
     p.observe(0, 0, 0.0130, 0.0)                # the slow first plain step
     rows = iter([(0.3, False)] * 200)            # kept by the gate: 2-token verifies, never right
     chosen = run_gated(p, rows, 40, verify_s=(0.0123, 0.0125))
@@ -377,7 +383,7 @@ def test_a_plain_stretch_lasts_until_its_probe():
     """Once plain steps win, the policy stays plain until its probe however t(1) moves: plain steps
     teach it nothing about drafts, and a fresh t(1) above the last 2-token verifies' flipped steps
     back to drafting, each resetting the probe gap (so probes did not back off)."""
-    p = DraftLengthPolicy(n_max=1, gating=True, probe_every=16)
+    p = Policy(n_max=1, gating=True, probe_every=16)
     rows = iter([(0.5, False)] * 400)
     for _ in range(80):                  # gated steps of an always-wrong head until plain wins
         run_gated(p, rows, 1)
@@ -394,7 +400,7 @@ def test_a_plain_stretch_lasts_until_its_probe():
 
 
 def test_a_new_run_keeps_what_was_learned_and_drops_the_stretch():
-    p = DraftLengthPolicy(n_max=2, probe_every=4)
+    p = Policy(n_max=2, probe_every=4)
     feed(p, 40, accept=lambda n: 0, verify_s=lambda k: 0.010 + 0.004 * (k - 1))
     assert p.plain_streak > 0 or p.probe_gap > p.probe_every       # inside a plain stretch
     learned = (dict(p.verify_s), p.accept_hits, p.accept_trials, p.draft_s, list(p.bin_trials))
@@ -431,3 +437,39 @@ def test_kept_policies_continue_into_the_next_sequence(qwen35, gate):
     source = build_source("draft-mtp", session, GREEDY, other, None)
     speculative_generate(qwen35, session, prompt(7), 8, GREEDY, source, other, stop_ids=set(), policies=kept)
     assert kept[source.name] is not first and kept[source.name].n_max == 2
+
+
+def test_the_first_timing_of_each_verify_size_and_of_the_drafts_is_not_kept():
+    p = DraftLengthPolicy(n_max=2)
+    p.observe(0, 0, 1.0, 0.0)            # the first plain step: its kernels' first call
+    assert 1 not in p.verify_s
+    p.observe(0, 0, 0.010, 0.0)
+    assert p.verify_s[1] == 0.010
+    p.observe(1, 1, 2.0, 0.5)            # the first 2-token verify and the first draft
+    assert 2 not in p.verify_s and p.draft_s is None
+    assert p.acceptance > p.prior_accept            # what was accepted still counts
+    p.observe(1, 0, 0.012, 0.001)
+    assert p.verify_s[2] == 0.012 and p.draft_s == 0.001
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_first_call_that_loads_kernels_does_not_stop_drafting(skip):
+    """Each verify size's and the drafts' first call costs 100 ms more (a fresh process loading
+    machine code) on a source whose drafts are accepted 60 % of the time at 10 % of a step each:
+    drafting pays, and a policy that skips first timings drafts; one that kept them (the negative
+    control) stays plain."""
+    p = DraftLengthPolicy(n_max=1, skip_first_timings=skip, probe_every=16)
+    seen, accepted = set(), iter([1, 1, 0, 1, 0] * 40)
+    chosen = []
+    for _ in range(80):
+        n = p.choose()
+        k = n + 1
+        verify = 0.010 + 0.001 * n + (0.1 if k not in seen else 0.0)
+        draft = 0.001 * n + (0.1 if n and "draft" not in seen else 0.0)
+        seen.add(k)
+        if n:
+            seen.add("draft")
+        chosen.append(n)
+        p.observe(n, next(accepted) if n else 0, verify, draft)
+    drafting = sum(chosen[20:])
+    assert drafting >= 50 if skip else drafting <= 10, chosen
