@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from .errors import UserError
-from .warmup import compile_notice
+from .warmup import compile_notice, warm_up
 
 MODEL_HELP = "GGUF path or a known name (gemma3-270m, smollm2-135m)"
 
@@ -155,6 +155,7 @@ def run(
     act_residual: Optional[bool] = typer.Option(None, "--act-residual/--no-act-residual", help="On int8 activations, a second int8 pass on the rounding of the attention and FFN-down inputs of decode and verify steps (near-float32 accuracy, ~8 % a step; default on, HYBRIDRT_ACT_RESIDUAL); --no-act-residual is llama.cpp's numerics exactly."),
     adaptive: Optional[bool] = typer.Option(None, "--adaptive/--no-adaptive", help="Choose each step's draft count within --spec-draft-n-max from the live acceptance and measured verify cost (default: on for draft-mtp and draft-simple)."),
     mtp_head: Optional[Path] = typer.Option(None, "--mtp-head", help="MTP head from `hybridrt train-mtp` for --spec-type draft-mtp (replaces a built-in head)."),
+    warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Generate a few tokens through the run's own steps before the timed run, so first calls (kernels loaded or compiled) are not timed, as llama.cpp does."),
 ):
     """Generate text from a prompt (streams tokens; timings on stderr like llama.cpp)."""
     from .generate import generate
@@ -200,6 +201,11 @@ def run(
         spec_type = spec_type or ("draft-simple" if model_draft else default_spec_type(m))
         spec = dataclasses.replace(spec, adaptive=adaptive_default(spec_type) if adaptive is None else adaptive)
         draft_model = load_draft_model(m, model_draft) if model_draft else None
+        if warmup:
+            warm_up(m, spec_type, spec, sampler, cache_type, draft_model, ngram_n)
+            if m.executor.trace is not None:
+                m.executor.trace.clear()
+            notice.compiled = False         # whether the timed run below compiled anything
         session = m.session(n_ctx, cache_type, k_max=spec.k_max if spec_type != "none" else 1)
         source = build_source(spec_type, session, sampler, spec, draft_model, ngram_n_max=ngram_n,
                               cache_type=cache_type)

@@ -35,6 +35,12 @@ class Tracer:
             torch.cuda.synchronize()
             self._ref_us = self._now_us()
 
+    def clear(self) -> None:
+        """Drop what was recorded so far (a warm-up's steps)."""
+        with self._lock:
+            self._events.clear()
+            self._pending.clear()
+
     def _now_us(self) -> float:
         return (time.perf_counter() - self._t0) * 1e6
 

@@ -67,12 +67,14 @@ def compile_notice(stream: TextIO | None = None) -> Iterator:
     from numba.core import event      # not at import: `info` and `plan` import the CLI
 
     class Notice(event.Listener):
-        compiled = False
+        compiled = False        # (a caller may reset it: compiled since)
+        announced = False
         partial_line = False
 
         def on_start(self, ev) -> None:
-            if not self.compiled:
-                self.compiled = True
+            self.compiled = True
+            if not self.announced:
+                self.announced = True
                 if self.partial_line:
                     sys.stdout.flush()
                 print(("\n" if self.partial_line else "") + MESSAGE, file=stream or sys.stderr, flush=True)
@@ -170,3 +172,39 @@ def warmup(
     where = os.environ.get("NUMBA_CACHE_DIR") or "__pycache__ beside the kernels"
     print(f"CPU kernels {'compiled' if notice.compiled else 'already compiled'} for "
           f"{os.path.basename(m.gguf.path)} in {took:.1f} s (cache: {where})", file=sys.stderr)
+
+
+WARMUP_TOKENS = 4       # tokens a warm-up generates: its first step verifies a full batch of drafts
+
+
+def warm_up(model: "Model", spec_type: str, spec, sampler, cache_type: str, draft_model: "Model | None" = None,
+            ngram_n_max: int = 4) -> None:
+    """llama.cpp's warm-up before the timed run (`run --no-warmup` skips it): a few tokens through
+    the same steps the run takes, on a scratch session freed before the run's own is made (a plan's
+    VRAM holds one KV cache). In a fresh process each kernel's first call loads its machine code:
+    untimed here, a `run` of SmolLM2 with its trained head paid ~155 ms in decoding and ~80 ms in
+    the prompt for it (64 tokens: 395 ms against 240 ms warm), more than drafting gained, and its
+    adaptive policy read the loading as the drafts' cost. A speculative warm-up drafts at fixed
+    --spec-draft-n-max, so its first step verifies the largest batch the run can."""
+    import dataclasses
+
+    from .generate import generate
+    from .speculative.loop import speculative_generate
+    from .speculative.sources import build_source
+    from .speculative.spec_types import spec_type_parts
+
+    lo = min(1000, model.n_vocab // 4)
+    prompt = [lo, lo + 1]
+    n_ctx = None if model.plan is not None else min(len(prompt) + WARMUP_TOKENS + spec.k_max + 2, model.n_ctx_train)
+    sampler = dataclasses.replace(sampler, seed=0)      # its own draws: the run's stream is the run's
+    if spec_type == "none":
+        session = model.session(n_ctx, cache_type, k_max=1)
+        generate(model, session, prompt, WARMUP_TOKENS, sampler, stop_ids=set())
+    else:
+        fixed = dataclasses.replace(spec, adaptive=False, n_min=0, p_min=0.0)
+        session = model.session(n_ctx, cache_type, k_max=fixed.k_max)
+        source = build_source(spec_type, session, sampler, fixed, draft_model, ngram_n_max=ngram_n_max,
+                              cache_type=cache_type)
+        if "draft-mtp" in spec_type_parts(spec_type):
+            compile_head(model)         # the head's other batch sizes and a catch-up's KV rows
+        speculative_generate(model, session, prompt, WARMUP_TOKENS, sampler, source, fixed, stop_ids=set())

@@ -91,10 +91,15 @@ def test_lazy_run_compiles_what_it_calls_and_says_so(tmp_path):
     """A cold run announces its compilation once; a warm run is silent with the same tokens; a long
     prompt later compiles the prompt kernels the short run left out, and announces that too."""
     require(SMOLLM2)
-    cold = _cli(SHORT, tmp_path)
+    cold = _cli(SHORT + ["--no-warmup"], tmp_path)
     assert cold.returncode == 0, cold.stderr
     assert cold.stderr.lstrip("\n").startswith(MESSAGE) and cold.stderr.count(MESSAGE) == 1
     assert FIRST_RUN_TIMES in cold.stderr       # its t/s are not the engine's: it says so
+    # with run's warm-up (the default) the compiling is done before the timed run: announced, and
+    # the times are the engine's
+    warmed = _cli(SHORT, tmp_path / "other")
+    assert warmed.returncode == 0 and warmed.stderr.count(MESSAGE) == 1, warmed.stderr
+    assert FIRST_RUN_TIMES not in warmed.stderr and warmed.stdout == cold.stdout
     warm = _cli(SHORT, tmp_path)
     assert warm.returncode == 0 and MESSAGE not in warm.stderr and FIRST_RUN_TIMES not in warm.stderr, warm.stderr
     assert warm.stdout == cold.stdout
@@ -158,3 +163,50 @@ def test_compile_head_runs_a_built_in_head_and_skips_a_model_without_one(tiny_qw
     compile_head(model)
     assert calls == [1, 2, 4]
     compile_head(load_model(tiny_qwen3))        # no head: nothing to do, no error
+
+
+def test_run_warm_up_takes_the_runs_own_steps(tiny_qwen35_mtp, monkeypatch):
+    """run's warm-up (llama.cpp's, before the timed run): a speculative one verifies the largest
+    batch the run can (drafts at fixed n_max) and steps the MTP head; a plain one decodes. Each on a
+    scratch session, not the run's."""
+    from hybridrt.loader import load_model
+    from hybridrt.sampling import SamplerConfig
+    from hybridrt.session import Session
+    from hybridrt.speculative.loop import SpecConfig
+    from hybridrt.warmup import warm_up
+
+    model = load_model(tiny_qwen35_mtp)
+    evals, sessions = [], []
+    real_eval, real_session = Session.eval, model.session
+    monkeypatch.setattr(Session, "eval", lambda self, tokens, *a, **kw:
+                        evals.append((len(tokens), kw.get("logits"))) or real_eval(self, tokens, *a, **kw))
+    monkeypatch.setattr(model, "session", lambda *a, **kw: sessions.append(kw.get("k_max")) or real_session(*a, **kw))
+    steps = []
+    real_step = model.mtp.step
+    model.mtp.step = lambda state, tokens, *a, **kw: steps.append(len(tokens)) or real_step(state, tokens, *a, **kw)
+    warm_up(model, "draft-mtp", SpecConfig(n_max=3, adaptive=True), SamplerConfig(temp=0.0), "f16")
+    assert (4, "all") in evals and steps and 4 in sessions
+    evals.clear()
+    warm_up(model, "none", SpecConfig(), SamplerConfig(temp=0.7, seed=3), "f16")
+    assert (1, "last") in evals and max(n for n, _ in evals) <= 2
+
+
+@pytest.mark.parametrize("sampling", [["--temp", "0"], ["--temp", "0.8", "-s", "7"]], ids=["greedy", "sampled"])
+def test_run_warm_up_changes_no_output_and_no_trace(tiny_qwen35_mtp, tmp_path, sampling):
+    """The same tokens with and without the warm-up, sampled ones too (the warm-up draws from its
+    own generator); a --trace holds the timed run only."""
+    import json
+
+    args = ["run", "-m", str(tiny_qwen35_mtp), "-p", "one two three four five", "-n", "12", "-t", "1",
+            "--spec-draft-n-max", "2", *sampling]
+    from tests.test_cli import cli       # this process's kernel cache (a fresh one compiles for a minute)
+
+    with_warmup = cli(*args, "--trace", str(tmp_path / "t.json"))
+    without = cli(*args, "--no-warmup")
+    assert with_warmup.returncode == 0 and without.returncode == 0, (with_warmup.stderr, without.stderr)
+    assert with_warmup.stdout == without.stdout and "draft-mtp" in with_warmup.stderr
+    events = json.loads((tmp_path / "t.json").read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    forwards = [e["name"] for e in events if e["name"].startswith("forward ")]
+    assert forwards and not any(name.endswith(" @ 0") and name != forwards[0] for name in forwards)
+    assert not any(name == "forward 2 @ 0" for name in forwards)        # the warm-up's two-token prompt
