@@ -641,6 +641,23 @@ def test_lookup_vs_head_script(tiny_llama, llama_head):
     assert lines[1].startswith("lookup n 4..2: a match at") and lines[2].startswith("lookup n 3..3")
 
 
+def test_run_process_bench_script(tiny_llama, llama_head):
+    """scripts/bench_run_process.py times `hybridrt run` processes per mode on the held-out prompts
+    and sums them; a mode it does not know is one error line."""
+    root = Path(__file__).resolve().parents[1]
+    script = [sys.executable, str(root / "scripts/bench_run_process.py"), "-m", str(tiny_llama), "--head", str(llama_head)]
+    r = subprocess.run(script + ["--modes", "plain", "n1", "ad", "--limit", "1", "--reps", "1", "-n", "8", "-t", "1"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert lines[0].endswith("1 prompts, best of 1, one process per run:")
+    assert lines[1].startswith("  plain: ") and lines[1].endswith("(1.00x plain)")
+    assert lines[2].startswith("  n1: ") and lines[3].startswith("  ad: ")
+    assert lines[4].startswith("  adaptive / best fixed (n1): ")
+    r = subprocess.run(script + ["--modes", "n2x"], capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.strip() == "error: mode n2x: use plain, nK or ad"
+
+
 @pytest.mark.parametrize("n", [1, 3, 40])     # 40: past the fused kernels' batches, the torch path
 def test_a_catch_up_writes_the_kv_a_step_writes(llama_head, tiny_llama, n):
     """write_kv (a catch-up on committed tokens) leaves the head's KV cache bit for bit as step()
