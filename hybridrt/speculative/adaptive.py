@@ -17,7 +17,8 @@ stalled step of a shared machine move t(1) by ~20 %, enough to make drafts that 
 look as if they paid); a k never measured is extrapolated from the nearest measured one at the
 measured per-token slope (or 10 % of a token's cost per extra token before two sizes are known: a
 memory-bound verify of k tokens reads the weights once); and no t_verify(k) is below a shorter
-verify's. t_draft is the weighted mean per proposed draft. While drafting barely pays on the
+verify's. t_draft is the weighted mean per proposed draft. The first timing of each verify size
+and of the drafts is dropped: in a fresh process it includes loading the kernels' machine code. While drafting barely pays on the
 estimates (less than REFRESH_GAIN) or t(1) is above the chosen verify's, a t(1) older than
 REFRESH_STEPS steps is measured again by a plain step, which replaces its old timings: otherwise an
 estimate too high from a slow stretch is never corrected, as no step verifies one token (a t(1) of
