@@ -201,8 +201,10 @@ def run(
         spec_type = spec_type or ("draft-simple" if model_draft else default_spec_type(m))
         spec = dataclasses.replace(spec, adaptive=adaptive_default(spec_type) if adaptive is None else adaptive)
         draft_model = load_draft_model(m, model_draft) if model_draft else None
+        policies = None
         if warmup:
-            warm_up(m, spec_type, spec, sampler, cache_type, draft_model, ngram_n)
+            # an adaptive run's length policies start from the verify costs the warm-up timed
+            policies = warm_up(m, spec_type, spec, sampler, cache_type, draft_model, ngram_n)
             if m.executor.trace is not None:
                 m.executor.trace.clear()
             notice.compiled = False         # whether the timed run below compiled anything
@@ -223,7 +225,7 @@ def run(
             out, stats = generate(m, session, ids, n_predict, sampler, on_token=emit, stop_ids=stop_ids)
         else:
             out, stats = speculative_generate(m, session, ids, n_predict, sampler, source, spec, on_token=emit,
-                                            stop_ids=stop_ids, trace=m.executor.trace)
+                                            stop_ids=stop_ids, trace=m.executor.trace, policies=policies)
         sys.stdout.write(stream.flush() + "\n")
         sys.stdout.flush()
         if stats.stopped_by == "context":

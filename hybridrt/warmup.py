@@ -175,36 +175,67 @@ def warmup(
 
 
 WARMUP_TOKENS = 4       # tokens a warm-up generates: its first step verifies a full batch of drafts
+COST_REPS = 3           # timings per verify size it hands an adaptive run (RECENT_TIMES' median)
 
 
 def warm_up(model: "Model", spec_type: str, spec, sampler, cache_type: str, draft_model: "Model | None" = None,
-            ngram_n_max: int = 4) -> None:
+            ngram_n_max: int = 4) -> dict | None:
     """llama.cpp's warm-up before the timed run (`run --no-warmup` skips it): a few tokens through
     the same steps the run takes, on a scratch session freed before the run's own is made (a plan's
     VRAM holds one KV cache). In a fresh process each kernel's first call loads its machine code:
     untimed here, a `run` of SmolLM2 with its trained head paid ~155 ms in decoding and ~80 ms in
     the prompt for it (64 tokens: 395 ms against 240 ms warm), more than drafting gained, and its
     adaptive policy read the loading as the drafts' cost. A speculative warm-up drafts at fixed
-    --spec-draft-n-max, so its first step verifies the largest batch the run can."""
+    --spec-draft-n-max, so its first step verifies the largest batch the run can. For an adaptive
+    run it then times each verify size (verify_costs) and returns length policies that start from
+    those timings (`speculative_generate(policies=...)`), rather than from a prior."""
     import dataclasses
 
     from .generate import generate
+    from .speculative.adaptive import DraftLengthPolicy
     from .speculative.loop import speculative_generate
     from .speculative.sources import build_source
     from .speculative.spec_types import spec_type_parts
 
     lo = min(1000, model.n_vocab // 4)
     prompt = [lo, lo + 1]
-    n_ctx = None if model.plan is not None else min(len(prompt) + WARMUP_TOKENS + spec.k_max + 2, model.n_ctx_train)
+    room = len(prompt) + WARMUP_TOKENS + spec.k_max + COST_REPS * spec.k_max + 2
+    n_ctx = None if model.plan is not None else min(room, model.n_ctx_train)
     sampler = dataclasses.replace(sampler, seed=0)      # its own draws: the run's stream is the run's
     if spec_type == "none":
         session = model.session(n_ctx, cache_type, k_max=1)
         generate(model, session, prompt, WARMUP_TOKENS, sampler, stop_ids=set())
-    else:
-        fixed = dataclasses.replace(spec, adaptive=False, n_min=0, p_min=0.0)
-        session = model.session(n_ctx, cache_type, k_max=fixed.k_max)
-        source = build_source(spec_type, session, sampler, fixed, draft_model, ngram_n_max=ngram_n_max,
-                              cache_type=cache_type)
-        if "draft-mtp" in spec_type_parts(spec_type):
-            compile_head(model)         # the head's other batch sizes and a catch-up's KV rows
-        speculative_generate(model, session, prompt, WARMUP_TOKENS, sampler, source, fixed, stop_ids=set())
+        return None
+    fixed = dataclasses.replace(spec, adaptive=False, n_min=0, p_min=0.0)
+    session = model.session(n_ctx, cache_type, k_max=fixed.k_max)
+    source = build_source(spec_type, session, sampler, fixed, draft_model, ngram_n_max=ngram_n_max,
+                          cache_type=cache_type)
+    if "draft-mtp" in spec_type_parts(spec_type):
+        compile_head(model)         # the head's other batch sizes and a catch-up's KV rows
+    speculative_generate(model, session, prompt, WARMUP_TOKENS, sampler, source, fixed, stop_ids=set())
+    if not spec.adaptive or session.n_past + (COST_REPS + 1) * spec.k_max > session.n_ctx:
+        return None
+    times = verify_costs(model, session, spec.k_max, lo)
+    policies = {}
+    for s in getattr(source, "sources", [source]):
+        policies[s.name] = DraftLengthPolicy(spec.n_max)
+        policies[s.name].seed_verify_costs(times)
+    return policies
+
+
+def verify_costs(model: "Model", session, k_max: int, token: int) -> dict[int, list[float]]:
+    """Seconds of a verify of k = 1 .. k_max tokens at the session's end, each rolled back to its
+    first token as a rejected one is (a recurrent state keeps no earlier point), COST_REPS times,
+    the sizes alternating so that all see the same load."""
+    import torch
+
+    out = torch.empty(k_max, model.n_vocab)
+    times: dict[int, list[float]] = {k: [] for k in range(1, k_max + 1)}
+    for _ in range(COST_REPS):
+        for k in times:
+            pos = session.n_past
+            t0 = time.perf_counter()
+            session.eval([token] * k, start_pos=pos, logits="all", out=out)
+            session.truncate(pos + 1)
+            times[k].append(time.perf_counter() - t0)
+    return times

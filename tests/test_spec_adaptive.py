@@ -473,3 +473,14 @@ def test_a_first_call_that_loads_kernels_does_not_stop_drafting(skip):
         p.observe(n, next(accepted) if n else 0, verify, draft)
     drafting = sum(chosen[20:])
     assert drafting >= 50 if skip else drafting <= 10, chosen
+
+
+def test_seeded_verify_costs_start_a_policy_as_observed_ones():
+    """run's warm-up times each verify size with every kernel loaded (warmup.verify_costs): a policy
+    seeded with those timings holds their medians, and its first own timings are kept, not dropped."""
+    p = DraftLengthPolicy(n_max=2)
+    p.seed_verify_costs({1: [0.010, 0.012, 0.011], 2: [0.013, 0.020, 0.012], 3: [0.015, 0.015, 0.016]})
+    assert (p.verify_s[1], p.verify_s[2], p.verify_s[3]) == (0.011, 0.013, 0.015)
+    assert p.verify_cost(2) == 0.013
+    p.observe(1, 1, 0.014, 0.002)
+    assert list(p.verify_recent[2]) == [0.013, 0.020, 0.012, 0.014] and p.draft_s == 0.002

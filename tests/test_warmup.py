@@ -184,14 +184,21 @@ def test_run_warm_up_takes_the_runs_own_steps(tiny_qwen35_mtp, monkeypatch):
     steps = []
     real_step = model.mtp.step
     model.mtp.step = lambda state, tokens, *a, **kw: steps.append(len(tokens)) or real_step(state, tokens, *a, **kw)
-    warm_up(model, "draft-mtp", SpecConfig(n_max=3, adaptive=True), SamplerConfig(temp=0.0), "f16")
+    policies = warm_up(model, "draft-mtp", SpecConfig(n_max=3, adaptive=True), SamplerConfig(temp=0.0), "f16")
     assert (4, "all") in evals and steps and 4 in sessions
+    # an adaptive run's policy starts from the verify sizes timed after the warm-up's steps
+    assert set(policies) == {"draft-mtp"} and sorted(policies["draft-mtp"].verify_s) == [1, 2, 3, 4]
+    assert all(len(ts) == 3 and min(ts) > 0 for ts in policies["draft-mtp"].verify_recent.values())
+    assert warm_up(model, "draft-mtp", SpecConfig(n_max=3), SamplerConfig(temp=0.0), "f16") is None
     evals.clear()
-    warm_up(model, "none", SpecConfig(), SamplerConfig(temp=0.7, seed=3), "f16")
+    assert warm_up(model, "none", SpecConfig(), SamplerConfig(temp=0.7, seed=3), "f16") is None
     assert (1, "last") in evals and max(n for n, _ in evals) <= 2
 
 
-@pytest.mark.parametrize("sampling", [["--temp", "0"], ["--temp", "0.8", "-s", "7"]], ids=["greedy", "sampled"])
+# sampled at fixed N: an adaptive run's draft lengths follow timings, and a sampled run's tokens
+# (exact in distribution) follow its draft lengths
+@pytest.mark.parametrize("sampling", [["--temp", "0"], ["--temp", "0.8", "-s", "7", "--no-adaptive"]],
+                         ids=["greedy", "sampled"])
 def test_run_warm_up_changes_no_output_and_no_trace(tiny_qwen35_mtp, tmp_path, sampling):
     """The same tokens with and without the warm-up, sampled ones too (the warm-up draws from its
     own generator); a --trace holds the timed run only."""
