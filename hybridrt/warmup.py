@@ -192,8 +192,7 @@ def warm_up(model: "Model", spec_type: str, spec, sampler, cache_type: str, draf
     import dataclasses
 
     from .generate import generate
-    from .speculative.adaptive import DraftLengthPolicy
-    from .speculative.loop import speculative_generate
+    from .speculative.loop import length_policies, speculative_generate
     from .speculative.sources import build_source
     from .speculative.spec_types import spec_type_parts
 
@@ -216,10 +215,10 @@ def warm_up(model: "Model", spec_type: str, spec, sampler, cache_type: str, draf
     if not spec.adaptive or session.n_past + (COST_REPS + 1) * spec.k_max > session.n_ctx:
         return None
     times = verify_costs(model, session, spec.k_max, lo)
-    policies = {}
-    for s in getattr(source, "sources", [source]):
-        policies[s.name] = DraftLengthPolicy(spec.n_max)
-        policies[s.name].seed_verify_costs(times)
+    policies: dict = {}
+    length_policies(source, spec, policies)       # the run's policies, one per source that drafts
+    for policy in policies.values():
+        policy.seed_verify_costs(times)
     return policies
 
 

@@ -19,7 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hybridrt.gguf_file import GGUFFile  # noqa: E402
+from hybridrt.errors import UserError  # noqa: E402
+from hybridrt.gguf_file import GGUFError, GGUFFile  # noqa: E402
 from hybridrt.registry import resolve_model  # noqa: E402
 from hybridrt.train_mtp.prompts import HELDOUT_PROMPTS  # noqa: E402
 
@@ -34,7 +35,7 @@ def mode_args(mode: str) -> list[str]:
         return ["--spec-type", "draft-mtp"]
     if re.fullmatch(r"n\d+", mode):
         return ["--spec-type", "draft-mtp", "--spec-draft-n-max", mode[1:], "--no-adaptive"]
-    raise SystemExit(f"error: mode {mode}: use plain, nK or ad")
+    raise UserError(f"mode {mode}: use plain, nK or ad")
 
 
 def run_once(args, prompt, mode: str, chat_template: bool) -> float:
@@ -63,9 +64,13 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more run flags (last)")
     args = ap.parse_args()
-    for mode in args.modes:
-        mode_args(mode)
-    chat_template = GGUFFile(resolve_model(args.model)).get("tokenizer.chat_template") is not None
+    try:        # bad input is one error line, exit 2, as the CLI's
+        for mode in args.modes:
+            mode_args(mode)
+        chat_template = GGUFFile(resolve_model(args.model)).get("tokenizer.chat_template") is not None
+    except (UserError, GGUFError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
     totals = dict.fromkeys(args.modes, 0.0)
     for i, prompt in enumerate(HELDOUT_PROMPTS[:args.limit]):
         best = dict.fromkeys(args.modes, float("inf"))

@@ -655,7 +655,10 @@ def test_run_process_bench_script(tiny_llama, llama_head):
     assert lines[2].startswith("  n1: ") and lines[3].startswith("  ad: ")
     assert lines[4].startswith("  adaptive / best fixed (n1): ")
     r = subprocess.run(script + ["--modes", "n2x"], capture_output=True, text=True)
-    assert r.returncode == 1 and r.stderr.strip() == "error: mode n2x: use plain, nK or ad"
+    assert r.returncode == 2 and r.stderr.strip() == "error: mode n2x: use plain, nK or ad"
+    r = subprocess.run([sys.executable, str(root / "scripts/bench_run_process.py"), "-m", "/no/such.gguf",
+                        "--head", str(llama_head)], capture_output=True, text=True)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: ")
 
 
 @pytest.mark.parametrize("n", [1, 3, 40])     # 40: past the fused kernels' batches, the torch path

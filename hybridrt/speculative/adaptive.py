@@ -116,11 +116,16 @@ class DraftLengthPolicy:
         """Start from verify timings measured before the run (its warm-up's, with every kernel
         loaded): kept as observed ones are, and the drafts' first timing counted as genuine too."""
         for k, ts in times.items():
-            recent = self.verify_recent.setdefault(k, deque(maxlen=RECENT_TIMES))
-            recent.extend(ts)
-            self.verify_s[k] = sorted(recent)[(len(recent) - 1) // 2]
+            for seconds in ts:
+                self._record_verify(k, seconds)
             self.timed_k.add(k)
         self.draft_timed = True
+
+    def _record_verify(self, k: int, seconds: float) -> None:
+        """One timing of a k-token verify: t_verify(k) is the median of the recent ones."""
+        recent = self.verify_recent.setdefault(k, deque(maxlen=RECENT_TIMES))
+        recent.append(seconds)
+        self.verify_s[k] = sorted(recent)[(len(recent) - 1) // 2]     # of an even count the lower
         self._costs = None
 
     @property
@@ -285,12 +290,9 @@ class DraftLengthPolicy:
         first_verify = self.skip_first_timings and k not in self.timed_k
         self.timed_k.add(k)
         if not first_verify:
-            recent = self.verify_recent.setdefault(k, deque(maxlen=RECENT_TIMES))
-            if k == 1 and self.since_plain >= REFRESH_STEPS:
-                recent.clear()          # a re-measure: the old timings are stale
-            recent.append(verify_s)
-            self.verify_s[k] = sorted(recent)[(len(recent) - 1) // 2]     # of an even count the lower
-            self._costs = None
+            if k == 1 and self.since_plain >= REFRESH_STEPS and 1 in self.verify_recent:
+                self.verify_recent[1].clear()          # a re-measure: the old timings are stale
+            self._record_verify(k, verify_s)
         self.since_plain = 0 if k == 1 else self.since_plain + 1
         judged = [(top1, float(j < n_accepted)) for j, top1 in enumerate(conf[:n_accepted + 1])]
         if refused is not None:
