@@ -227,8 +227,12 @@ def load_mtp_head(model, path: str | Path, tensor_devices: dict[str, str] | None
     # the fused kernels' types: the target's and the head's together, so a head whose types the
     # target already has (q8_0 heads on most files) runs the target's compiled layer kernels
     head_types = [info.qtype for info in f.tensors.values() if len(info.shape) >= 2]
+    # one int8 pass on the head's activations (llama.cpp's numerics), whatever the target takes: a
+    # draft's rounding only changes which tokens it proposes, never what is committed (verify
+    # decides), and the second pass was ~20 % of a draft (SmolLM2: 1.135x against 1.115x at N = 1,
+    # acceptance alike, BENCHMARKS.md session 37)
     binder = WeightBinder(f, model.device, tensor_devices, device_dtype=model.binder.device_dtype,
-                          exact=model.binder.exact, act_residual=model.binder.act_residual,
+                          exact=model.binder.exact, act_residual=False,
                           fused_qtypes=model.binder.layer_qtypes() + head_types)
     head = TrainedMTPHead(binder, model, kind, spec, draft_ids)
     want_rows = len(draft_ids) if draft_ids is not None else model.n_vocab

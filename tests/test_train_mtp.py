@@ -289,6 +289,22 @@ def test_a_q4_1_head_drafts_what_its_own_weights_give(llama_head, tiny_llama, tm
         dataclasses.replace(TINY, head_type="q3_k")
 
 
+def test_a_trained_heads_activations_take_one_int8_pass(llama_head, tiny_llama):
+    """A trained head's matrices take one int8 pass on their activations even where the target's
+    take two (act_residual): a draft's rounding never reaches the committed tokens, and the second
+    pass was ~20 % of a draft. The target keeps its own numerics."""
+    m = load_model(tiny_llama, act_residual=True, mtp_head=llama_head)
+    head = m.mtp
+    assert m.binder.act_residual
+    assert not head.eh_proj.residual and not head.output.residual
+    from hybridrt.backends import FUSED_DEFAULT
+    if FUSED_DEFAULT:       # the fused halves' operands: path 1 (one pass) for every matrix
+        paths = [w[3] for w in head.attn_half.qkv] + [head.attn_half.wo[3], head.ffn_half.down[3]]
+        assert paths == [1] * 5
+    # a head bound with the target's own setting would have taken the second pass on those
+    assert m.binder._residual("mtp.eh_proj.weight") and m.binder._residual("mtp.ffn_down.weight")
+
+
 def test_mismatched_target_is_refused(llama_head, tiny_llama, tmp_path):
     other = make_model.write_model(tmp_path / "other.gguf", "llama", seed=5)      # same shapes, other weights
     with pytest.raises(UserError, match="trained for another target: its fingerprint"):
