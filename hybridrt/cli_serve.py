@@ -85,6 +85,7 @@ def serve(
     adaptive: Optional[bool] = typer.Option(None, "--adaptive/--no-adaptive", help="Choose each step's draft count within --spec-draft-n-max (default: on for draft-mtp and draft-simple, as run)."),
     log_level: str = typer.Option("info", "--log-level", help=f"uvicorn log level: {', '.join(LOG_LEVELS)} (warning: no access log)."),
     mtp_head: Optional[Path] = typer.Option(None, "--mtp-head", help="MTP head from `hybridrt train-mtp` for --spec-type draft-mtp (replaces a built-in head)."),
+    warmup: bool = typer.Option(True, "--warmup/--no-warmup", help="Before listening, run a few tokens through the steps requests take (kernels loaded, verify sizes timed for adaptive length), as llama-server."),
 ):
     """Serve the model over HTTP with OpenAI's API (/v1/chat/completions, /v1/completions, ...)."""
     uvicorn = _server_stack()
@@ -98,8 +99,7 @@ def serve(
     from .server.schemas import ModelCard
     from .speculative.loop import SpecConfig
     from .speculative.sources import build_source, default_spec_type
-    from .speculative.spec_types import spec_type_parts
-    from .warmup import announce_and_compile, compile_head, compile_notice
+    from .warmup import announce_and_compile, compile_notice, warm_up
 
     if parallel < 1 or max_queue < 0:
         raise UserError("--parallel must be >= 1 and --max-queue >= 0")
@@ -129,13 +129,18 @@ def serve(
     cfg = ServeConfig(n_ctx=n_ctx, cache_type=cache_type, spec_type=spec_type, spec=spec, ngram_n=ngram_n,
                       n_parallel=parallel, max_queue=max_queue, threads=threads)
     metrics = Metrics(parallel)
-    pool = SessionPool(m, cfg, metrics, draft_model)
-    # a bad speculation setup is a start-up error, not a failure of every request
-    build_source(spec_type, pool.sessions[0], SamplerConfig(), spec, draft_model, ngram_n_max=ngram_n,
-                 cache_type=cache_type)
-    if "draft-mtp" in spec_type_parts(spec_type):
-        with compile_notice():      # a trained head's quant types (cached: loaded once, ~1 s)
-            compile_head(m)
+    policies = None
+    if warmup:
+        # the first request would otherwise pay each kernel's first call (its machine code loaded:
+        # a trained head's quant types, each verify size); before the pool's sessions are made, as
+        # `run`'s before its own (a plan's VRAM holds them). Also a bad speculation setup is a
+        # start-up error here, not a failure of every request.
+        with compile_notice():
+            policies = warm_up(m, spec_type, spec, SamplerConfig(temp=0.0), cache_type, draft_model, ngram_n)
+    pool = SessionPool(m, cfg, metrics, draft_model, policies=policies)
+    if not warmup:
+        build_source(spec_type, pool.sessions[0], SamplerConfig(), spec, draft_model, ngram_n_max=ngram_n,
+                     cache_type=cache_type)
     served = model if model in KNOWN_MODELS else Path(path).stem
     card = ModelCard(id=served, n_ctx=n_ctx, created=int(time.time()))
     print(f"hybridrt serve: {served} on http://{host}:{port}/v1 · {parallel} session(s) x {n_ctx} tokens, "

@@ -176,6 +176,11 @@ def warmup(
 
 WARMUP_TOKENS = 4       # tokens a warm-up generates: its first step verifies a full batch of drafts
 COST_REPS = 3           # timings per verify size it hands an adaptive run (RECENT_TIMES' median)
+# the timing's start-up cost: a round of every size is timed again only while the rounds so far
+# took less than this. A small model's rounds take milliseconds (three each); one round of a
+# 27B's 1..4-token verifies at ~6 t/s would take about a second, and three would add ~2 s to
+# every `run` for a ~3 % gain measured on SmolLM2 (BENCHMARKS.md, session 36): one round there.
+COST_BUDGET_S = 0.5
 
 
 def warm_up(model: "Model", spec_type: str, spec, sampler, cache_type: str, draft_model: "Model | None" = None,
@@ -222,15 +227,19 @@ def warm_up(model: "Model", spec_type: str, spec, sampler, cache_type: str, draf
     return policies
 
 
-def verify_costs(model: "Model", session, k_max: int, token: int) -> dict[int, list[float]]:
+def verify_costs(model: "Model", session, k_max: int, token: int,
+                 budget_s: float = COST_BUDGET_S) -> dict[int, list[float]]:
     """Seconds of a verify of k = 1 .. k_max tokens at the session's end, each rolled back to its
-    first token as a rejected one is (a recurrent state keeps no earlier point), COST_REPS times,
-    the sizes alternating so that all see the same load."""
+    first token as a rejected one is (a recurrent state keeps no earlier point), in rounds of every
+    size (alternating, so that all see the same load): COST_REPS rounds, or fewer where the rounds
+    so far took `budget_s` or more (at least one)."""
     import torch
 
     out = torch.empty(k_max, model.n_vocab)
     times: dict[int, list[float]] = {k: [] for k in range(1, k_max + 1)}
     for _ in range(COST_REPS):
+        if times[1] and sum(map(sum, times.values())) >= budget_s:
+            break
         for k in times:
             pos = session.n_past
             t0 = time.perf_counter()

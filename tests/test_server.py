@@ -88,6 +88,33 @@ def test_a_session_keeps_its_length_policies_between_requests(tiny_qwen35_mtp):
     assert len(pool._policies) == 3
 
 
+def test_serve_warm_up_starts_every_sessions_policies_from_its_timings(tiny_qwen35_mtp):
+    """serve's warm-up (warmup.warm_up, before the pool's sessions are made) times the verify sizes;
+    each session's greedy and sampled policies start from a copy of those timings, and a request
+    continues its session's copy, with plain decoding's output."""
+    from hybridrt.loader import load_model
+    from hybridrt.server.metrics import Metrics
+    from hybridrt.server.pool import ServeConfig, SessionPool
+    from hybridrt.server.schemas import GenRequest
+    from hybridrt.speculative.loop import SpecConfig
+    from hybridrt.warmup import warm_up
+
+    m = load_model(tiny_qwen35_mtp)
+    spec = SpecConfig(n_max=2, adaptive=True)
+    policies = warm_up(m, "draft-mtp", spec, SamplerConfig(temp=0.0), "f16")
+    pool = SessionPool(m, ServeConfig(n_ctx=256, spec_type="draft-mtp", spec=spec, n_parallel=2), Metrics(2),
+                       policies=policies)
+    kept = [pool._policies[(id(s), greedy)]["draft-mtp"] for s in pool.sessions for greedy in (True, False)]
+    assert len({id(p) for p in kept} | {id(policies["draft-mtp"])}) == 5       # copies, one each
+    assert all(sorted(p.verify_s) == [1, 2, 3] and p.draft_timed for p in kept)
+    ids = [5, 9, 31, 7, 12, 40]
+    ref, _ = generate(m, m.session(256), ids, 12, SamplerConfig(temp=0.0), stop_ids=set())
+    req = GenRequest("text", "m", ids, 12, SamplerConfig(temp=0.0), (), False, ignore_eos=True)
+    out, _ = pool._generate(pool.sessions[0], req, lambda token: False, None, None)
+    assert out == ref and pool._policies[(id(pool.sessions[0]), True)]["draft-mtp"] is kept[0]
+    assert SessionPool(m, ServeConfig(n_ctx=64, n_parallel=1), Metrics(1))._policies == {}
+
+
 def test_serve_without_the_stack_prints_one_install_line(monkeypatch):
     from hybridrt import cli_serve
 

@@ -195,6 +195,22 @@ def test_run_warm_up_takes_the_runs_own_steps(tiny_qwen35_mtp, monkeypatch):
     assert (1, "last") in evals and max(n for n, _ in evals) <= 2
 
 
+def test_verify_timing_stops_at_its_budget(tiny_qwen3):
+    """The warm-up times every verify size COST_REPS times on a small model, and once where a round
+    already took the budget (a large model's verifies: seconds of start-up for each round)."""
+    from hybridrt.loader import load_model
+    from hybridrt.warmup import COST_REPS, verify_costs
+
+    model = load_model(tiny_qwen3)
+    session = model.session(64, k_max=4)
+    session.eval([5, 6])
+    times = verify_costs(model, session, 4, 7)
+    assert sorted(times) == [1, 2, 3, 4] and all(len(ts) == COST_REPS for ts in times.values())
+    assert session.n_past == 2 + 4 * COST_REPS      # each verify rolled back to its first token
+    once = verify_costs(model, session, 4, 7, budget_s=0.0)
+    assert all(len(ts) == 1 and ts[0] > 0 for ts in once.values())
+
+
 # sampled at fixed N: an adaptive run's draft lengths follow timings, and a sampled run's tokens
 # (exact in distribution) follow its draft lengths
 @pytest.mark.parametrize("sampling", [["--temp", "0"], ["--temp", "0.8", "-s", "7", "--no-adaptive"]],

@@ -15,6 +15,7 @@ worker's `on_token` answers "stop" at the next token, which ends `generate` /
 from __future__ import annotations
 
 import asyncio
+import copy
 import queue
 import sys
 import threading
@@ -71,7 +72,8 @@ class Job:
 
 
 class SessionPool:
-    def __init__(self, model: Model, cfg: ServeConfig, metrics: Metrics, draft_model: Model | None = None):
+    def __init__(self, model: Model, cfg: ServeConfig, metrics: Metrics, draft_model: Model | None = None,
+                 policies: dict | None = None):
         self.model, self.cfg, self.metrics, self.draft_model = model, cfg, metrics, draft_model
         k_max = cfg.spec.k_max if cfg.spec_type != "none" else 1     # as `run`: no ring without drafts
         self.sessions = [model.session(cfg.n_ctx, cfg.cache_type, k_max=k_max) for _ in range(cfg.n_parallel)]
@@ -87,6 +89,11 @@ class SessionPool:
         # and the head's, not the request's. Greedy and sampled requests learn apart (a sampled
         # draft's acceptance is another quantity).
         self._policies: dict[tuple[int, bool], dict] = {}
+        # `policies` (serve's warm-up, warmup.warm_up): adaptive length's policies that start from
+        # the verify costs it timed, a copy for each session and kind of request to continue
+        for session in self.sessions if policies else ():
+            for greedy in (True, False):
+                self._policies[(id(session), greedy)] = copy.deepcopy(policies)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
