@@ -35,6 +35,7 @@ from hybridrt.speculative.sources import build_source  # noqa: E402
 from hybridrt.train_mtp.config import TrainConfig  # noqa: E402
 from hybridrt.train_mtp.prompts import HELDOUT_PROMPTS  # noqa: E402
 from hybridrt.train_mtp.train import prompt_ids  # noqa: E402
+from hybridrt.warmup import warm_up  # noqa: E402
 
 HEADS = Path.home() / ".cache" / "hybridrt" / "heads"
 GREEDY = SamplerConfig(temp=0.0)
@@ -69,11 +70,16 @@ def prompts(m) -> list[tuple[str, list[int]]]:
 def run_mode(m, ids: list[int], n_gen: int, n_max: int | None, adaptive: bool, gate: bool = True,
              spec_type: str = "draft-mtp", policies: dict | None = None):
     """(tokens, decode seconds, drafted, accepted); n_max None: plain decoding. policies: adaptive
-    length's policies to continue (as a server's session keeps them between requests)."""
+    length's policies to continue (as a server's session keeps them between requests). New adaptive
+    policies start as `run`'s and `serve`'s: from the verify costs a warm-up timed (warmup.warm_up,
+    untimed here)."""
     if n_max is None:
         out, stats = generate(m, m.session(len(ids) + n_gen + 16), ids, n_gen, GREEDY, stop_ids=set())
         return out, stats.decode_s, 0, 0
     spec = SpecConfig(n_max=n_max, adaptive=adaptive, gate=gate)
+    if adaptive and not policies:
+        seeded = warm_up(m, spec_type, spec, GREEDY, "f32")
+        policies = seeded if policies is None else policies.update(seeded) or policies
     session = m.session(len(ids) + n_gen + 16, k_max=spec.k_max)
     source = build_source(spec_type, session, GREEDY, spec)
     out, stats = speculative_generate(m, session, ids, n_gen, GREEDY, source, spec, stop_ids=set(), policies=policies)

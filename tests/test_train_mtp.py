@@ -657,6 +657,29 @@ def test_lookup_vs_head_script(tiny_llama, llama_head):
     assert lines[1].startswith("lookup n 4..2: a match at") and lines[2].startswith("lookup n 3..3")
 
 
+def test_bench_mtp_starts_new_adaptive_policies_as_run_does(tiny_llama, llama_head, monkeypatch):
+    """scripts/bench_mtp.py's adaptive runs start their new length policies from a warm-up's verify
+    timings (warmup.warm_up), as `run` and `serve` do; policies kept from an earlier prompt
+    continue without one, and fixed N takes none. Every output is plain decoding's."""
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_mtp.py"
+    spec = importlib.util.spec_from_file_location("bench_mtp", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    made, real = [], bench.warm_up
+    monkeypatch.setattr(bench, "warm_up", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
+    m = load_model(tiny_llama, mtp_head=llama_head)
+    ids = [5, 9, 31, 7]
+    plain, *_ = bench.run_mode(m, ids, 10, None, False)
+    assert bench.run_mode(m, ids, 10, 2, True)[0] == plain and len(made) == 1
+    kept = {}
+    assert bench.run_mode(m, ids, 10, 2, True, policies=kept)[0] == plain and len(made) == 2
+    assert kept["draft-mtp"] is made[1]["draft-mtp"] and sorted(made[1]["draft-mtp"].timed_k) == [1, 2, 3]
+    assert bench.run_mode(m, ids, 10, 2, True, policies=kept)[0] == plain and len(made) == 2
+    assert bench.run_mode(m, ids, 10, 2, False)[0] == plain and len(made) == 2
+
+
 def test_run_process_bench_script(tiny_llama, llama_head):
     """scripts/bench_run_process.py times `hybridrt run` processes per mode on the held-out prompts
     and sums them; a mode it does not know is one error line."""
