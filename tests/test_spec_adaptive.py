@@ -296,13 +296,22 @@ def test_refused_sampled_drafts_are_judged_by_overlap(qwen3, monkeypatch):
 def test_a_chain_stops_before_a_row_that_could_not_pay():
     """SmolLM2-like costs (a row 13 % of a plain step, a 3-token verify 1.5x): after an unsure first
     draft even a sure second one could not pay for its row and the longer verify, so the head is not
-    asked for it; after a sure first draft it is."""
-    p = Policy(n_max=3, gating=True)
-    p.observe(0, 0, 0.0062, 0.0)
-    p.observe(1, 1, 0.0070, 0.0008, conf=[0.9])
-    p.observe(2, 1, 0.0093, 0.0016, conf=[0.9, 0.3])
-    assert p.keep_draft(0, 0.35) and not p.worth_row(1)
-    assert p.keep_draft(0, 0.97) and p.worth_row(1)
+    asked for it. After a sure first draft it is asked where chained rows have been sure, and not
+    where they have been unsure (the gate would refuse most of them: their rows are lost)."""
+    def policy(chained_top1: float) -> DraftLengthPolicy:
+        p = Policy(n_max=3, gating=True)
+        p.observe(0, 0, 0.0062, 0.0)
+        p.observe(1, 1, 0.0070, 0.0008, conf=[0.9])
+        p.observe(2, 1, 0.0093, 0.0016, conf=[0.9, 0.3])
+        for _ in range(8):      # rows the head computed: a sure first, then a chained one
+            p.keep_draft(0, 0.97)
+            p.keep_draft(1, chained_top1)
+        return p
+
+    for chained in (0.95, 0.15):
+        p = policy(chained)
+        assert p.keep_draft(0, 0.35) and not p.worth_row(1)
+        assert p.keep_draft(0, 0.97) and p.worth_row(1) == (chained > 0.5)
 
 
 def test_the_source_asks_before_computing_a_chained_row(qwen35):

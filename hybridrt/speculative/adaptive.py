@@ -88,6 +88,7 @@ class DraftLengthPolicy:
     judged_hits: float = 0.0              # all judged drafts, decayed as the table: kept ones
     judged_top1: float = 0.0              # and the sum of their top-1 probabilities
     first_top1: deque = field(default_factory=lambda: deque(maxlen=RECENT_ROWS))   # of gated steps
+    chain_bins: list = field(default_factory=lambda: [0.0] * N_BINS)   # chained rows' top-1 tenths, decayed
     step_tokens: float = 1.0              # the step being drafted: expected tokens so far
     step_prob: float = 1.0                # and the chance that every draft so far is accepted
     # The first timing of each verify size and of the drafts is not a cost: in a fresh process the
@@ -203,6 +204,9 @@ class DraftLengthPolicy:
         if i == 0:
             self.step_tokens, self.step_prob = 1.0, 1.0
             self.first_top1.append(top1)
+        else:
+            self.chain_bins = [CONF_DECAY * w for w in self.chain_bins]
+            self.chain_bins[min(int(top1 * N_BINS), N_BINS - 1)] += 1.0
         prob = self.step_prob * self.accept_given(top1)
         if not self._pays(i, prob, self.step_tokens):
             return False
@@ -210,11 +214,32 @@ class DraftLengthPolicy:
         return True
 
     def worth_row(self, i: int) -> bool:
-        """Before the head computes draft i's row (i >= 1, the drafts before it kept): could keeping
-        it pay, its own row's cost included, even at the best calibrated acceptance? Without this a
-        chain computed rows the gate could only refuse (SmolLM2: a row is 12-14 % of a plain step,
-        a 3-token verify 1.4-1.55x one)."""
-        return self._pays(i, self.step_prob * self.accept_given(1.0), self.step_tokens, row_sunk=False)
+        """Before the head computes draft i's row (i >= 1, the drafts before it kept): is the step's
+        expected tokens per second higher with the row computed (and then kept or refused by the
+        gate, whichever pays at its top-1 probability) than without it? Over the top-1 tenths
+        chained rows have shown (chain_bins; before any, the first rows'). Asking only whether it
+        could pay at the best calibrated acceptance computed rows the gate then refused: SmolLM2's
+        chained rows are seldom confident, and each is 8-10 % of a plain step."""
+        d, tokens = self._draft_cost(), self.step_tokens
+        skip = tokens / (self.verify_cost(i + 1) + i * d)
+        refused = tokens / (self.verify_cost(i + 1) + (i + 1) * d)
+        longer = self.verify_cost(i + 2) + (i + 1) * d
+        weights = self._chain_weights()
+        expected = sum(w * max(refused, (tokens + self.step_prob * self.accept_given((b + 0.5) / N_BINS)) / longer)
+                       for b, w in enumerate(weights) if w)
+        return expected > skip
+
+    def _chain_weights(self) -> list[float]:
+        """How a chained row's top-1 probability falls in tenths: the chained rows seen (decayed),
+        with the recent first rows' tenths as a prior worth two rows (uniform before any)."""
+        prior = [0.0] * N_BINS
+        for top1 in self.first_top1:
+            prior[min(int(top1 * N_BINS), N_BINS - 1)] += 1.0
+        n_prior = sum(prior)
+        prior = [2.0 * w / n_prior for w in prior] if n_prior else [2.0 / N_BINS] * N_BINS
+        weights = [c + p for c, p in zip(self.chain_bins, prior)]
+        total = sum(weights)
+        return [w / total for w in weights]
 
     def gated_gain(self) -> float:
         """Expected tokens a gated step gains over the plain steps of the same time, over the recent
