@@ -35,7 +35,8 @@ table learned online (acceptance per tenth of top-1 probability, from every judg
 turned-down ones included: the loop judges those against the verify's last row). A head that is
 right 25 % of the time on average is right far more often where it is confident: those steps draft,
 the rest verify one token. A chained row is not even computed (`worth_row`, the picker's `worth`)
-when keeping it could not pay at the best calibrated acceptance. Whether to compute a first row at
+unless the step's expected rate is higher with it than without, over the top-1 probabilities
+chained rows have shown. Whether to compute a first row at
 all is then the choice between plain
 and gated steps, made on the same model rather than on measured step rates: over the first rows'
 top-1 probabilities of recent steps, the expected gain of what the gate would do with each (keep:
