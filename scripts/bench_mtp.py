@@ -77,9 +77,12 @@ def run_mode(m, ids: list[int], n_gen: int, n_max: int | None, adaptive: bool, g
         out, stats = generate(m, m.session(len(ids) + n_gen + 16), ids, n_gen, GREEDY, stop_ids=set())
         return out, stats.decode_s, 0, 0
     spec = SpecConfig(n_max=n_max, adaptive=adaptive, gate=gate)
-    if adaptive and not policies:
+    if adaptive and not policies:       # new policies (kept ones continue as they are)
         seeded = warm_up(m, spec_type, spec, GREEDY, "f32")
-        policies = seeded if policies is None else policies.update(seeded) or policies
+        if policies is None:
+            policies = seeded
+        else:                           # --keep-policies: this mode's first prompt
+            policies.update(seeded)
     session = m.session(len(ids) + n_gen + 16, k_max=spec.k_max)
     source = build_source(spec_type, session, GREEDY, spec)
     out, stats = speculative_generate(m, session, ids, n_gen, GREEDY, source, spec, stop_ids=set(), policies=policies)
