@@ -477,7 +477,7 @@ def test_reduced_vocab_sampling_is_exact_smollm2():
     """The same check on SmolLM2 with its trained head (scripts/bench_mtp.py trains and caches it)."""
     from tests.real_models import SMOLLM2, require
 
-    head = Path.home() / ".cache/hybridrt/heads/smollm2-135m.v2.mtp.gguf"
+    head = Path.home() / ".cache/hybridrt/heads/smollm2-135m.v4.mtp.gguf"     # bench_mtp.py's
     if not head.exists():
         pytest.skip(f"no trained head at {head}: python3 scripts/bench_mtp.py -m smollm2-135m")
     _check_reduced_vocab_exact(require(SMOLLM2), head, flatten=False)
@@ -510,7 +510,10 @@ def _check_reduced_vocab_exact(model_path, head_path, flatten: bool):
     in_vocab[source.draft_ids.numpy()] = True
     off_mass = float(p[~in_vocab].sum())
     assert off_mass > 0.05, "the check needs target mass outside the draft vocabulary"
-    trials, gen = 8000, torch.Generator().manual_seed(2)
+    # a real model's p spreads over many tokens, and the bound with it (a sum of their standard
+    # errors): more trials keep it under the biased acceptor's error, which is about the mass off
+    # the draft vocabulary (SmolLM2: 0.11 against a bound of 0.12 at 8000 trials)
+    trials, gen = 8000 if flatten else 32000, torch.Generator().manual_seed(2)
 
     def emitted_counts(acceptor):
         counts = np.zeros_like(p)
