@@ -68,6 +68,11 @@ REFRESH_STEPS = 16      # steps without a plain one after which a stale t(1) is 
 REFRESH_GAIN = 1.1      # where drafting's expected rate is under this times a plain step's
 
 
+def tenth(top1: float) -> int:
+    """The calibration table's bin of a top-1 probability (1.0 in the last)."""
+    return min(int(top1 * N_BINS), N_BINS - 1)
+
+
 @dataclass
 class DraftLengthPolicy:
     n_max: int
@@ -183,7 +188,7 @@ class DraftLengthPolicy:
         judged drafts: top1 itself times the head's measured calibration (judged acceptance over
         judged top-1 mass, prior 1), so that a head sure of itself and wrong is found out in a few
         drafts rather than in a few per tenth."""
-        b = min(int(top1 * N_BINS), N_BINS - 1)
+        b = tenth(top1)
         scale = (self.judged_hits + 1.0) / (self.judged_top1 + 1.0)
         prior = min(1.0, scale * (b + 0.5) / N_BINS)
         return (self.bin_hits[b] + 2 * prior) / (self.bin_trials[b] + 2)
@@ -195,9 +200,12 @@ class DraftLengthPolicy:
         """Does keeping draft i (reached with chance `prob`) raise the step's expected tokens per
         second? The rows before it are computed; its own too when row_sunk (then only the verify
         grows), else its row counts against it."""
-        d = self._draft_cost()
-        before = step_tokens / (self.verify_cost(i + 1) + (i + row_sunk) * d)
-        return (step_tokens + prob) / (self.verify_cost(i + 2) + (i + 1) * d) > before
+        before = self._step_rate(step_tokens, i + 1, i + row_sunk)
+        return self._step_rate(step_tokens + prob, i + 2, i + 1) > before
+
+    def _step_rate(self, tokens: float, k: int, rows: int) -> float:
+        """Expected tokens per second of a step that verifies k tokens after computing `rows` head rows."""
+        return tokens / (self.verify_cost(k) + rows * self._draft_cost())
 
     def keep_draft(self, i: int, top1: float) -> bool:
         """Gate for draft i (0-based) of this step: keep it iff the expected tokens per second of the
@@ -207,7 +215,7 @@ class DraftLengthPolicy:
             self.first_top1.append(top1)
         else:
             self.chain_bins = [CONF_DECAY * w for w in self.chain_bins]
-            self.chain_bins[min(int(top1 * N_BINS), N_BINS - 1)] += 1.0
+            self.chain_bins[tenth(top1)] += 1.0
         prob = self.step_prob * self.accept_given(top1)
         if not self._pays(i, prob, self.step_tokens):
             return False
@@ -221,21 +229,19 @@ class DraftLengthPolicy:
         chained rows have shown (chain_bins; before any, the first rows'). Asking only whether it
         could pay at the best calibrated acceptance computed rows the gate then refused: SmolLM2's
         chained rows are seldom confident, and each is 8-10 % of a plain step."""
-        d, tokens = self._draft_cost(), self.step_tokens
-        skip = tokens / (self.verify_cost(i + 1) + i * d)
-        refused = tokens / (self.verify_cost(i + 1) + (i + 1) * d)
-        longer = self.verify_cost(i + 2) + (i + 1) * d
-        weights = self._chain_weights()
-        expected = sum(w * max(refused, (tokens + self.step_prob * self.accept_given((b + 0.5) / N_BINS)) / longer)
-                       for b, w in enumerate(weights) if w)
-        return expected > skip
+        tokens = self.step_tokens
+        refused = self._step_rate(tokens, i + 1, i + 1)
+        expected = sum(w * max(refused, self._step_rate(tokens + self.step_prob * self.accept_given((b + 0.5) / N_BINS),
+                                                        i + 2, i + 1))
+                       for b, w in enumerate(self._chain_weights()) if w)
+        return expected > self._step_rate(tokens, i + 1, i)
 
     def _chain_weights(self) -> list[float]:
         """How a chained row's top-1 probability falls in tenths: the chained rows seen (decayed),
         with the recent first rows' tenths as a prior worth two rows (uniform before any)."""
         prior = [0.0] * N_BINS
         for top1 in self.first_top1:
-            prior[min(int(top1 * N_BINS), N_BINS - 1)] += 1.0
+            prior[tenth(top1)] += 1.0
         n_prior = sum(prior)
         prior = [2.0 * w / n_prior for w in prior] if n_prior else [2.0 / N_BINS] * N_BINS
         weights = [c + p for c, p in zip(self.chain_bins, prior)]
@@ -257,7 +263,7 @@ class DraftLengthPolicy:
         gain = weight = 0.0
         w = 1.0
         for top1 in reversed(self.first_top1):
-            gain += w * by_bin[min(int(top1 * N_BINS), N_BINS - 1)]
+            gain += w * by_bin[tenth(top1)]
             weight += w
             w *= DECAY
         return gain / weight
@@ -327,7 +333,7 @@ class DraftLengthPolicy:
             # says below 0.5: 32 / 41 / 53 % at top-1 0.2-0.3 / 0.3-0.4 / 0.4-0.5)
             judged.append(refused)
         for top1, hit in judged:     # drafts past the first rejection: unjudged
-            b = min(int(top1 * N_BINS), N_BINS - 1)
+            b = tenth(top1)
             self.bin_hits = [CONF_DECAY * h for h in self.bin_hits]
             self.bin_trials = [CONF_DECAY * t for t in self.bin_trials]
             self.bin_hits[b] += hit
