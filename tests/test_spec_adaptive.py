@@ -190,6 +190,39 @@ def test_gated_gain_is_the_mean_over_rows_of_what_the_gate_would_do():
         assert p.gated_gain() == pytest.approx(want / weight, rel=1e-9, abs=1e-12)
 
 
+def test_first_row_sums_follow_the_recent_rows():
+    """gated_gain and the chain prior read per-tenth sums kept as rows come and go: after any
+    number of rows (the oldest leaving at 32) they equal the sums over the rows still held."""
+    import random
+    from hybridrt.speculative.adaptive import tenth
+    rng = random.Random()
+    p = Policy(n_max=2, gating=True)
+    for n in range(1, 120):
+        p.keep_draft(0, rng.random() ** 0.5)
+        rows = list(reversed(p.first_top1))
+        want_w, want_c = [0.0] * 10, [0] * 10
+        for age, top1 in enumerate(rows):
+            want_w[tenth(top1)] += 0.9 ** age
+            want_c[tenth(top1)] += 1
+        assert len(rows) == min(n, 32) and p.first_counts == want_c
+        assert p.first_weights == pytest.approx(want_w, rel=1e-9, abs=1e-12)
+
+
+def test_a_gated_drafts_token_and_confidence_are_its_rows_argmax_and_softmax():
+    """The picker's numpy shortcut for a CPU float32 row gives the first argmax (as argmax_rows,
+    so a gated draft proposes what an ungated one would) and the softmax probability of it."""
+    import torch
+    from hybridrt.speculative.draft import argmax_top1
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        for _ in range(20):
+            row = (3 * torch.randn(4096, generator=g)).to(dtype)
+            row[17] = row[4000] = row.max() + 1         # a tie: the first index wins
+            best, top1 = argmax_top1(row)
+            want = torch.softmax(row.double(), dim=-1)
+            assert best == 17 and top1 == pytest.approx(float(want[17]), rel=1e-5)
+
+
 def test_refused_drafts_teach_the_gate():
     """Drafts at top-1 0.1-0.2 that the target accepts 60 % of the time: the prior (15 %) refuses
     them, and only judging the refused ones shows the gate they pay."""

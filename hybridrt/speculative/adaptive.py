@@ -94,6 +94,11 @@ class DraftLengthPolicy:
     judged_hits: float = 0.0              # all judged drafts, decayed as the table: kept ones
     judged_top1: float = 0.0              # and the sum of their top-1 probabilities
     first_top1: deque = field(default_factory=lambda: deque(maxlen=RECENT_ROWS))   # of gated steps
+    # the same rows per tenth: decayed as gated_gain weighs them (DECAY per row back) and counted,
+    # kept as rows come and go so a step reads ten sums rather than the rows (choose() runs after a
+    # verify has streamed the weights through the caches, where each Python object it touches is a miss)
+    first_weights: list = field(default_factory=lambda: [0.0] * N_BINS)
+    first_counts: list = field(default_factory=lambda: [0] * N_BINS)
     chain_bins: list = field(default_factory=lambda: [0.0] * N_BINS)   # chained rows' top-1 tenths, decayed
     step_tokens: float = 1.0              # the step being drafted: expected tokens so far
     step_prob: float = 1.0                # and the chance that every draft so far is accepted
@@ -207,12 +212,26 @@ class DraftLengthPolicy:
         """Expected tokens per second of a step that verifies k tokens after computing `rows` head rows."""
         return tokens / (self.verify_cost(k) + rows * self._draft_cost())
 
+    def _add_first_row(self, top1: float) -> None:
+        """A gated step's first row joins the recent ones (the oldest leaving at RECENT_ROWS)."""
+        rows, weights, counts = self.first_top1, self.first_weights, self.first_counts
+        if len(rows) == RECENT_ROWS:
+            old = tenth(rows[0])
+            weights[old] = max(0.0, weights[old] - DECAY ** (RECENT_ROWS - 1))
+            counts[old] -= 1
+        rows.append(top1)
+        for b in range(N_BINS):
+            weights[b] *= DECAY
+        b = tenth(top1)
+        weights[b] += 1.0
+        counts[b] += 1
+
     def keep_draft(self, i: int, top1: float) -> bool:
         """Gate for draft i (0-based) of this step: keep it iff the expected tokens per second of the
         step rise."""
         if i == 0:
             self.step_tokens, self.step_prob = 1.0, 1.0
-            self.first_top1.append(top1)
+            self._add_first_row(top1)
         else:
             self.chain_bins = [CONF_DECAY * w for w in self.chain_bins]
             self.chain_bins[tenth(top1)] += 1.0
@@ -239,11 +258,8 @@ class DraftLengthPolicy:
     def _chain_weights(self) -> list[float]:
         """How a chained row's top-1 probability falls in tenths: the chained rows seen (decayed),
         with the recent first rows' tenths as a prior worth two rows (uniform before any)."""
-        prior = [0.0] * N_BINS
-        for top1 in self.first_top1:
-            prior[tenth(top1)] += 1.0
-        n_prior = sum(prior)
-        prior = [2.0 * w / n_prior for w in prior] if n_prior else [2.0 / N_BINS] * N_BINS
+        n_prior = len(self.first_top1)
+        prior = [2.0 * c / n_prior for c in self.first_counts] if n_prior else [2.0 / N_BINS] * N_BINS
         weights = [c + p for c, p in zip(self.chain_bins, prior)]
         total = sum(weights)
         return [w / total for w in weights]
@@ -254,19 +270,16 @@ class DraftLengthPolicy:
         changes); the first draft only, as the gate adds later ones only where they pay."""
         d, v1, v2 = self._draft_cost(), self.verify_cost(1), self.verify_cost(2)
         # per tenth of top-1 probability (accept_given depends on nothing finer): what a first row
-        # gains, kept where _pays(0, p, 1.0) would keep it; once per step, not once per row (the
-        # policy's Python was ~2 % of a SmolLM2 step)
-        by_bin = []
-        for b in range(N_BINS):
-            p = self.accept_given((b + 0.5) / N_BINS)
-            by_bin.append(1 + p - (v2 + d) / v1 if self._pays(0, p, 1.0) else -d / v1)
-        gain = weight = 0.0
-        w = 1.0
-        for top1 in reversed(self.first_top1):
-            gain += w * by_bin[tenth(top1)]
-            weight += w
-            w *= DECAY
-        return gain / weight
+        # gains, kept where _pays(0, p, 1.0) would keep it (written out: this runs every step, and
+        # the policy's Python was ~2 % of a SmolLM2 step), weighed by the recent rows in that tenth
+        scale = (self.judged_hits + 1.0) / (self.judged_top1 + 1.0)
+        plain, gated = 1.0 / (v1 + d), v2 + d
+        gain = 0.0
+        for b, w in enumerate(self.first_weights):
+            if w:
+                p = (self.bin_hits[b] + 2 * min(1.0, scale * (b + 0.5) / N_BINS)) / (self.bin_trials[b] + 2)
+                gain += w * (1 + p - gated / v1 if (1.0 + p) / gated > plain else -d / v1)
+        return gain / sum(self.first_weights)
 
     def choose(self) -> int:
         if self.n_max == 0:
@@ -281,13 +294,14 @@ class DraftLengthPolicy:
             # (each resetting the probe gap: Gemma 3 on random tokens, 9 such steps in 128)
             self.plain_streak += 1
             return 0
-        best = max(range(self.n_max + 1), key=self.expected_rate)
         if self.gating:
             # gated drafting against plain steps (untried: drafting)
-            best = max(range(1, self.n_max + 1), key=self.expected_rate)
+            best = max(range(1, self.n_max + 1), key=self.expected_rate) if self.n_max > 1 else 1
             row = self._draft_cost() / self.verify_cost(1)         # a head row, in plain steps
             if len(self.first_top1) >= MIN_ROWS and self.gated_gain() < -PLAIN_MARGIN * row:
                 best = 0
+        else:
+            best = max(range(self.n_max + 1), key=self.expected_rate)
         if best == 0:
             self.plain_streak += 1
             if self.plain_streak >= self.probe_gap:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
+import numpy as np
 import torch
 
 from ..sampling import SamplerConfig, argmax_rows, filtered_probs
@@ -70,6 +71,17 @@ class DraftSource(Protocol):
         """Up to n_max tokens to follow `certain`, the token known to come at position `pos`."""
 
 
+def argmax_top1(logits_row: torch.Tensor) -> tuple[int, float]:
+    """A logits row's argmax (the first, as argmax_rows) and its softmax probability. numpy on a
+    CPU float32 row: torch's softmax and max were ~7 us of every gated draft, this ~4 us."""
+    if logits_row.device.type == "cpu" and logits_row.dtype == torch.float32:
+        row = logits_row.detach().numpy()
+        best = int(row.argmax())
+        return best, 1.0 / float(np.exp(row - row[best]).sum())
+    best = argmax_rows(logits_row)[0]
+    return best, float(torch.softmax(logits_row.float(), dim=-1)[best])
+
+
 class DraftPicker:
     """Chooses each draft token from a draft model's (or MTP head's) logits row.
 
@@ -107,10 +119,10 @@ class DraftPicker:
         """Append a token chosen from logits_row [V]; False (nothing appended) when p_min stops it."""
         if self.cfg.greedy:
             if self.p_min > 0.0 or self.gate is not None:
-                top, best = torch.softmax(logits_row.float(), dim=-1).max(dim=-1)
-                if not self._admit(draft, float(top), best.view(1), ONE):
+                best, top1 = argmax_top1(logits_row)
+                if not self._admit(draft, top1, torch.tensor([best]), ONE):
                     return False
-                draft.tokens.append(int(best))
+                draft.tokens.append(best)
                 return True
             draft.tokens.append(argmax_rows(logits_row)[0])
             return True
