@@ -367,6 +367,55 @@ class FusedFfnBlock:
         return torch.from_numpy(layer_fused.ffn_block(_rows_f32(h), numba.get_num_threads(), *self.args))
 
 
+class FusedMTPStep:
+    """A trained MTP head's whole step (embedding rows, its norms, eh_proj, the fused attention and
+    FFN halves, the head norm and the output rows of the last token) as one layer_fused call, for
+    a head whose every part runs fused on a CPU trunk. A draft comes right after a verify, which
+    streamed the weights through every cache: each of the head's ~20 separate calls then paid for
+    its own code and data (SmolLM2: a draft 0.42 ms against 0.17 ms warm). Built by
+    WeightBinder.mtp_step, which returns None where any part runs otherwise."""
+
+    def __init__(self, embedding: "Embedding", embed_scale: float, enorm, hnorm, eh_proj: CpuQuantLinear,
+                 attn_half: FusedAttentionBlock, ffn_half: FusedFfnBlock, head_norm, output: CpuQuantLinear, eps: float):
+        g = embedding.gather
+        self.embed, self.n_rows = (g.flat, g.row_bytes, g.tag, g.n_cols), g.n_rows
+        self.embed_scale, self.eps = float(embed_scale), float(eps)
+        self.enorm, self.hnorm, self.head_norm = enorm.numpy(), hnorm.numpy(), head_norm.numpy()
+        self.eh, self.head = _fused_operands(eh_proj), _fused_operands(output)
+        self.attn_half, self.ffn_half = attn_half, ffn_half
+        self.kernel_types = _covering(attn_half.kernel_types, [self.eh, self.head, attn_half.wo,
+                                                                ffn_half.gate, ffn_half.up, ffn_half.down])
+        self.ffn_args = ffn_half.args[2:]
+        a, sp = attn_half, attn_half.attn.spec
+        # attention_block's arguments around the session's views and the start position
+        self.attn_before = (a.norm, a.post_norm, a.block.post_norm is not None, sp.eps, *a.weights, a.q_norm, a.k_norm,
+                            sp.qk_norm)
+        self.attn_after = (sp.n_head, sp.n_kv, sp.head_dim, sp.head_dim_v, sp.scale, sp.window, sp.first_pos)
+        self.rope = (sp.rope.n_rot, sp.rope.neox)
+
+    def __call__(self, state, tokens: torch.Tensor, hidden: torch.Tensor, start_pos: int,
+                 out: torch.Tensor) -> torch.Tensor | None:
+        """The head's output hidden of every token [k, n_embd], the last one's logits written into
+        out [1, n_out]; None where this batch takes the separate calls (a prompt-sized batch, an
+        AMX tile batch, a cache the fused attention cannot read)."""
+        k = tokens.shape[0]
+        a = self.attn_half
+        if k > ROWWISE_MAX or k in self.ffn_half.tile_tokens:
+            return None
+        views = a._views(state, k)
+        if not views:
+            return None
+        ids = tokens.tolist()
+        if min(ids) < 0 or max(ids) >= self.n_rows:
+            raise IndexError(f"token id out of range [0, {self.n_rows})")
+        k_cache, v_cache, cos, sin = views
+        attn = self.attn_before + (cos, sin, *self.rope, k_cache, v_cache, start_pos) + self.attn_after
+        normed = layer_fused.mtp_head_step(self.embed, tokens.numpy(), self.embed_scale, _rows_f32(hidden),
+                                           numba.get_num_threads(), *self.kernel_types, self.eps, self.enorm, self.hnorm,
+                                           self.eh, attn, self.ffn_args, self.head_norm, self.head, out.numpy())
+        return torch.from_numpy(normed)
+
+
 class Embedding:
     """Token embedding rows gathered from the mmap (a step needs only k rows of it)."""
 
@@ -586,6 +635,20 @@ class WeightBinder:
         if self._fusable() and type(block.ffn) is CpuGluFFN:
             return FusedFfnBlock(block, self._fused_types())
         return block
+
+    def mtp_step(self, embedding, embed_scale: float, enorm, hnorm, eh_proj, attn_half, ffn_half, head_norm,
+                 output, eps: float) -> FusedMTPStep | None:
+        """A trained MTP head's step as one fused call (FusedMTPStep) where every part of it runs
+        fused on this CPU trunk and the target's embedding is in the mmap; else None."""
+        if not (self._fusable() and isinstance(embedding, Embedding) and embedding.device.type == "cpu"
+                and type(attn_half) is FusedAttentionBlock and type(ffn_half) is FusedFfnBlock
+                and type(eh_proj) is CpuQuantLinear and type(output) is CpuQuantLinear):
+            return None
+        try:
+            return FusedMTPStep(embedding, embed_scale, enorm, hnorm, eh_proj, attn_half, ffn_half, head_norm,
+                                output, eps)
+        except ValueError:          # kernel types that do not cover the head's matrices
+            return None
 
     def _fused_types(self) -> tuple:
         """(int_types, float_path) of the fused kernels (compile-time constants, see layer_fused):

@@ -105,6 +105,10 @@ class TrainedMTPHead:
         self.output = w.linear(f"{p}.head.weight")
         self.spec, self.draft_ids = spec, draft_ids
         self.n_out = self.output.n_out
+        # the whole step as one compiled call where every part above runs fused (None otherwise);
+        # gemma3 scales its embedding rows (embed_scale), the other targets do not
+        self.fused = w.mtp_step(model.tok_embd, getattr(model, "embed_scale", 1.0), self.enorm, self.hnorm,
+                                self.eh_proj, self.attn_half, self.ffn_half, self.head_norm, self.output, self.eps)
 
     def _head_state(self, state: ModelState) -> ModelState:
         """The head's own state (its KV cache, the session's rotary tables), kept with the session's
@@ -128,6 +132,19 @@ class TrainedMTPHead:
         x = self.ffn_half(self.attn_half(self._input(tokens, hidden), self._head_state(state), pos_list))
         normed = self.norm(x, self.head_norm, self.eps)
         return (self.head(normed, out=out) if logits else None), normed
+
+    def draft(self, state: ModelState, tokens: torch.Tensor, hidden: torch.Tensor, start_pos: int,
+              out: torch.Tensor) -> torch.Tensor:
+        """step() for the tokens, and the logits of the last one's row into out [1, n_out] (what a
+        draft proposes from); returns the last token's output hidden [1, n_embd] (a chained draft's
+        input). One compiled call where the head runs fused (FusedMTPStep), else step() and head()."""
+        if self.fused is not None:
+            normed = self.fused(self._head_state(state), tokens, hidden, start_pos, out)
+            if normed is not None:
+                return normed[-1:]
+        _, h = self.step(state, tokens, hidden, start_pos, logits=False)
+        self.head(h[-1:], out=out)
+        return h[-1:]
 
     def write_kv(self, state: ModelState, tokens: torch.Tensor, hidden: torch.Tensor, start_pos: int) -> None:
         """Only the head KV that step() writes for these tokens (the same values): a catch-up on

@@ -721,3 +721,36 @@ def test_a_catch_up_writes_the_kv_a_step_writes(llama_head, tiny_llama, n):
         caches.append((kv.k[0].clone(), kv.v[0].clone()))
     assert caches[0][0][5:5 + n].abs().sum() > 0
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_fused_draft_is_the_heads_own_calls_bit_for_bit(arch, request, tmp_path):
+    """draft() runs a trained head's whole step as one compiled call on a CPU trunk (FusedMTPStep:
+    after a verify, each of ~20 separate calls paid for its code and data leaving the caches): the
+    logits row, the output hidden and the KV it writes are step()'s and head()'s, bit for bit, for a
+    draft (1 token), a proposal after plain steps (3) and a prompt-sized batch (40: the separate calls).
+    gemma3: its scaled embedding rows, sandwich norms and GELU."""
+    from hybridrt.backends import FUSED_DEFAULT
+    from hybridrt.mtp_head import HEAD_STATE_KEY
+    if arch == "llama":
+        path, head = request.getfixturevalue("tiny_llama"), request.getfixturevalue("llama_head")
+    else:
+        path = make_model.write_model(tmp_path / "gemma3.gguf", "gemma3", seed=2)
+        head = _train(path, tmp_path / "gemma3.mtp.gguf").path
+    m = load_model(path, mtp_head=head)
+    assert (m.mtp.fused is not None) == FUSED_DEFAULT
+    g = torch.Generator().manual_seed(7)
+    for n in (1, 3, 40):
+        tokens = torch.randint(3, 200, (n,), generator=g)
+        hidden = torch.randn(n, m.n_embd, generator=g)
+        ref, new = m.session(64), m.session(64)
+        logits, h = m.mtp.step(ref.state, tokens, hidden, 5)
+        out = torch.full((1, m.mtp.n_out), float("nan"))
+        if FUSED_DEFAULT:
+            ran = m.mtp.fused(m.mtp._head_state(new.state), tokens, hidden, 5, out) is not None
+            assert ran == (n <= 3)
+            new = m.session(64)
+        last = m.mtp.draft(new.state, tokens, hidden, 5, out=out)
+        assert torch.equal(out, logits[-1:]) and torch.equal(last, h[-1:])
+        kv_ref, kv_new = (s.state.extra[HEAD_STATE_KEY].kv for s in (ref, new))
+        assert torch.equal(kv_ref.k[0], kv_new.k[0]) and torch.equal(kv_ref.v[0], kv_new.v[0])

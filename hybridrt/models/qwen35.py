@@ -279,6 +279,14 @@ class MTPHead:
         normed = rms_norm(x, self.head_norm, self.eps)
         return (self.head(normed, out=out) if logits else None), normed
 
+    def draft(self, state: HybridState, tokens: torch.Tensor, hidden: torch.Tensor, start_pos: int,
+              out: torch.Tensor) -> torch.Tensor:
+        """step() for the tokens, the last one's logits into out [1, V]; returns its MTP output
+        hidden [1, n_embd] (as a trained head's draft())."""
+        _, h = self.step(state, tokens, hidden, start_pos, logits=False)
+        self.head(h[-1:], out=out)
+        return h[-1:]
+
     def write_kv(self, state: HybridState, tokens: torch.Tensor, hidden: torch.Tensor, start_pos: int) -> None:
         """Only the MTP KV that step() writes for these tokens (the same values): what catching up
         on committed tokens needs, without their attention, FFN (an MoE for qwen35moe) or outputs."""

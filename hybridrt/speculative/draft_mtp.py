@@ -55,13 +55,14 @@ class MTPSource:
             self.catch_up()
 
     def _write(self, tokens: list[int], hiddens: torch.Tensor, start: int) -> torch.Tensor:
-        """MTP entries for `tokens` at [start, +n) from the trunk hiddens before each; returns
-        the MTP output hidden of the last."""
+        """MTP entries for `tokens` at [start, +n) from the trunk hiddens before each, the last
+        one's draft logits into self.row; returns the MTP output hidden of the last. Earlier
+        chunks (a proposal after a long prompt) write only their KV, which is all that is read of them."""
         tok = torch.tensor(tokens, dtype=torch.int64)
-        for lo in range(0, len(tokens), PROMPT_CHUNK):
-            _, h = self.mtp.step(self.state, tok[lo:lo + PROMPT_CHUNK], hiddens[lo:lo + PROMPT_CHUNK],
-                                 start + lo, logits=False)
-        return h[-1:]
+        last = (len(tokens) - 1) // PROMPT_CHUNK * PROMPT_CHUNK
+        for lo in range(0, last, PROMPT_CHUNK):
+            self.mtp.write_kv(self.state, tok[lo:lo + PROMPT_CHUNK], hiddens[lo:lo + PROMPT_CHUNK], start + lo)
+        return self.mtp.draft(self.state, tok[last:], hiddens[last:], start + last, out=self.row)
 
     def catch_up(self) -> None:
         """The deferred tokens' MTP KV only (MTPHead.write_kv): nothing reads their outputs."""
@@ -85,10 +86,9 @@ class MTPSource:
         h = self._write(tokens, hiddens, start)
         self.synced, self.tokens, self.prev_hidden = pos + 1, [], []
         for i in range(n_max):
-            if not self.add(draft, self.mtp.head(h, out=self.row)[0]) or i == n_max - 1 \
-                    or not self.picker.wants(i + 1):
+            if not self.add(draft, self.row[0]) or i == n_max - 1 or not self.picker.wants(i + 1):
                 break
-            _, h = self.mtp.step(self.state, torch.tensor(draft.tokens[-1:]), h, pos + 1 + i, logits=False)
+            h = self.mtp.draft(self.state, torch.tensor(draft.tokens[-1:]), h, pos + 1 + i, out=self.row)
         return draft
 
     def add(self, draft: Draft, logits_row: torch.Tensor) -> bool:
