@@ -396,14 +396,15 @@ def ffn_block(h, n_threads, int_types, float_path, ffn_norm, post_norm, has_post
 @njit(cache=CACHE, nogil=True)
 def mtp_head_step(embed, ids, embed_scale, hidden, n_threads, int_types, float_path, eps, enorm, hnorm, eh,
                   attn, ffn, head_norm, head, logits):
-    """A trained MTP head's step for tokens `ids` at the positions attn[18] (start) on, each with the
-    target's hidden of the position before it, as one call: embedding rows (embed = (flat bytes, row
-    bytes, type tag, n_embd), times embed_scale), x = eh_proj [RMSNorm(e; enorm) ; RMSNorm(h; hnorm)],
-    attention_block (args after float_path: attn), ffn_block (ffn), RMSNorm(x; head_norm), and the
-    output rows head = (w, t, e, i) for the last token into logits (1, n_out). Returns the normed
-    output hidden (k, n_embd) a chained draft continues from. What the head's separate calls compute,
-    in the same kernels: a draft right after a verify found every small call's code and data
-    streamed out of the caches (SmolLM2: ~20 of them, ~0.2 ms of a 0.4 ms draft)."""
+    """A trained MTP head's step as one call: for tokens `ids`, each with the target's hidden of
+    the position before it, the embedding rows (embed = (flat bytes, row bytes, type tag, n_embd),
+    times embed_scale), x = eh_proj [RMSNorm(e; enorm) ; RMSNorm(h; hnorm)], attention_block (its
+    arguments after float_path: attn, the start position among them), ffn_block (ffn),
+    RMSNorm(x; head_norm), and the output rows head = (w, t, e, i) of the last token into logits
+    (1, n_out). Returns the normed output hidden (k, n_embd) a chained draft continues from. The
+    same kernels as the head's separate calls, so the same bits; one call because a draft comes
+    right after a verify streamed every cache, where each small call paid for its code and data
+    (SmolLM2: ~20 of them, ~0.1 ms of a 0.4 ms draft)."""
     k, n = hidden.shape
     flat, row_bytes, tag, n_cols = embed
     e = np.empty((k, n_cols), np.float32)

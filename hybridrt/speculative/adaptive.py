@@ -193,10 +193,15 @@ class DraftLengthPolicy:
         judged drafts: top1 itself times the head's measured calibration (judged acceptance over
         judged top-1 mass, prior 1), so that a head sure of itself and wrong is found out in a few
         drafts rather than in a few per tenth."""
-        b = tenth(top1)
-        scale = (self.judged_hits + 1.0) / (self.judged_top1 + 1.0)
-        prior = min(1.0, scale * (b + 0.5) / N_BINS)
-        return (self.bin_hits[b] + 2 * prior) / (self.bin_trials[b] + 2)
+        return self._accept_in(tenth(top1), self._calibration())
+
+    def _calibration(self) -> float:
+        """Judged acceptance over judged top-1 mass (1 before any): the bins' prior scale."""
+        return (self.judged_hits + 1.0) / (self.judged_top1 + 1.0)
+
+    def _accept_in(self, b: int, scale: float) -> float:
+        """accept_given for a top-1 probability in tenth b, the calibration scale given."""
+        return (self.bin_hits[b] + 2 * min(1.0, scale * (b + 0.5) / N_BINS)) / (self.bin_trials[b] + 2)
 
     def _draft_cost(self) -> float:
         return self.draft_s if self.draft_s is not None else 0.02 * self.verify_cost(1)
@@ -272,12 +277,12 @@ class DraftLengthPolicy:
         # per tenth of top-1 probability (accept_given depends on nothing finer): what a first row
         # gains, kept where _pays(0, p, 1.0) would keep it (written out: this runs every step, and
         # the policy's Python was ~2 % of a SmolLM2 step), weighed by the recent rows in that tenth
-        scale = (self.judged_hits + 1.0) / (self.judged_top1 + 1.0)
+        scale = self._calibration()
         plain, gated = 1.0 / (v1 + d), v2 + d
         gain = 0.0
         for b, w in enumerate(self.first_weights):
             if w:
-                p = (self.bin_hits[b] + 2 * min(1.0, scale * (b + 0.5) / N_BINS)) / (self.bin_trials[b] + 2)
+                p = self._accept_in(b, scale)
                 gain += w * (1 + p - gated / v1 if (1.0 + p) / gated > plain else -d / v1)
         return gain / sum(self.first_weights)
 
