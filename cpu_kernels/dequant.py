@@ -43,13 +43,16 @@ class RowGather:
         self.tag, self.n_cols, self.row_bytes = type_tag(fmt.qtype), n_cols, fmt.row_bytes(n_cols)
         self.flat, self.n_rows = _flat_rows(raw, self.row_bytes)
 
+    def check_range(self, lo: int, hi: int) -> None:
+        """Row ids from lo to hi (the least and the greatest) are rows of the tensor."""
+        if lo < 0 or hi >= self.n_rows:
+            raise IndexError(f"row id out of range [0, {self.n_rows})")
+
     def __call__(self, row_ids: np.ndarray) -> np.ndarray:
         row_ids = np.asarray(row_ids, dtype=np.int64).reshape(-1)
         few = row_ids.size <= SERIAL_ROWS
         if row_ids.size:
-            lo, hi = (min(ids := row_ids.tolist()), max(ids)) if few else (row_ids.min(), row_ids.max())
-            if lo < 0 or hi >= self.n_rows:
-                raise IndexError(f"row id out of range [0, {self.n_rows})")
+            self.check_range(*((min(ids := row_ids.tolist()), max(ids)) if few else (row_ids.min(), row_ids.max())))
         out = np.empty((row_ids.size, self.n_cols), dtype=np.float32)
         if row_ids.size:
             decode = decode_rows_serial if few else decode_rows

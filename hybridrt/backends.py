@@ -315,18 +315,20 @@ class FusedAttentionBlock:
         return _fused_state(state, self.attn.cache_index, self.attn.spec) if n <= ROWWISE_MAX else None
 
     def __call__(self, h: torch.Tensor, state, pos_list: list[int]) -> torch.Tensor:
-        s = self.attn.spec
         views = self._views(state, len(pos_list))
         if views is None:
             return self.block(h, state, pos_list)
-        k_cache, v_cache, cos, sin = views
-        out = layer_fused.attention_block(
-            _rows_f32(h), numba.get_num_threads(), *self.kernel_types, self.norm, self.post_norm,
-            self.block.post_norm is not None, s.eps, *self.weights, self.q_norm, self.k_norm, s.qk_norm, cos, sin,
-            s.rope.n_rot, s.rope.neox,
-            k_cache, v_cache, pos_list[0], s.n_head, s.n_kv, s.head_dim, s.head_dim_v, s.scale, s.window,
-            s.first_pos)
+        out = layer_fused.attention_block(_rows_f32(h), numba.get_num_threads(), *self.kernel_types,
+                                          *self.kernel_args(views, pos_list[0]))
         return torch.from_numpy(out)
+
+    def kernel_args(self, views: tuple, start: int) -> tuple:
+        """layer_fused.attention_block's arguments after float_path, for tokens from `start` on."""
+        s = self.attn.spec
+        k_cache, v_cache, cos, sin = views
+        return (self.norm, self.post_norm, self.block.post_norm is not None, s.eps, *self.weights, self.q_norm,
+                self.k_norm, s.qk_norm, cos, sin, s.rope.n_rot, s.rope.neox, k_cache, v_cache, start, s.n_head,
+                s.n_kv, s.head_dim, s.head_dim_v, s.scale, s.window, s.first_pos)
 
     def write_kv(self, h: torch.Tensor, state, pos_list: list[int]) -> None:
         """Only the KV rows __call__ would write for h (an MTP head catching up), bit for bit."""
@@ -377,8 +379,8 @@ class FusedMTPStep:
 
     def __init__(self, embedding: "Embedding", embed_scale: float, enorm, hnorm, eh_proj: CpuQuantLinear,
                  attn_half: FusedAttentionBlock, ffn_half: FusedFfnBlock, head_norm, output: CpuQuantLinear, eps: float):
-        g = embedding.gather
-        self.embed, self.n_rows = (g.flat, g.row_bytes, g.tag, g.n_cols), g.n_rows
+        g = self.gather = embedding.gather
+        self.embed = (g.flat, g.row_bytes, g.tag, g.n_cols)
         self.embed_scale, self.eps = float(embed_scale), float(eps)
         self.enorm, self.hnorm, self.head_norm = enorm.numpy(), hnorm.numpy(), head_norm.numpy()
         self.eh, self.head = _fused_operands(eh_proj), _fused_operands(output)
@@ -386,12 +388,6 @@ class FusedMTPStep:
         self.kernel_types = _covering(attn_half.kernel_types, [self.eh, self.head, attn_half.wo,
                                                                 ffn_half.gate, ffn_half.up, ffn_half.down])
         self.ffn_args = ffn_half.args[2:]
-        a, sp = attn_half, attn_half.attn.spec
-        # attention_block's arguments around the session's views and the start position
-        self.attn_before = (a.norm, a.post_norm, a.block.post_norm is not None, sp.eps, *a.weights, a.q_norm, a.k_norm,
-                            sp.qk_norm)
-        self.attn_after = (sp.n_head, sp.n_kv, sp.head_dim, sp.head_dim_v, sp.scale, sp.window, sp.first_pos)
-        self.rope = (sp.rope.n_rot, sp.rope.neox)
 
     def __call__(self, state, tokens: torch.Tensor, hidden: torch.Tensor, start_pos: int,
                  out: torch.Tensor) -> torch.Tensor | None:
@@ -399,20 +395,15 @@ class FusedMTPStep:
         out [1, n_out]; None where this batch takes the separate calls (a prompt-sized batch, an
         AMX tile batch, a cache the fused attention cannot read)."""
         k = tokens.shape[0]
-        a = self.attn_half
-        if k > ROWWISE_MAX or k in self.ffn_half.tile_tokens:
-            return None
-        views = a._views(state, k)
-        if not views:
+        views = self.attn_half._views(state, k)         # None past ROWWISE_MAX tokens, too
+        if views is None or k in self.ffn_half.tile_tokens:
             return None
         ids = tokens.tolist()
-        if min(ids) < 0 or max(ids) >= self.n_rows:
-            raise IndexError(f"token id out of range [0, {self.n_rows})")
-        k_cache, v_cache, cos, sin = views
-        attn = self.attn_before + (cos, sin, *self.rope, k_cache, v_cache, start_pos) + self.attn_after
+        self.gather.check_range(min(ids), max(ids))
         normed = layer_fused.mtp_head_step(self.embed, tokens.numpy(), self.embed_scale, _rows_f32(hidden),
                                            numba.get_num_threads(), *self.kernel_types, self.eps, self.enorm, self.hnorm,
-                                           self.eh, attn, self.ffn_args, self.head_norm, self.head, out.numpy())
+                                           self.eh, self.attn_half.kernel_args(views, start_pos), self.ffn_args,
+                                           self.head_norm, self.head, out.numpy())
         return torch.from_numpy(normed)
 
 

@@ -129,7 +129,7 @@ def compile_head(model: "Model") -> None:
     session = model.session(n_ctx=64, k_max=4)
     session.eval([token] * 5, logits="none")
     hidden = session.hidden
-    row = torch.empty(1, getattr(mtp, "n_out", model.n_vocab))
+    row = torch.empty(1, mtp.n_out)
     for k in (1, 2, 4):     # as MTPSource drafts: draft() (a trained head's one fused call)
         mtp.draft(session.state, torch.full((k,), token, dtype=torch.int64), hidden[:k], 1, out=row)
     mtp.write_kv(session.state, torch.full((4,), token, dtype=torch.int64), hidden[:4], 1)     # a catch-up

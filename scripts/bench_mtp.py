@@ -97,7 +97,7 @@ def step_costs(m, reps: int = 30, k_max: int = 4) -> dict:
     ids = m.tokenize("The history of the printing press begins in the fifteenth century, when")
     s.eval(ids)
     h, pos = s.hidden[-1:], len(ids)
-    row = torch.empty(1, getattr(m.mtp, "n_out", m.n_vocab))
+    row = torch.empty(1, m.mtp.n_out)
     times = {"plain": [], "draft": [], **{f"verify{k}": [] for k in range(1, k_max + 1)}}
     for _ in range(reps):
         t0 = time.perf_counter()

@@ -266,6 +266,7 @@ class MTPHead:
             if w.has(f"{p}.nextn.shared_head_head.weight") else model.output
         self.embed = w.embedding(f"{p}.nextn.embed_tokens.weight") \
             if w.has(f"{p}.nextn.embed_tokens.weight") else model.tok_embd
+        self.n_out = model.n_vocab      # logits rows over the full vocabulary (no draft vocabulary)
 
     def step(self, state: HybridState, tokens: torch.Tensor, hidden: torch.Tensor, start_pos: int,
              logits: bool = True, out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:

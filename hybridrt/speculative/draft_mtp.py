@@ -43,7 +43,7 @@ class MTPSource:
         self.prev_hidden: list[torch.Tensor] = []   # trunk hidden of the position before each
         self.last_hidden: torch.Tensor | None = None    # trunk hidden of the last observed position
         self.draft_ids = getattr(mtp, "draft_ids", None)
-        self.row = torch.empty(1, session.model.n_vocab if self.draft_ids is None else len(self.draft_ids))
+        self.row = torch.empty(1, mtp.n_out)
 
     def observe(self, start: int, tokens: Sequence[int], hidden: torch.Tensor | None) -> None:
         for j, token in enumerate(tokens):
