@@ -37,6 +37,36 @@ class GenerationStats:
         return self.n_decode / self.decode_s if self.decode_s else 0.0
 
 
+@dataclass
+class Output:
+    """The tokens a generation emits and the rules that end it, one place for plain and speculative
+    decoding alike: an end-of-generation token (not emitted), the -n cap, or `on_token` asking to
+    stop. The context's end is the caller's to check: it knows the position of its next forward."""
+    stats: GenerationStats
+    stop_ids: set[int]
+    n_predict: int
+    on_token: Callable[[int], None] | None = None
+    on_logits: Callable[[int, torch.Tensor], None] | None = None
+    tokens: list[int] = field(default_factory=list)
+
+    def emit(self, token: int, row: torch.Tensor) -> bool:
+        """Emit `token`, drawn from the target's logits `row`, unless it ends the generation; True
+        when the generation ends here (stats.stopped_by says why)."""
+        if token in self.stop_ids:
+            self.stats.stopped_by = "eog"
+            return True
+        self.tokens.append(token)
+        if self.on_logits is not None:
+            self.on_logits(token, row)
+        if self.on_token is not None and self.on_token(token):
+            self.stats.stopped_by = "callback"
+            return True
+        if 0 <= self.n_predict <= len(self.tokens):
+            self.stats.stopped_by = "n_predict"
+            return True
+        return False
+
+
 def prefill(session: Session, prompt_ids: list[int], out: torch.Tensor | None = None,
             visit: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
     """Evaluate the prompt; returns the logits row of its last token (in `out` when given).
@@ -82,21 +112,11 @@ def generate(model: Model, session: Session, prompt_ids: list[int], n_predict: i
     logits = prefill(session, prompt_ids, out=logits_buf, visit=on_prompt_row)
     stats.prompt_s = time.perf_counter() - t0
 
-    out: list[int] = []
+    out = Output(stats, stop_ids, n_predict, on_token, on_logits)
     t0 = time.perf_counter()
     while n_predict != 0:
         token = sample_token(logits, sampler, gen)
-        if token in stop_ids:
-            stats.stopped_by = "eog"
-            break
-        out.append(token)
-        if on_logits is not None:
-            on_logits(token, logits)
-        if on_token is not None and on_token(token):
-            stats.stopped_by = "callback"
-            break
-        if 0 <= n_predict <= len(out):
-            stats.stopped_by = "n_predict"
+        if out.emit(token, logits):
             break
         if session.n_past >= session.n_ctx:
             stats.stopped_by = "context"
@@ -106,5 +126,5 @@ def generate(model: Model, session: Session, prompt_ids: list[int], n_predict: i
         stats.stopped_by = "n_predict"     # -n 0: the prompt is evaluated, nothing is generated
     stats.decode_s = time.perf_counter() - t0
     # the first token came from the prompt's logits; decode speed counts the forwards after it
-    stats.n_decode = max(0, len(out) - 1) if stats.stopped_by != "eog" else len(out)
-    return out, stats
+    stats.n_decode = max(0, len(out.tokens) - 1) if stats.stopped_by != "eog" else len(out.tokens)
+    return out.tokens, stats

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from ..errors import UserError
-from ..generate import GenerationStats, visit_prompt_rows
+from ..generate import GenerationStats, Output, visit_prompt_rows
 from ..models.base import Model
 from ..sampling import SamplerConfig, make_generator, sample_token
 from ..session import PROMPT_CHUNK, Session
@@ -147,23 +147,13 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
     certain = sample_token(certain_row, sampler, gen)
     stats.prompt_s = time.perf_counter() - t0
 
-    out: list[int] = []
+    out = Output(stats, stop_ids, n_predict, on_token, on_logits)
     t_start = time.perf_counter()
     while True:
         if n_predict == 0:
             stats.stopped_by = "n_predict"
             break
-        if certain in stop_ids:
-            stats.stopped_by = "eog"
-            break
-        out.append(certain)
-        if on_logits is not None:
-            on_logits(certain, certain_row)
-        if on_token is not None and on_token(certain):
-            stats.stopped_by = "callback"
-            break
-        if 0 <= n_predict <= len(out):
-            stats.stopped_by = "n_predict"
+        if out.emit(certain, certain_row):
             break
         pos = session.n_past
         if pos >= session.n_ctx:
@@ -176,7 +166,7 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
         # drafts past the -n cap or the context could never be emitted
         room = min(chosen, session.n_ctx - pos - 1)
         if n_predict >= 0:
-            room = min(room, n_predict - len(out))
+            room = min(room, n_predict - len(out.tokens))
 
         if source is not None and room > 0 and plain_run >= CATCH_UP_AFTER:
             # what the source deferred over the prompt and a run of plain steps: not this draft's
@@ -204,21 +194,11 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
 
         # emit the kept drafts up to a stop token or the cap; the rest of the window is undone
         kept = draft.tokens[:verdict.n_accepted]
-        n_emit = 0
-        for token in kept:
-            if token in stop_ids:
-                stats.stopped_by = "eog"
+        n_before = len(out.tokens)
+        for i, token in enumerate(kept):
+            if out.emit(token, logits[i]):      # row i verified draft i + 1
                 break
-            out.append(token)
-            if on_logits is not None:
-                on_logits(token, logits[n_emit])      # row i verified draft i + 1
-            n_emit += 1
-            if on_token is not None and on_token(token):
-                stats.stopped_by = "callback"
-                break
-            if 0 <= n_predict <= len(out):
-                stats.stopped_by = "n_predict"
-                break
+        n_emit = len(out.tokens) - n_before
         if session.n_past > pos + 1 + n_emit:
             session.truncate(pos + 1 + n_emit)
         if source is not None:
@@ -238,5 +218,5 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
         certain, certain_row = verdict.next_token, logits[verdict.n_accepted]
     stats.decode_s = time.perf_counter() - t_start
     spec_stats.other_s = max(0.0, stats.decode_s - spec_stats.draft_s - spec_stats.verify_s)
-    stats.n_decode = max(0, len(out) - 1) if stats.stopped_by != "eog" else len(out)
-    return out, stats
+    stats.n_decode = max(0, len(out.tokens) - 1) if stats.stopped_by != "eog" else len(out.tokens)
+    return out.tokens, stats
