@@ -66,6 +66,14 @@ class Output:
             return True
         return False
 
+    @property
+    def n_decode(self) -> int:
+        """The forwards decode speed counts: the first token came from the prompt's logits, and each
+        emitted token had a forward after it but the last, unless an end-of-generation token
+        (drawn from the last one's forward) ended the generation."""
+        n = len(self.tokens)
+        return n if self.stats.stopped_by == "eog" else max(0, n - 1)
+
 
 def prefill(session: Session, prompt_ids: list[int], out: torch.Tensor | None = None,
             visit: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
@@ -125,6 +133,5 @@ def generate(model: Model, session: Session, prompt_ids: list[int], n_predict: i
     else:
         stats.stopped_by = "n_predict"     # -n 0: the prompt is evaluated, nothing is generated
     stats.decode_s = time.perf_counter() - t0
-    # the first token came from the prompt's logits; decode speed counts the forwards after it
-    stats.n_decode = max(0, len(out.tokens) - 1) if stats.stopped_by != "eog" else len(out.tokens)
+    stats.n_decode = out.n_decode
     return out.tokens, stats

@@ -218,5 +218,5 @@ def speculative_generate(model: Model, session: Session, prompt_ids: list[int], 
         certain, certain_row = verdict.next_token, logits[verdict.n_accepted]
     stats.decode_s = time.perf_counter() - t_start
     spec_stats.other_s = max(0.0, stats.decode_s - spec_stats.draft_s - spec_stats.verify_s)
-    stats.n_decode = max(0, len(out.tokens) - 1) if stats.stopped_by != "eog" else len(out.tokens)
+    stats.n_decode = out.n_decode
     return out.tokens, stats
