@@ -7,10 +7,16 @@ use files built by this script:
 * tiny models with random weights (``qwen35`` and ``qwen35moe`` with optional MTP block,
   ``qwen3``, ``llama``, ``gemma3``, ``qwen3next``), f32 / q8_0 / q4_k_m / iq4_xs mixes, deterministic for
   a seed, loadable by llama.cpp and by hybridrt;
-* full-size *sparse* files (``--preset qwen3.6-27b-mtp --sparse``,
-  ``--preset qwen3.6-35b-a3b --sparse``): the complete header, metadata, tokenizer and tensor
-  table of a Q4_K_M file, with the data region left as a hole (``truncate``), so the file has its
-  real apparent size (~16.6 GB for the 27B) but takes a few MB on disk.
+* full-size preset files (``--preset qwen3.6-27b-mtp``, ``--preset qwen3.6-35b-a3b``): the
+  complete header, metadata, tokenizer and tensor table of a Q4_K_M file (~16.8 GB for the 27B,
+  ~21.7 GB for the 35B-A3B) with random data that runs: quantized blocks with valid f16 scales,
+  sized like ``draw_tensor``'s weights (matrices ~ 1/sqrt(row length), residual writes further
+  / sqrt(2 * block_count), the embedding 0.5), taken from a few MB of random blocks per type and
+  scale (:class:`BlockPools`), so the file is written at about disk speed; float32 tensors are
+  ``draw_tensor``'s. Same ``--seed``, same bytes. ``--sparse`` writes the same header and table
+  with the data region left as a hole (``truncate``): the real apparent size in a few MB of disk.
+  ``--layers N`` keeps only N trunk layers (the per-layer shapes and the MTP block stay), for
+  machines whose RAM cannot hold the whole file.
 
 Layout facts (checked against llama.cpp's ``src/models/qwen35.cpp`` loader, ``gguf-py`` constants,
 the converter's Qwen3.5 path and ``src/llama-quant.cpp``):
@@ -53,12 +59,17 @@ the converter's Qwen3.5 path and ``src/llama-quant.cpp``):
   Q8_0, attn_output Q5_K) are not modelled: the files here have 16 or 256 experts.
 
 Importing from tests: ``tests/conftest.py`` puts ``scripts/`` on ``sys.path`` and does
-``import make_model``; use ``make_model.write_model(...)`` / ``make_model.write_sparse_preset(...)``.
+``import make_model``; use ``make_model.write_model(...)``, ``make_model.write_preset(...)`` /
+``make_model.write_sparse_preset(...)``, or ``make_model.write_preset_dims(...)`` for a preset's
+layout at reduced dims (``dataclasses.replace`` of its :class:`ModelDims`).
 
-CLI::
+CLI (errors are one ``error: ...`` line on stderr, exit status 2; a preset's progress goes to
+stderr, the path written to stdout)::
 
+    python scripts/make_model.py --preset qwen3.6-27b-mtp --out /work/models/q36-27b.gguf
+    python scripts/make_model.py --preset qwen3.6-35b-a3b --layers 20 --seed 1 --out /tmp/a3b-l20.gguf
     python scripts/make_model.py --preset qwen3.6-27b-mtp --sparse --out /tmp/q36.gguf
-    python scripts/make_model.py --preset qwen3.6-35b-a3b --sparse --out /tmp/q36moe.gguf
+    python scripts/make_model.py --preset qwen3.6-35b-a3b --sparse --layers 4 --out /tmp/q36moe.gguf
     python scripts/make_model.py --arch qwen35moe --mtp --mix q4_k_m --out /tmp/tiny-moe.gguf
     python scripts/make_model.py --arch qwen35 --mtp --mix f32 --seed 0 --out /tmp/tiny.gguf
     python scripts/make_model.py --arch llama --dims n_embd=128,n_layer=4 --out /tmp/l.gguf
@@ -68,6 +79,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import sys
+import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -516,36 +530,6 @@ def _add_metadata(w: gguf.GGUFWriter, d: ModelDims, tok: Tokenizer, mix: str) ->
     w.add_chat_template(tok.chat_template)
 
 
-# ---------------------------------------------------------------- sparse preset
-
-def write_sparse_preset(path: str | Path, preset: str = "qwen3.6-27b-mtp") -> Path:
-    """Header, metadata, tokenizer and tensor table of a full-size file; data left as a hole."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
-    d, mix = PRESETS[preset]
-    path = Path(path)
-    tok = generated_tokenizer(d.arch, d.n_vocab)
-    specs = tensor_table(d)
-    types = assign_types(specs, mix, d)
-    w = gguf.GGUFWriter(path, d.arch)
-    _add_metadata(w, d, tok, mix)
-    for s, t in zip(specs, types):
-        # element shape in numpy order; a non-uint8 dtype tells the writer it is not a byte shape
-        w.add_tensor_info(s.name, tuple(reversed(s.ne)), np.dtype(np.float32),
-                          tensor_nbytes(s.ne, t), raw_dtype=t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    assert w.fout is not None
-    f = w.fout[0]
-    data_start = gguf.GGUFWriter.ggml_pad(f.tell(), w.data_alignment)
-    data_size = sum(gguf.GGUFWriter.ggml_pad(tensor_nbytes(s.ne, t), w.data_alignment)
-                    for s, t in zip(specs, types))
-    f.truncate(data_start + data_size)
-    w.close()
-    return path
-
-
 # ---------------------------------------------------------------- tiny models with weights
 
 def tiny_dims(arch: str, mtp: bool = False, mix: str = "f32", overrides: dict | None = None) -> ModelDims:
@@ -566,13 +550,17 @@ def tiny_dims(arch: str, mtp: bool = False, mix: str = "f32", overrides: dict | 
     return dataclasses.replace(d, **(overrides or {}))
 
 
+# matrices that write into the residual stream: their spread is scaled down by the depth
+_RESIDUAL_WRITES = ("ssm_out.weight", "attn_output.weight", "ffn_down.weight",
+                    "ffn_down_exps.weight", "ffn_down_shexp.weight")
+
+
 def draw_tensor(spec: TensorSpec, rng: np.random.Generator, d: ModelDims) -> np.ndarray:
     """Random float32 weights with realistic scales, numpy shape = reversed ggml shape."""
     shape = tuple(reversed(spec.ne))
     if spec.kind in ("matrix", "qkv"):      # keeps activations O(1) through each projection
         x = rng.standard_normal(shape) / np.sqrt(spec.ne[0])
-        if spec.name.endswith(("ssm_out.weight", "attn_output.weight", "ffn_down.weight",
-                               "ffn_down_exps.weight", "ffn_down_shexp.weight")):
+        if spec.name.endswith(_RESIDUAL_WRITES):
             x /= np.sqrt(2 * d.block_count)      # GPT-2 style: residual writes scaled by depth
     elif spec.kind == "router":    # logits of O(1) spread, so the top-k choice is rarely a near tie
         x = 2.0 * rng.standard_normal(shape) / np.sqrt(spec.ne[0])
@@ -644,6 +632,188 @@ def write_model(path: str | Path, arch: str, mtp: bool = False, mix: str = "f32"
     return path
 
 
+# ---------------------------------------------------------------- preset files (full size)
+
+POOL_BYTES = 8 << 20          # per quant type and scale: random blocks the tensors take rows from
+PROGRESS_BYTES = 2 << 30      # a progress line this often
+
+# Where a block keeps its f16 scale: the offset of d, then (offset, multiple of d) of the f16
+# fields that centre the block's values on zero (Q4_1/Q5_1 m = -centre*d, Q4_K/Q5_K dmin with
+# every sub-block's min equal to its scale). F16 is a "block" of one value that is its own d.
+_SCALE_FIELDS: dict[QT, tuple[int, tuple[tuple[int, float], ...]]] = {
+    QT.F16: (0, ()), QT.Q4_0: (0, ()), QT.Q5_0: (0, ()), QT.Q8_0: (0, ()),
+    QT.IQ4_NL: (0, ()), QT.IQ4_XS: (0, ()),
+    QT.Q4_1: (0, ((2, -7.5),)), QT.Q5_1: (0, ((2, -15.5),)),
+    QT.Q4_K: (0, ((2, 7.5),)), QT.Q5_K: (0, ((2, 15.5),)), QT.Q6_K: (208, ()),
+}
+
+
+def preset_dims(preset: str, layers: int | None = None) -> tuple[ModelDims, str]:
+    """A preset's dims and mix; ``layers``: keep only that many trunk layers (the MTP block and the
+    per-layer shapes stay, ``full_attention_interval`` keeps its pattern: 4 layers = 3 GDN + 1
+    attention)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
+    d, mix = PRESETS[preset]
+    if layers is not None:
+        if not 1 <= layers <= d.n_layer:
+            raise ValueError(f"--layers {layers}: {preset} has 1 to {d.n_layer} trunk layers")
+        d = dataclasses.replace(d, n_layer=layers)
+    return d, mix
+
+
+def weight_std(spec: TensorSpec, d: ModelDims) -> float:
+    """The spread :func:`draw_tensor` gives a matrix, embedding or router."""
+    if spec.kind == "embd":
+        return 0.5
+    if spec.kind == "router":
+        return 2.0 / np.sqrt(spec.ne[0])
+    if spec.kind not in ("matrix", "qkv"):
+        raise ValueError(f"{spec.name}: kind {spec.kind} is drawn as float32")
+    std = 1.0 / np.sqrt(spec.ne[0])
+    return std / np.sqrt(2 * d.block_count) if spec.name.endswith(_RESIDUAL_WRITES) else std
+
+
+def _pack_k_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Q4_K / Q5_K: six-bit scales and mins [n, 8] -> the 12 packed bytes of each block [n, 12]."""
+    q = np.empty((len(sc), 12), np.uint8)
+    q[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    q[:, 4:8] = (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6)
+    q[:, 8:12] = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
+    return q
+
+
+class BlockPools:
+    """Random quantized blocks with valid scales, a few MB per (type, weight spread).
+
+    Per type: random quants (and sub-block scales of a moderate range, mins equal to the scales so
+    the values centre on zero), each block's f16 d drawn around 1; the rms of those blocks'
+    values (gguf-py's dequantize of a sample) calibrates d so that a pool scaled for ``std``
+    dequantizes to values of that rms. Tensors take their rows from a pool starting at a random
+    block (wrapping around), so writing costs no more than copying memory to the file."""
+
+    def __init__(self, seed: int, pool_bytes: int = POOL_BYTES):
+        self.seed, self.pool_bytes = seed, pool_bytes
+        self._unit: dict[QT, tuple[np.ndarray, np.ndarray, float]] = {}
+        self._scaled: dict[tuple[QT, float], np.ndarray] = {}
+
+    def _unit_pool(self, qtype: QT) -> tuple[np.ndarray, np.ndarray, float]:
+        if qtype not in self._unit:
+            if qtype not in _SCALE_FIELDS:
+                raise ValueError(f"no random blocks for {qtype.name}")
+            rng = np.random.default_rng([self.seed, 0, int(qtype)])
+            size = GGML_QUANT_SIZES[qtype][1]
+            n = max(1, self.pool_bytes // size)
+            blocks = rng.integers(0, 256, (n, size), dtype=np.uint8)
+            d = rng.standard_normal(n) if qtype == QT.F16 else rng.uniform(0.75, 1.25, n)
+            if qtype in (QT.Q4_K, QT.Q5_K):
+                sc = rng.integers(8, 32, (n, 8), dtype=np.uint8)
+                blocks[:, 4:16] = _pack_k_scales(sc, sc)
+            elif qtype == QT.Q6_K:      # int8 sub-block scales of either sign
+                sc = rng.integers(8, 32, (n, 16)) * rng.choice(np.array([-1, 1]), (n, 16))
+                blocks[:, 192:208] = sc.astype(np.int8).view(np.uint8)
+            _set_scales(blocks, qtype, d)
+            x = gguf.quants.dequantize(blocks[:4096], qtype)
+            self._unit[qtype] = blocks, d, float(np.sqrt(np.mean(np.square(x, dtype=np.float64))))
+        return self._unit[qtype]
+
+    def blocks(self, qtype: QT, std: float) -> np.ndarray:
+        """[n, type_size] uint8 blocks whose dequantized values have rms ``std``."""
+        key = (qtype, float(std))
+        if key not in self._scaled:
+            unit, d, rms = self._unit_pool(qtype)
+            blocks = unit.copy()
+            _set_scales(blocks, qtype, d * (std / rms))
+            self._scaled[key] = blocks
+        return self._scaled[key]
+
+    def write(self, f, qtype: QT, std: float, nbytes: int, rng: np.random.Generator) -> None:
+        """``nbytes`` of blocks of rms ``std`` to ``f``, from a random block of the pool on."""
+        pool = self.blocks(qtype, std)
+        data = memoryview(pool.reshape(-1))
+        pos = int(rng.integers(len(pool))) * pool.shape[1]
+        while nbytes:
+            k = min(nbytes, len(data) - pos)
+            f.write(data[pos:pos + k])
+            nbytes -= k
+            pos = 0
+
+
+def _set_scales(blocks: np.ndarray, qtype: QT, d: np.ndarray) -> None:
+    off, centring = _SCALE_FIELDS[qtype]
+    d16 = d.astype(np.float16)
+    blocks[:, off:off + 2] = d16.view(np.uint8).reshape(-1, 2)
+    for o, mult in centring:
+        blocks[:, o:o + 2] = (d16.astype(np.float64) * mult).astype(np.float16).view(np.uint8).reshape(-1, 2)
+
+
+def write_preset_dims(path: str | Path, d: ModelDims, mix: str, sparse: bool = False, seed: int = 0,
+                      log=None) -> Path:
+    """A ``mix`` file of dims ``d`` with a generated tokenizer of ``d.n_vocab`` tokens.
+
+    ``sparse``: the data region is a hole. Otherwise every tensor gets random data: quantized
+    tensors rows of :class:`BlockPools` blocks scaled to :func:`weight_std`, float32 ones
+    :func:`draw_tensor`'s values; same seed, same bytes. The header and tensor table are the same
+    either way. The data streams to the file tensor by tensor (a few tens of MB of memory);
+    ``log(line)`` gets a progress line every ``PROGRESS_BYTES`` and a last one with the rate."""
+    path = Path(path)
+    tok = generated_tokenizer(d.arch, d.n_vocab)
+    specs = tensor_table(d)
+    types = assign_types(specs, mix, d)
+    w = gguf.GGUFWriter(path, d.arch)
+    _add_metadata(w, d, tok, mix)
+    for s, t in zip(specs, types):
+        # element shape in numpy order; a non-uint8 dtype tells the writer it is not a byte shape
+        w.add_tensor_info(s.name, tuple(reversed(s.ne)), np.dtype(np.float32),
+                          tensor_nbytes(s.ne, t), raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    assert w.fout is not None
+    f = w.fout[0]
+    align = w.data_alignment
+    data_start = gguf.GGUFWriter.ggml_pad(f.tell(), align)
+    sizes = [tensor_nbytes(s.ne, t) for s, t in zip(specs, types)]
+    data_size = sum(gguf.GGUFWriter.ggml_pad(n, align) for n in sizes)
+    if sparse:
+        f.truncate(data_start + data_size)
+        w.close()
+        return path
+    f.write(bytes(data_start - f.tell()))
+    pools = BlockPools(seed)
+    t0, done, next_log = time.perf_counter(), 0, PROGRESS_BYTES
+    for s, t, n in zip(specs, types, sizes):
+        rng = np.random.default_rng([seed, 1, zlib.crc32(s.name.encode())])
+        if t == QT.F32:     # norms, conv kernels, ssm_a, dt_bias, routers: small
+            f.write(draw_tensor(s, rng, d).tobytes())
+        else:
+            pools.write(f, t, weight_std(s, d), n, rng)
+        f.write(bytes(gguf.GGUFWriter.ggml_pad(n, align) - n))
+        done += n
+        if log is not None and done >= next_log:
+            log(f"{done / 1e9:7.1f} / {data_size / 1e9:.1f} GB  "
+                f"{done / 1e9 / (time.perf_counter() - t0):.2f} GB/s")
+            next_log += PROGRESS_BYTES
+    w.close()
+    if log is not None:
+        dt = time.perf_counter() - t0
+        log(f"wrote {data_size / 1e9:.2f} GB of tensor data in {dt:.1f} s "
+            f"({data_size / 1e9 / dt:.2f} GB/s)")
+    return path
+
+
+def write_preset(path: str | Path, preset: str = "qwen3.6-27b-mtp", sparse: bool = False,
+                 seed: int = 0, layers: int | None = None, log=None) -> Path:
+    """A preset's file (see :func:`preset_dims` for ``layers``, :func:`write_preset_dims`)."""
+    d, mix = preset_dims(preset, layers)
+    return write_preset_dims(path, d, mix, sparse=sparse, seed=seed, log=log)
+
+
+def write_sparse_preset(path: str | Path, preset: str = "qwen3.6-27b-mtp") -> Path:
+    """Header, metadata, tokenizer and tensor table of a full-size file; data left as a hole."""
+    return write_preset(path, preset, sparse=True)
+
+
 # ---------------------------------------------------------------- CLI
 
 def parse_dims(text: str) -> dict:
@@ -653,7 +823,7 @@ def parse_dims(text: str) -> dict:
     for item in filter(None, (t.strip() for t in text.split(","))):
         key, _, value = item.partition("=")
         if key not in fields:
-            raise SystemExit(f"unknown dim {key!r}; known: {', '.join(fields)}")
+            raise ValueError(f"unknown dim {key!r}; known: {', '.join(fields)}")
         if key == "rope_sections":
             out[key] = tuple(int(v) for v in value.split(":"))
         elif key in ("rope_base", "rms_eps"):
@@ -667,26 +837,51 @@ def parse_dims(text: str) -> dict:
     return out
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):      # one line, no usage block
+        _fail(message)
+
+
+def _fail(message: str):
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = _Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--preset", choices=sorted(PRESETS))
-    ap.add_argument("--sparse", action="store_true", help="with --preset: leave the data as a hole")
-    ap.add_argument("--arch", choices=ARCHS)
+    ap.add_argument("--preset", choices=sorted(PRESETS),
+                    help="a full-size Q4_K_M file: random weights with valid scales (~17 GB for "
+                         "the 27B, ~22 GB for the 35B-A3B), written at about disk speed")
+    ap.add_argument("--sparse", action="store_true",
+                    help="with --preset: header and tensor table only, the data region a hole")
+    ap.add_argument("--layers", type=int, metavar="N",
+                    help="with --preset: only N trunk layers (same shapes; the MTP block stays; "
+                         "4 = 3 GDN + 1 attention)")
+    ap.add_argument("--arch", choices=ARCHS, help="a tiny model of this architecture")
     ap.add_argument("--mtp", action="store_true", help="qwen35, qwen35moe: append one MTP (NextN) block")
-    ap.add_argument("--mix", choices=MIXES, default="f32")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dims", default="", help="overrides, e.g. n_embd=256,n_ff=512,n_layer=4")
+    ap.add_argument("--mix", choices=MIXES, default="f32", help="tiny models' quantization mix")
+    ap.add_argument("--seed", type=int, default=0, help="weights (tiny models and --preset files)")
+    ap.add_argument("--dims", default="", help="tiny models: overrides, e.g. n_embd=256,n_ff=512,n_layer=4")
     args = ap.parse_args(argv)
-    if args.preset:
-        if not args.sparse:
-            raise SystemExit("--preset files are full size: pass --sparse")
-        path = write_sparse_preset(args.out, args.preset)
-    elif args.arch:
-        path = write_model(args.out, args.arch, mtp=args.mtp, mix=args.mix, seed=args.seed,
-                           dims=parse_dims(args.dims))
-    else:
-        raise SystemExit("pass --preset NAME --sparse or --arch ARCH")
+    if args.preset and args.arch:
+        _fail("pass --preset or --arch, not both")
+    if not args.preset and (args.sparse or args.layers is not None):
+        _fail(f"{'--sparse' if args.sparse else '--layers'} needs --preset")
+    if args.preset and (args.mtp or args.dims or args.mix != "f32"):
+        _fail("--mtp, --mix and --dims are for --arch models; a preset fixes them")
+    try:
+        if args.preset:
+            log = None if args.sparse else (lambda line: print(line, file=sys.stderr, flush=True))
+            path = write_preset(args.out, args.preset, sparse=args.sparse, seed=args.seed,
+                                layers=args.layers, log=log)
+        elif args.arch:
+            path = write_model(args.out, args.arch, mtp=args.mtp, mix=args.mix, seed=args.seed,
+                               dims=parse_dims(args.dims))
+        else:
+            _fail("pass --preset NAME [--sparse] [--layers N] or --arch ARCH")
+    except (ValueError, OSError) as e:
+        _fail(str(e))
     print(path)
 
 

@@ -224,3 +224,162 @@ def test_existing_archs_keep_their_bytes(tmp_path):
     for (arch, mix), digest in want.items():
         path = make_model.write_model(tmp_path / f"{arch}-{mix}.gguf", arch, mix=mix, seed=1)
         assert hashlib.sha256(path.read_bytes()).hexdigest()[:16] == digest, (arch, mix)
+
+
+# ---------------------------------------------------------------- full-size preset files
+
+def _reduced(preset: str, n_layer: int = 4):
+    """A preset's layout at a width and vocabulary a test writes and runs in a second; every row
+    length stays a multiple of 256, so the Q4_K_M mix keeps its K-quants."""
+    import dataclasses
+
+    d, mix = make_model.PRESETS[preset]
+    small = dict(n_embd=256, n_ff=512, n_head=2, n_head_kv=1, n_vocab=1024, n_layer=n_layer,
+                 ssm_k_heads=2, ssm_v_heads=2 * d.ssm_v_heads // d.ssm_k_heads)
+    if d.n_expert:
+        small.update(n_expert=16, n_expert_used=4, n_ff_exp=256, n_ff_shexp=256)
+    return dataclasses.replace(d, **small), mix
+
+
+def _layout(d, mix):
+    """(spec, type, offset in the data region, nbytes) per tensor, and the data region's size."""
+    specs = make_model.tensor_table(d)
+    out, off = [], 0
+    for s, t in zip(specs, make_model.assign_types(specs, mix, d)):
+        n = make_model.tensor_nbytes(s.ne, t)
+        out.append((s, t, off, n))
+        off += gguf.GGUFWriter.ggml_pad(n, 32)
+    return out, off
+
+
+def _check_magnitudes(path, d, mix, rows: int = 4, names=None):
+    """The first rows of each quantized tensor dequantize to finite values whose rms is within a
+    factor 2 of weight_std; F32 tensors are finite."""
+    layout, data_size = _layout(d, mix)
+    start = os.path.getsize(path) - data_size
+    raw = np.memmap(path, np.uint8, "r")
+    n_checked = 0
+    for s, t, off, n in layout:
+        if names is not None and s.name not in names:
+            continue
+        row_bytes = make_model.tensor_nbytes((s.ne[0],), t)
+        k = min(rows, n // row_bytes)
+        x = gguf.quants.dequantize(np.array(raw[start + off:start + off + k * row_bytes]).reshape(k, -1), t)
+        assert x.shape == (k, s.ne[0]) and np.all(np.isfinite(x)), s.name
+        if t != QT.F32:
+            rms = np.sqrt(np.mean(np.square(x, dtype=np.float64), axis=1))
+            target = make_model.weight_std(s, d)
+            assert np.all((rms > target / 2) & (rms < target * 2)), (s.name, t.name, rms, target)
+            n_checked += 1
+    return n_checked
+
+
+@pytest.mark.parametrize("preset", sorted(make_model.PRESETS))
+def test_preset_data_is_deterministic_and_matches_the_sparse_table(tmp_path, preset):
+    d, mix = _reduced(preset)
+    a = make_model.write_preset_dims(tmp_path / "a.gguf", d, mix, seed=5)
+    b = make_model.write_preset_dims(tmp_path / "b.gguf", d, mix, seed=5)
+    c = make_model.write_preset_dims(tmp_path / "c.gguf", d, mix, seed=6)
+    s = make_model.write_preset_dims(tmp_path / "s.gguf", d, mix, sparse=True)
+    assert a.read_bytes() == b.read_bytes()
+    r, rs = gguf.GGUFReader(a), gguf.GGUFReader(s)
+    assert os.path.getsize(a) == os.path.getsize(s) == os.path.getsize(c)
+    assert r.data_offset == rs.data_offset
+    assert a.read_bytes()[:r.data_offset] == s.read_bytes()[:r.data_offset]    # same header and table
+    assert [(x.name, x.tensor_type, int(x.data_offset)) for x in r.tensors] == \
+        [(x.name, x.tensor_type, int(x.data_offset)) for x in rs.tensors]
+    assert not np.any(np.memmap(s, np.uint8, "r")[r.data_offset:])              # sparse: a hole
+    tc = {x.name: np.asarray(x.data) for x in gguf.GGUFReader(c).tensors}
+    for x in r.tensors:         # another seed, other data in every tensor
+        assert not np.array_equal(np.asarray(x.data), tc[x.name]), x.name
+    kv = {k: f.contents() for k, f in r.fields.items() if k.endswith(".block_count")}
+    assert list(kv.values()) == [d.n_layer + 1]
+    # the offsets _layout computes are the file's, so the slow test can read the 27B without a reader
+    layout, _ = _layout(d, mix)
+    assert [r.data_offset + off for _, _, off, _ in layout] == \
+        [int(x.data_offset) for x in r.tensors]
+
+
+@pytest.mark.parametrize("preset", sorted(make_model.PRESETS))
+def test_preset_weights_have_valid_scales(tmp_path, preset):
+    d, mix = _reduced(preset)
+    path = make_model.write_preset_dims(tmp_path / "m.gguf", d, mix, seed=1)
+    assert _check_magnitudes(path, d, mix) >= 20
+    t = {x.name: np.asarray(x.data) for x in gguf.GGUFReader(path).tensors}
+    assert np.all(t["blk.0.ssm_a"] < 0) and np.all(np.abs(t["blk.0.ssm_dt.bias"]) <= 1)
+    assert abs(float(np.mean(t["output_norm.weight"])) - 1) < 0.1
+
+
+def test_block_pools_cover_the_fallback_types():
+    """Every type the pools know dequantizes to finite values of the asked rms, centred on zero."""
+    pools = make_model.BlockPools(seed=0, pool_bytes=1 << 16)
+    for qtype in make_model._SCALE_FIELDS:
+        x = gguf.quants.dequantize(pools.blocks(qtype, 0.01), qtype)
+        rms = float(np.sqrt(np.mean(np.square(x, dtype=np.float64))))
+        assert np.all(np.isfinite(x)) and 0.009 < rms < 0.011, (qtype.name, rms)
+        assert abs(float(np.mean(x))) < 0.25 * rms, qtype.name
+
+
+@pytest.mark.parametrize("preset", sorted(make_model.PRESETS))
+def test_reduced_preset_loads_and_runs(tmp_path, preset, single_thread):
+    from hybridrt.loader import load_model
+
+    d, mix = _reduced(preset)
+    model = load_model(make_model.write_preset_dims(tmp_path / "m.gguf", d, mix, seed=2))
+    logits = model.session(16).eval([1, 2, 3]).numpy()
+    assert logits.shape == (3, d.n_vocab) and np.all(np.isfinite(logits))
+    assert 0.1 < float(logits.std()) < 100
+
+
+def test_layers_keeps_the_pattern_and_the_mtp_block():
+    d, mix = make_model.preset_dims("qwen3.6-27b-mtp", layers=4)
+    assert d.block_count == 5 and d.n_embd == 5120 and d.n_ff == 17408
+    names = {s.name for s in make_model.tensor_table(d)}
+    assert [i for i in range(4) if f"blk.{i}.attn_qkv.weight" in names] == [0, 1, 2]
+    assert [i for i in range(5) if f"blk.{i}.attn_q.weight" in names] == [3, 4]
+    assert "blk.4.nextn.eh_proj.weight" in names and "blk.5.attn_norm.weight" not in names
+    d, _ = make_model.preset_dims("qwen3.6-35b-a3b", layers=2)
+    assert d.block_count == 3 and "blk.2.ffn_down_exps.weight" in {s.name for s in make_model.tensor_table(d)}
+    for bad in (0, -1, 65):
+        with pytest.raises(ValueError):
+            make_model.preset_dims("qwen3.6-27b-mtp", layers=bad)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "qwen3.6-27b-mtp", "--layers", "0"], "--layers 0"),
+    (["--sparse"], "--sparse needs --preset"),
+    (["--layers", "2", "--arch", "qwen35"], "--layers needs --preset"),
+    (["--preset", "qwen3.6-27b-mtp", "--arch", "qwen35"], "not both"),
+    (["--preset", "qwen3.6-27b-mtp", "--mix", "q8_0"], "a preset fixes them"),
+    (["--preset", "nope"], "invalid choice"),
+    (["--arch", "llama", "--dims", "bogus=1"], "unknown dim"),
+    ([], "pass --preset"),
+])
+def test_cli_errors_are_one_line(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        make_model.main(argv + ["--out", str(tmp_path / "x.gguf")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.slow
+def test_cli_full_preset_one_layer(tmp_path, capsys):
+    """The real 27B at --layers 1 (~2.2 GB): the sparse file's header and table, real data behind
+    it with the target magnitudes in the embedding, the Q6_K head and the depth-scaled ffn_down."""
+    full, sparse = tmp_path / "full.gguf", tmp_path / "sparse.gguf"
+    make_model.main(["--preset", "qwen3.6-27b-mtp", "--layers", "1", "--seed", "3", "--out", str(full)])
+    out, err = capsys.readouterr()
+    assert out.strip() == str(full) and "GB/s" in err
+    make_model.main(["--preset", "qwen3.6-27b-mtp", "--layers", "1", "--sparse", "--out", str(sparse)])
+    d, mix = make_model.preset_dims("qwen3.6-27b-mtp", layers=1)
+    _, data_size = _layout(d, mix)
+    size = os.path.getsize(full)
+    assert size == os.path.getsize(sparse) and 2.0e9 < size < 2.5e9
+    start = size - data_size
+    with open(full, "rb") as f, open(sparse, "rb") as g:
+        assert f.read(start) == g.read(start)
+    assert os.stat(full).st_blocks * 512 >= data_size
+    assert _check_magnitudes(full, d, mix, rows=8, names={
+        "token_embd.weight", "output.weight", "blk.0.ffn_down.weight", "blk.0.attn_qkv.weight",
+        "blk.1.nextn.eh_proj.weight", "blk.1.attn_output.weight"}) == 6
