@@ -36,7 +36,7 @@ from numba.extending import overload
 from numba.core.errors import NumbaPerformanceWarning
 
 from .blocks import decode_rows_serial
-from .ffn import _act_times, ffn_glu
+from .ffn import _act_times, _exp, ffn_glu
 from .formats import format_of
 from .matvec import tile_products
 from .matvec_amx import MAX_TOKENS, uses_amx
@@ -341,33 +341,43 @@ def attention_kv(h, n_threads, int_types, float_path, attn_norm, eps, wk, tk, ek
 @njit(cache=CACHE, nogil=True)
 def attention_block(h, n_threads, int_types, float_path, attn_norm, post_norm, has_post, eps,
                     wq, tq, eq, iq, wk, tk, ek, ik, wv, tv, ev, iv, wo, to, eo, io,
-                    q_norm, k_norm, qk_norm, cos, sin, n_rot, neox,
+                    q_norm, k_norm, qk_norm, gated, cos, sin, n_rot, neox,
                     k_cache, v_cache, start, n_head, n_kv, d, dv, scale, window, first):
     """h (k, n_embd) float32 at positions start .. start+k-1 -> h + attention(h), writing the
     k new key/value rows into the caches (n_ctx, n_kv, d): float32, float16 as uint16 bits, or q8_0
     blocks uint8 (n_ctx, n_kv, d / 32, 34). Weights: raw ggml rows
     (readonly uint8, one type each), with e*/i* as `_project` takes them; int_types, float_path:
-    `kernel_types` of (at least) these matrices."""
+    `kernel_types` of (at least) these matrices. gated (qwen35): wq's rows hold [q_h | gate_h] per
+    head, and each head's output is multiplied by sigmoid(gate_h) before the output projection."""
     k, n_embd = h.shape
     nq, nk = n_head * d, n_kv * d
+    nq_rows = 2 * nq if gated else nq
     x = rms_norm_rows(h, attn_norm, eps)
-    qkv = np.empty((k, nq + nk + n_kv * dv), np.float32)
-    _project(n_threads, int_types, float_path, wq, tq, eq, iq, nq, wk, tk, ek, ik, nk, wv, tv, ev, iv, n_kv * dv,
-             x, qkv)
+    qkv = np.empty((k, nq_rows + nk + n_kv * dv), np.float32)
+    _project(n_threads, int_types, float_path, wq, tq, eq, iq, nq_rows, wk, tk, ek, ik, nk, wv, tv, ev, iv,
+             n_kv * dv, x, qkv)
     q = np.empty((k, nq), np.float32)
     for t in range(k):
         pos = start + t
-        for c in range(nq):
-            q[t, c] = qkv[t, c]
+        for hd in range(n_head):
+            src = hd * 2 * d if gated else hd * d
+            for i in range(d):
+                q[t, hd * d + i] = qkv[t, src + i]
         for hd in range(n_head):
             if qk_norm:
                 r = _rms_scale(q[t], hd * d, d, eps)
                 for i in range(d):
                     q[t, hd * d + i] = (q[t, hd * d + i] * r) * q_norm[i]
             _rotate(q[t], hd * d, cos, sin, pos, n_rot, neox)
-    _store_kv(qkv, nq, k_norm, qk_norm, eps, cos, sin, n_rot, neox, k_cache, v_cache, start, n_kv, d, dv)
+    _store_kv(qkv, nq_rows, k_norm, qk_norm, eps, cos, sin, n_rot, neox, k_cache, v_cache, start, n_kv, d, dv)
     o = np.empty((k, n_head * dv), np.float32)
     attend(n_threads, q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale, window, first)
+    if gated:
+        for t in range(k):
+            for hd in range(n_head):
+                for i in range(dv):
+                    gate = np.float64(qkv[t, hd * 2 * d + d + i])
+                    o[t, hd * dv + i] = o[t, hd * dv + i] * np.float32(np.divide(1.0, 1.0 + _exp(-gate)))
     a = np.empty((k, n_embd), np.float32)
     _project(n_threads, int_types, float_path, wo, to, eo, io, n_embd, wo, to, eo, io, NONE, wo, to, eo, io, NONE, o, a)
     return _residual(h, a, post_norm, has_post, eps)

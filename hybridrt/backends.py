@@ -14,7 +14,7 @@ import numba
 import numpy as np
 import torch
 
-from cpu_kernels import int_blocks, kv_attention, layer_fused
+from cpu_kernels import gdn_block, int_blocks, kv_attention, layer_fused
 from cpu_kernels.dequant import RowGather, dequantize
 from cpu_kernels.ffn import ACTIVATIONS, ffn_glu
 from cpu_kernels.formats import format_of
@@ -327,7 +327,7 @@ class FusedAttentionBlock:
         s = self.attn.spec
         k_cache, v_cache, cos, sin = views
         return (self.norm, self.post_norm, self.block.post_norm is not None, s.eps, *self.weights, self.q_norm,
-                self.k_norm, s.qk_norm, cos, sin, s.rope.n_rot, s.rope.neox, k_cache, v_cache, start, s.n_head,
+                self.k_norm, s.qk_norm, s.gated, cos, sin, s.rope.n_rot, s.rope.neox, k_cache, v_cache, start, s.n_head,
                 s.n_kv, s.head_dim, s.head_dim_v, s.scale, s.window, s.first_pos)
 
     def write_kv(self, h: torch.Tensor, state, pos_list: list[int]) -> None:
@@ -367,6 +367,57 @@ class FusedFfnBlock:
                 _rows_f32(h), self.norm, self.post_norm, self.block.post_norm is not None, self.block.eps,
                 self.gate, self.up, self.down, self.block.ffn.act))
         return torch.from_numpy(layer_fused.ffn_block(_rows_f32(h), numba.get_num_threads(), *self.args))
+
+
+class FusedGDNBlock:
+    """A Gated DeltaNet layer half (norm, input projections, conv, L2 norms, gates, the delta-rule
+    recurrence with its snapshot-ring writes, gated norm, output projection, residual) as one
+    gdn_block call, for a CPU trunk whose GDN matrices are all in the mmap. Decode and verify
+    batches (<= ROWWISE_MAX tokens) take it; prompt batches run the block's own projections (the
+    prompt GEMMs) around gdn_core, the same kernel's conv, gates and recurrence, on the same state."""
+
+    def __init__(self, block, kernel_types: tuple):
+        self.block = block
+        self.mixer = mixer = block.mixer      # .spec and .index are read by the model's users
+        qkv, z, *ba = mixer.w_rest
+        self.qkv, self.z = _fused_operands(qkv), _fused_operands(z)
+        self.b = _fused_operands(ba[0])
+        self.a = _fused_operands(ba[1]) if len(ba) > 1 else self.b
+        self.out = _fused_operands(mixer.w_out)
+        mats = [self.qkv, self.z, self.b, self.a, self.out]
+        self.args = (*_covering(kernel_types, mats), block.norm.numpy(), mixer.spec.eps,
+                     *self.qkv, *self.z, *self.b, *self.a, *self.out,
+                     mixer.conv_w.numpy(), mixer.dt_bias.numpy(), mixer.ssm_a.numpy(), mixer.norm.numpy())
+        self.index, self.spec, self.ba_packed = mixer.index, mixer.spec, mixer.split_ba
+        self.nbytes = sum(m.nbytes for m in mixer.w_rest) + mixer.w_out.nbytes
+
+    def _views(self, state) -> tuple:
+        """(conv state, S, ring conv history, ring S) of this layer as numpy views, kept in the state."""
+        views = state.extra.setdefault("fused_gdn_views", {})
+        found = views.get(self.index)
+        if found is None:
+            ring = state.ring
+            found = views[self.index] = tuple(t.numpy() for t in (
+                state.conv[self.index], state.S[self.index], ring.conv_hist[self.index], ring.S[self.index]))
+        return found
+
+    def __call__(self, h: torch.Tensor, state, capture: bool) -> torch.Tensor:
+        if h.shape[0] > ROWWISE_MAX:
+            return self._prompt(h, state, capture)
+        out = gdn_block.gdn_block(_rows_f32(h), numba.get_num_threads(), *self.args, *self._views(state), capture,
+                                  self.spec.n_k_heads, self.spec.tiled_heads, self.ba_packed)
+        return torch.from_numpy(out)
+
+    def _prompt(self, h: torch.Tensor, state, capture: bool) -> torch.Tensor:
+        m = self.mixer
+        x = rms_norm_on_cpu(h, self.block.norm, m.spec.eps)
+        qkv, z, *ba = m._projections(x)
+        b, a = m._beta_alpha(ba)
+        conv_w, dt_bias, ssm_a, ssm_norm = self.args[-4:]
+        y = gdn_block.gdn_core(numba.get_num_threads(), _rows_f32(qkv), _rows_f32(z), _rows_f32(b), _rows_f32(a),
+                               conv_w, dt_bias, ssm_a, ssm_norm, m.spec.eps, *self._views(state), capture,
+                               self.spec.n_k_heads, self.spec.tiled_heads)
+        return h + m.w_out(torch.from_numpy(y))
 
 
 class FusedMTPStep:
@@ -614,11 +665,19 @@ class WeightBinder:
     def attention_block(self, block):
         """How a layer's attention half runs: `block` (models.common.AttentionBlock, torch ops
         around the bound matrices) or, on a CPU trunk with all its matrices in the mmap, the
-        fused kernel wrapping it. Gated attention (qwen35) keeps the torch path."""
+        fused kernel wrapping it."""
         a = block.attn
         mats = [a.wqkv, a.wo] if a.wqkv is not None else [a.wq, a.wk, a.wv, a.wo]
-        if self._fusable() and not a.spec.gated and all(type(m) is CpuQuantLinear for m in mats):
+        if self._fusable() and all(type(m) is CpuQuantLinear for m in mats):
             return FusedAttentionBlock(block, self._fused_types())
+        return block
+
+    def gdn_block(self, block):
+        """How a Gated DeltaNet layer half runs: `block` (models.qwen35.GDNBlock, torch ops around
+        the bound matrices) or, on a CPU trunk with all its matrices in the mmap, FusedGDNBlock."""
+        m = block.mixer
+        if self._fusable() and m.w_in is None and all(type(x) is CpuQuantLinear for x in [*m.w_rest, m.w_out]):
+            return FusedGDNBlock(block, self._fused_types())
         return block
 
     def ffn_block(self, block):

@@ -59,13 +59,11 @@ def block_kind(arch: str) -> BlockKind:
 
 
 def layer_attention(layer) -> Attention | None:
-    """A layer's Attention: llama/qwen3/gemma3 layers are (attention half, FFN half), the half being
-    an AttentionBlock or the binder's fused stand-in, each holding `.attn`; qwen35 layers are
-    (norm, mixer, ...) with an Attention or a Gated DeltaNet mixer."""
+    """A layer's Attention: every architecture's layers are (mixer half, FFN half), an attention half
+    being an AttentionBlock or the binder's fused stand-in, each holding `.attn` (a qwen35 Gated
+    DeltaNet half has none)."""
     half = getattr(layer[0], "attn", None)
-    if isinstance(half, Attention):
-        return half
-    return layer[1] if isinstance(layer[1], Attention) else None
+    return half if isinstance(half, Attention) else None
 
 
 def head_attention_spec(model) -> tuple[int, AttentionSpec]:

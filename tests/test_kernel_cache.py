@@ -31,3 +31,32 @@ def test_other_code_keeps_numbas_own_stamp(tmp_path):
 
     elsewhere(1)
     assert not isinstance(elsewhere._cache._impl.locator, (PackageInTreeLocator, PackageUserProvidedLocator))
+
+
+def test_two_saves_at_once_keep_each_signature_on_its_own_data(tmp_path, monkeypatch):
+    """Two processes compiling two signatures of one kernel at once: each save reads the index, takes
+    the first free data file and writes both back. Without the lock (cpu_kernels/__init__.py) both
+    took the same file and the index named one signature's machine code for the other; here the
+    window between reading and writing the index is widened so that the two saves overlap in it."""
+    import threading
+    import time
+
+    from numba.core import caching
+
+    assert getattr(caching.IndexDataCacheFile.save, "locked", False)
+    load_index = caching.IndexDataCacheFile._load_index
+
+    def slow_load_index(self):
+        overloads = load_index(self)
+        time.sleep(0.2)             # both saves read the index before either writes it
+        return overloads
+
+    monkeypatch.setattr(caching.IndexDataCacheFile, "_load_index", slow_load_index)
+    files = [caching.IndexDataCacheFile(str(tmp_path), "kernel-1.py311", b"stamp") for _ in range(2)]
+    threads = [threading.Thread(target=f.save, args=(f"signature {i}", f"code {i}")) for i, f in enumerate(files)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    reader = caching.IndexDataCacheFile(str(tmp_path), "kernel-1.py311", b"stamp")
+    assert [reader.load(f"signature {i}") for i in range(2)] == ["code 0", "code 1"]

@@ -44,10 +44,8 @@ def budget_for(path, request: PlacementRequest, whole_layers: int, extra_granule
 
 
 def ffn_of(model, layer: int):
-    """The bound FFN of a layer: llama/gemma3 layers are (attention half, FFN half), qwen35's
-    (attn_norm, mixer, ffn_norm, ffn)."""
-    parts = model.layers[layer]
-    return parts[3] if len(parts) == 4 else parts[1].ffn
+    """The bound FFN of a layer: every layer is (mixer half, FFN half)."""
+    return model.layers[layer][1].ffn
 
 
 @pytest.fixture(scope="module")
@@ -129,9 +127,9 @@ def test_tiny_qwen35_mtp_placed_speculative_parity(tiny_qwen35_mtp):
     assert isinstance(ffn_of(placed, 3), SplitFFN) and isinstance(ffn_of(placed, 5), HostFFN)
     assert isinstance(placed.mtp.eh_proj, DeviceLinear)          # draft weights are reserved first
     plain = load_model(tiny_qwen35_mtp)
-    gdn = next(mixer for _, mixer, _, _ in placed.layers if hasattr(mixer, "in_rows"))
+    gdn = next(half.mixer for half, _ in placed.layers if hasattr(half, "mixer"))
     assert len(gdn.in_rows) == 4 and not gdn.w_rest                # the device trunk's GDN inputs, stacked
-    mmap_gdn = next(mixer for _, mixer, _, _ in plain.layers if hasattr(mixer, "in_rows"))
+    mmap_gdn = next(half.mixer for half, _ in plain.layers if hasattr(half, "mixer"))
     assert mmap_gdn.w_in is None and len(mmap_gdn.w_rest) == 4     # in the mmap: no stacked copy
     prompt = [1, 5, 9, 2, 7, 3, 8, 4]
     ref, _ = generate(plain, plain.session(256, "f32"), prompt, 24, GREEDY, stop_ids=set())

@@ -59,7 +59,7 @@ def test_binds_exactly_what_the_plan_says(files):
     assert m.plan.ffn_gpu_layers == [0, 1, 2] and m.plan.ffn_split is None
     device_types = (DeviceLinear, QuantLinear)
     for layer in range(8):
-        ffn = m.layers[layer][3]
+        ffn = m.layers[layer][1].ffn
         assert isinstance(ffn.router, device_types) and isinstance(ffn.shared_gate, device_types)
         assert isinstance(ffn.shared, GluFFN)
         if layer < 3:
@@ -67,7 +67,7 @@ def test_binds_exactly_what_the_plan_says(files):
             assert all(isinstance(e, GluFFN) and isinstance(e.down, device_types) for e in ffn.experts.experts)
         else:
             assert isinstance(ffn.experts, HostExperts) and isinstance(ffn.experts.experts, RoutedExperts)
-    assert isinstance(m.mtp.ffn.experts, RoutedExperts)          # draft weights are reserved whole, first
+    assert isinstance(m.mtp.ffn_half.ffn.experts, RoutedExperts)          # draft weights are reserved whole, first
 
 
 def test_greedy_tokens_equal_the_mmap_run(files):

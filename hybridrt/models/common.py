@@ -181,12 +181,14 @@ class AttentionBlock:
 
 
 class FfnBlock:
-    """A layer's FFN half, h + [post_norm](ffn(rms_norm(h))), around the bound gated FFN."""
+    """A layer's FFN half, h + [post_norm](ffn(rms_norm(h; norm))), around the bound gated FFN (or
+    the `ffn` given, e.g. a mixture of experts)."""
 
-    def __init__(self, w: WeightBinder, prefix: str, act: str, eps: float, post_norm: str | None = None):
+    def __init__(self, w: WeightBinder, prefix: str, act: str, eps: float, post_norm: str | None = None,
+                 norm: str = "ffn_norm", ffn=None):
         self.eps = eps
-        self.norm = w.dense(f"{prefix}.ffn_norm.weight")
-        self.ffn = w.glu_ffn(prefix, act=act)
+        self.norm = w.dense(f"{prefix}.{norm}.weight")
+        self.ffn = w.glu_ffn(prefix, act=act) if ffn is None else ffn
         self.post_norm = w.dense(f"{prefix}.{post_norm}.weight") if post_norm else None
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
@@ -200,6 +202,7 @@ def attention_block(w: WeightBinder, prefix: str, spec: AttentionSpec, cache_ind
     return w.attention_block(AttentionBlock(w, prefix, spec, cache_index, post_norm))
 
 
-def ffn_block(w: WeightBinder, prefix: str, act: str, eps: float, post_norm: str | None = None):
+def ffn_block(w: WeightBinder, prefix: str, act: str, eps: float, post_norm: str | None = None,
+              norm: str = "ffn_norm", ffn=None):
     """The FFN half of layer `prefix` as the binder runs it."""
-    return w.ffn_block(FfnBlock(w, prefix, act, eps, post_norm))
+    return w.ffn_block(FfnBlock(w, prefix, act, eps, post_norm, norm, ffn))

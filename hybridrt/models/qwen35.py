@@ -27,7 +27,7 @@ from ..gguf_file import GGUFFile
 from ..kv_cache import KVCache, cache_dtype
 from ..snapshot_ring import SnapshotRing
 from .base import Model
-from .common import Attention, AttentionSpec, ModelState, RopeSpec, rope_scale
+from .common import AttentionSpec, ModelState, RopeSpec, attention_block, ffn_block, rope_scale
 
 
 @dataclass
@@ -123,6 +123,19 @@ class GatedDeltaNet:
         return self.w_out(y.reshape(n, s.value_dim))
 
 
+class GDNBlock:
+    """A Gated DeltaNet layer half, h + GDN(RMSNorm(h; attn_norm)), in torch ops around the bound
+    matrices. The binder may hand back a fused CPU kernel in its place (`WeightBinder.gdn_block`)."""
+
+    def __init__(self, w: WeightBinder, prefix: str, spec: GDNSpec, index: int, split_ba: bool):
+        self.eps = spec.eps
+        self.norm = w.dense(f"{prefix}.attn_norm.weight")
+        self.mixer = GatedDeltaNet(w, prefix, spec, index, split_ba)
+
+    def __call__(self, h: torch.Tensor, state: HybridState, capture: bool) -> torch.Tensor:
+        return h + self.mixer(rms_norm(h, self.norm, self.eps), state, capture)
+
+
 class MoEFFN:
     """The qwen3next / qwen35moe FFN: p = softmax(router x); the n_used most probable SwiGLU experts,
     weighted by their p renormalised to sum 1 (no further scale); plus a shared SwiGLU expert scaled
@@ -167,18 +180,25 @@ class Qwen35(Model):
                                 tiled_heads=self.tiled_heads)
         split_ba = binder.has("blk.0.ssm_ba.weight")
         self.n_expert_used = int(g("expert_used_count", 0) or 0)
-        self.layers, n_attn, n_gdn = [], 0, 0
+        # each layer: (mixer half, FFN half) as the binder runs them; the mixer half is an attention
+        # block where is_attention says, else a Gated DeltaNet block
+        self.layers, self.is_attention, n_attn, n_gdn = [], [], 0, 0
         for i in range(self.n_layer):
             p = f"blk.{i}"
             if (i + 1) % interval == 0:
-                mixer, n_attn = Attention(binder, p, self.attn_spec, cache_index=n_attn), n_attn + 1
+                mixer, n_attn = attention_block(binder, p, self.attn_spec, cache_index=n_attn), n_attn + 1
             else:
-                mixer, n_gdn = GatedDeltaNet(binder, p, self.gdn_spec, n_gdn, split_ba), n_gdn + 1
-            ffn = self.make_ffn(binder, p)
-            self.layers.append((binder.dense(f"{p}.attn_norm.weight"), mixer,
-                                binder.dense(f"{p}.post_attention_norm.weight"), ffn))
+                mixer = binder.gdn_block(GDNBlock(binder, p, self.gdn_spec, n_gdn, split_ba))
+                n_gdn += 1
+            self.layers.append((mixer, self.ffn_half(binder, p)))
+            self.is_attention.append((i + 1) % interval == 0)
         self.n_attention_layers, self.n_gdn_layers = n_attn, n_gdn
         self.mtp = MTPHead(binder, self) if self.n_nextn else None
+
+    def ffn_half(self, w: WeightBinder, prefix: str):
+        """A block's FFN half, h + FFN(RMSNorm(h; post_attention_norm))."""
+        moe = self.make_ffn(w, prefix) if w.has(f"{prefix}.ffn_gate_inp.weight") else None
+        return ffn_block(w, prefix, "silu", self.eps, norm="post_attention_norm", ffn=moe)
 
     def make_ffn(self, w: WeightBinder, prefix: str):
         """A block's FFN: the MoE one when the block has a router, else a dense SwiGLU."""
@@ -222,13 +242,9 @@ class Qwen35(Model):
         pos_list = list(range(start_pos, start_pos + n))
         capture = state.ring.begin(start_pos, n)
         h = self.embed(tokens)
-        for attn_norm, mixer, ffn_norm, ffn in self.layers:
-            x = rms_norm(h, attn_norm, self.eps)
-            if isinstance(mixer, Attention):
-                h = h + mixer(x, state, pos_list)
-            else:
-                h = h + mixer(x, state, capture)
-            h = h + ffn(rms_norm(h, ffn_norm, self.eps))
+        for (mixer, ffn), is_attention in zip(self.layers, self.is_attention):
+            h = mixer(h, state, pos_list if is_attention else capture)
+            h = ffn(h)
         return self.final_norm(h)
 
 
@@ -254,12 +270,11 @@ class MTPHead:
         self.eh_proj = w.linear(f"{p}.nextn.eh_proj.weight")
         self.enorm = w.dense(f"{p}.nextn.enorm.weight")
         self.hnorm = w.dense(f"{p}.nextn.hnorm.weight")
-        self.attn_norm = w.dense(f"{p}.attn_norm.weight")
-        # the MTP block's first input pairs token 1 with the trunk hidden of position 0, so its
-        # cache starts at position 1
-        self.attn = Attention(w, p, dataclasses.replace(model.attn_spec, first_pos=1), cache_index=0)
-        self.ffn_norm = w.dense(f"{p}.post_attention_norm.weight")
-        self.ffn = model.make_ffn(w, p)        # qwen35moe: the same MoE FFN as the trunk's
+        # the block's halves as the binder runs them (on a CPU trunk: one fused call each). The MTP
+        # block's first input pairs token 1 with the trunk hidden of position 0, so its cache
+        # starts at position 1; qwen35moe's FFN is the same MoE FFN as the trunk's
+        self.attn_half = attention_block(w, p, dataclasses.replace(model.attn_spec, first_pos=1), cache_index=0)
+        self.ffn_half = model.ffn_half(w, p)
         self.head_norm = w.dense(f"{p}.nextn.shared_head_norm.weight") \
             if w.has(f"{p}.nextn.shared_head_norm.weight") else model.output_norm
         self.head = w.linear(f"{p}.nextn.shared_head_head.weight") \
@@ -274,9 +289,8 @@ class MTPHead:
         final hidden of the position before each. Writes the MTP KV at those positions.
         Returns (logits [n, V] or None, the MTP output hidden [n, n_embd] for chaining)."""
         pos_list = list(range(start_pos, start_pos + tokens.shape[0]))
-        x = self._input(tokens, hidden)
-        x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), self._state(state), pos_list)
-        x = x + self.ffn(rms_norm(x, self.ffn_norm, self.eps))
+        x = self.attn_half(self._input(tokens, hidden), self._state(state), pos_list)
+        x = self.ffn_half(x)
         normed = rms_norm(x, self.head_norm, self.eps)
         return (self.head(normed, out=out) if logits else None), normed
 
@@ -292,8 +306,7 @@ class MTPHead:
         """Only the MTP KV that step() writes for these tokens (the same values): what catching up
         on committed tokens needs, without their attention, FFN (an MoE for qwen35moe) or outputs."""
         pos_list = list(range(start_pos, start_pos + tokens.shape[0]))
-        self.attn.write_kv(rms_norm(self._input(tokens, hidden), self.attn_norm, self.eps), self._state(state),
-                           pos_list)
+        self.attn_half.write_kv(self._input(tokens, hidden), self._state(state), pos_list)
 
     def _input(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         e = rms_norm(self.embed(tokens), self.enorm, self.eps)
@@ -302,4 +315,10 @@ class MTPHead:
 
     @staticmethod
     def _state(state: HybridState) -> ModelState:
-        return ModelState(n_ctx=state.n_ctx, kv=state.mtp_kv, rope=state.rope, rope_rows=state.rope_rows)
+        """The MTP block's view of a session: its own KV cache, the trunk's rotary tables; kept in
+        the session, so that a fused half finds its cache views there from one step to the next."""
+        mtp_state = state.extra.get("mtp_state")
+        if mtp_state is None:
+            mtp_state = state.extra["mtp_state"] = ModelState(n_ctx=state.n_ctx, kv=state.mtp_kv, rope=state.rope,
+                                                              rope_rows=state.rope_rows)
+        return mtp_state

@@ -1,0 +1,213 @@
+"""A Gated DeltaNet layer half in one Numba call: qwen35 / qwen35moe / qwen3next on the fused CPU trunk.
+
+    h + W_out (RMSNorm(delta_rule(l2norm(silu(conv(W_qkv x))), ...); ssm_norm) * silu(W_z x)),
+    x = RMSNorm(h; attn_norm)
+
+The torch path (hybridrt.models.qwen35.GatedDeltaNet) runs this as ~30 single-threaded torch ops per
+layer plus a Python loop over a batch's tokens: on the 27B (48 GDN layers of 48 value heads with a
+128 x 128 state each) that was most of the ~120 ms a token spent outside the matrices. Here the
+projections share one parallel region (`layer_fused._project`: qkv, z and beta together; alpha
+apart), the conv, norms and gates run in plain loops, and the recurrence runs one value head per
+work item over all of a batch's tokens, so a head's 64 KB state stays in the core's cache for the
+whole batch and is streamed twice per token (decay and S^T k, then the rank-1 update and S^T q).
+
+Bit identity across the batch (as layer_fused): every value head and every token runs the same
+operations in the same order whether it comes alone or in a verify batch, and a head is computed
+by one thread, so a token's result does not depend on k or on the thread count. The state is
+updated in place; in a verify batch (`capture`) the conv input history and the state after each
+token but the last go to the snapshot ring's slices (hybridrt.snapshot_ring), as the torch path
+writes them.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from .ffn import _exp
+from .layer_fused import NONE, _project, _residual, rms_norm_rows
+from .simd_int import CACHE
+
+# a batch's recurrence work (value heads x state size x tokens) from which its heads are split
+# over the threads; below it waking them costs more than it saves (the tiny test models)
+PARALLEL_MIN_STATE = 1 << 16
+
+
+@njit(cache=CACHE, nogil=True, inline="always")
+def _silu(x):
+    x = np.float64(x)
+    return np.float32(np.divide(x, 1.0 + _exp(-x)))
+
+
+@njit(cache=CACHE, nogil=True, inline="always")
+def _softplus(x):
+    """log(1 + e^x) as torch's softplus (x itself above 20), in float64."""
+    x = np.float64(x)
+    return x if x > 20.0 else math.log1p(_exp(x))
+
+
+@njit(cache=CACHE, nogil=True, inline="always")
+def _head_step(S, decay, beta, q, k, v, kv, o):
+    """One token of one value head: S = decay S; u = beta (v - S^T k); S += k u^T; o = S^T q.
+    S [d_k, d_v] in place, o [d_v] written; kv [d_v] scratch. Two passes over S, each row a vector."""
+    dk, dv = S.shape
+    for j in range(dv):
+        kv[j] = 0.0
+        o[j] = 0.0
+    for i in range(dk):
+        ki = k[i]
+        for j in range(dv):
+            s = S[i, j] * decay
+            S[i, j] = s
+            kv[j] += s * ki
+    for j in range(dv):
+        kv[j] = beta * (v[j] - kv[j])          # u
+    for i in range(dk):
+        ki, qi = k[i], q[i]
+        for j in range(dv):
+            s = S[i, j] + ki * kv[j]
+            S[i, j] = s
+            o[j] += s * qi
+
+
+@njit(cache=CACHE, nogil=True, inline="always")
+def _head(j, S, decay, beta, qk, v, key_head, S_snap, capture, core, d):
+    """Value head j over every token of the batch (its state S[j] in place)."""
+    n = qk.shape[0]
+    kv = np.empty(d, np.float32)
+    o = np.empty(d, np.float32)
+    g = key_head[j]
+    for t in range(n):
+        _head_step(S[j], decay[t, j], beta[t, j], qk[t, 0, g], qk[t, 1, g], v[t, j], kv, o)
+        for i in range(d):
+            core[t, j * d + i] = o[i]
+        if capture and t < n - 1:
+            S_snap[t, j] = S[j]
+
+
+@njit(cache=CACHE, nogil=True, parallel=True)
+def _heads_parallel(S, decay, beta, qk, v, key_head, S_snap, capture, core, d):
+    for j in prange(S.shape[0]):
+        _head(j, S, decay, beta, qk, v, key_head, S_snap, capture, core, d)
+
+
+@njit(cache=CACHE, nogil=True)
+def _heads_serial(S, decay, beta, qk, v, key_head, S_snap, capture, core, d):
+    for j in range(S.shape[0]):
+        _head(j, S, decay, beta, qk, v, key_head, S_snap, capture, core, d)
+
+
+@njit(cache=CACHE, nogil=True)
+def gdn_core(n_threads, qkv, z, b, a, conv_w, dt_bias, ssm_a, ssm_norm, eps, conv_state, S,
+             conv_hist, S_snap, capture, n_k_heads, tiled):
+    """Everything of a GDN layer between its input and output projections, for a batch of k
+    tokens: qkv [k, C] (C = 2 Hk d + Hv d, the pre-conv rows), z [k, Hv d], b and a [k, Hv] (beta
+    and alpha before their gates) -> y [k, Hv d], the output projection's input. conv_state
+    [K-1, C] and S [Hv, d, d] are updated in place; with `capture`, conv_hist [>= K-1+k, C] gets
+    [old conv state; qkv] and S_snap [>= k-1, Hv, d, d] the state after each token but the last.
+    tiled: value head j reads key head j % Hk (qwen35), else j // (Hv / Hk) (qwen3next)."""
+    k, C = qkv.shape
+    n_v_heads, d = S.shape[0], S.shape[1]
+    key_dim = n_k_heads * d
+    rows = conv_state.shape[0]
+    width = conv_w.shape[1]
+    # the conv over [old state; new rows], token by token, then SiLU
+    hist = np.empty((rows + k, C), np.float32)
+    hist[:rows] = conv_state
+    hist[rows:] = qkv
+    qk = np.empty((k, 2, n_k_heads, d), np.float32)      # q and k per key head, normed (q scaled)
+    v = np.empty((k, n_v_heads, d), np.float32)
+    mixed = np.empty(C, np.float32)
+    q_scale = np.float32(1.0 / math.sqrt(d))
+    for t in range(k):
+        for c in range(C):
+            acc = hist[t, c] * conv_w[c, 0]
+            for j in range(1, width):
+                acc = acc + hist[t + j, c] * conv_w[c, j]
+            mixed[c] = _silu(acc)
+        for part in range(2):
+            for g in range(n_k_heads):
+                lo = part * key_dim + g * d
+                ss = 0.0
+                for i in range(d):
+                    x = np.float64(mixed[lo + i])
+                    ss += x * x
+                r = np.float32(1.0 / math.sqrt(ss + eps))
+                if part == 0:
+                    r = r * q_scale
+                for i in range(d):
+                    qk[t, part, g, i] = mixed[lo + i] * r
+        for jv in range(n_v_heads):
+            for i in range(d):
+                v[t, jv, i] = mixed[2 * key_dim + jv * d + i]
+    conv_state[:] = hist[k:]
+    if capture:
+        conv_hist[:rows + k] = hist
+    # gates of every (token, value head)
+    decay = np.empty((k, n_v_heads), np.float32)
+    beta = np.empty((k, n_v_heads), np.float32)
+    for t in range(k):
+        for jv in range(n_v_heads):
+            beta[t, jv] = np.float32(np.divide(1.0, 1.0 + _exp(-np.float64(b[t, jv]))))
+            g = np.float64(ssm_a[jv]) * _softplus(a[t, jv] + dt_bias[jv])
+            decay[t, jv] = np.float32(_exp(g))
+    r = n_v_heads // n_k_heads
+    key_head = np.empty(n_v_heads, np.int64)
+    for jv in range(n_v_heads):
+        key_head[jv] = jv % n_k_heads if tiled else jv // r
+    core = np.empty((k, n_v_heads * d), np.float32)
+    if n_threads > 1 and n_v_heads * d * d * k >= PARALLEL_MIN_STATE:
+        _heads_parallel(S, decay, beta, qk, v, key_head, S_snap, capture, core, d)
+    else:
+        _heads_serial(S, decay, beta, qk, v, key_head, S_snap, capture, core, d)
+    # RMSNorm per value head, times SiLU of the gate
+    y = np.empty((k, n_v_heads * d), np.float32)
+    for t in range(k):
+        for jv in range(n_v_heads):
+            lo = jv * d
+            ss = 0.0
+            for i in range(d):
+                x = np.float64(core[t, lo + i])
+                ss += x * x
+            rs = np.float32(1.0 / math.sqrt(ss / d + eps))
+            for i in range(d):
+                y[t, lo + i] = ((core[t, lo + i] * rs) * ssm_norm[i]) * _silu(z[t, lo + i])
+    return y
+
+
+@njit(cache=CACHE, nogil=True)
+def gdn_block(h, n_threads, int_types, float_path, attn_norm, eps,
+              wqkv, tqkv, eqkv, iqkv, wz, tz, ez, iz, wb, tb, eb, ib, wa, ta, ea, ia, wo, to, eo, io,
+              conv_w, dt_bias, ssm_a, ssm_norm, conv_state, S, conv_hist, S_snap, capture, n_k_heads, tiled,
+              ba_packed):
+    """h (k, n_embd) float32 -> h + GDN(RMSNorm(h; attn_norm)) (the module docstring), the layer's
+    recurrent state advanced by the k tokens. Matrices as layer_fused's (w, type, block, path);
+    ba_packed: wb is qwen3next's ssm_ba (per key head [beta of its r value heads | alpha of them])
+    and wa is not read; else wb and wa are ssm_beta and ssm_alpha."""
+    k = h.shape[0]
+    n_v_heads, d = S.shape[0], S.shape[1]
+    C, nz, nb = conv_w.shape[0], n_v_heads * d, n_v_heads * (2 if ba_packed else 1)
+    x = rms_norm_rows(h, attn_norm, eps)
+    proj = np.empty((k, C + nz + nb), np.float32)
+    _project(n_threads, int_types, float_path, wqkv, tqkv, eqkv, iqkv, C, wz, tz, ez, iz, nz, wb, tb, eb, ib, nb,
+             x, proj)
+    b = np.empty((k, n_v_heads), np.float32)
+    a = np.empty((k, n_v_heads), np.float32)
+    if ba_packed:
+        r = n_v_heads // n_k_heads
+        for t in range(k):
+            for jv in range(n_v_heads):
+                g, i = jv // r, jv % r
+                b[t, jv] = proj[t, C + nz + g * 2 * r + i]
+                a[t, jv] = proj[t, C + nz + g * 2 * r + r + i]
+    else:
+        b[:] = proj[:, C + nz:]
+        _project(n_threads, int_types, float_path, wa, ta, ea, ia, n_v_heads, wa, ta, ea, ia, NONE,
+                 wa, ta, ea, ia, NONE, x, a)
+    y = gdn_core(n_threads, np.ascontiguousarray(proj[:, :C]), np.ascontiguousarray(proj[:, C:C + nz]), b, a, conv_w, dt_bias, ssm_a, ssm_norm, eps,
+                 conv_state, S, conv_hist, S_snap, capture, n_k_heads, tiled)
+    out = np.empty(h.shape, np.float32)
+    _project(n_threads, int_types, float_path, wo, to, eo, io, h.shape[1], wo, to, eo, io, NONE, wo, to, eo, io, NONE,
+             y, out)
+    return _residual(h, out, attn_norm, False, eps)
