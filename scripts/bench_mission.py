@@ -210,12 +210,26 @@ def show(result) -> str:
     return f"{result:.2f} t/s"
 
 
-def alternate(reps: int, ours, theirs, with_llamacpp: bool) -> tuple[list, list]:
-    """reps results of each engine, llama.cpp's first in each rep (as bench_vs_llamacpp)."""
+def page_in(model) -> None:
+    """Touch every page of the model's mapped file (untimed). llama.cpp repacks its weights into
+    memory of its own: on a machine whose RAM holds the file about once (the 27B's 16.8 GB in
+    24 GiB) its run evicts part of the page cache, and the next hybridrt forward would time disk
+    reads (a 27B verify step measured 6.4 s against 1.7 s)."""
+    import numpy as np
+
+    pages = np.frombuffer(model.gguf._mmap, dtype=np.uint8)
+    int(pages[::4096].sum(dtype=np.uint64))
+
+
+def alternate(reps: int, ours, theirs, with_llamacpp: bool, model=None) -> tuple[list, list]:
+    """reps results of each engine, llama.cpp's first in each rep (as bench_vs_llamacpp); after
+    each llama.cpp run the model's pages are read back in (page_in) before hybridrt's is timed."""
     a, b = [], []
     for i in range(reps):
         if with_llamacpp:
             b.append(theirs())
+            if model is not None:
+                page_in(model)
         a.append(ours())
         log(f"  rep {i + 1}/{reps}: hybridrt {show(a[-1])}" + (f"; llama.cpp {show(b[-1])}" if with_llamacpp else ""))
     return a, b
@@ -226,7 +240,7 @@ def plain_decode(args, model, path: Path) -> tuple[list[float], list[float]]:
     """Greedy decode t/s of -n tokens, --reps of each engine (bench_vs_llamacpp's runs)."""
     vs.hybridrt_tps(model, 4, args.cache_type)       # warm-up: kernels loaded, weights paged in
     return alternate(args.reps, lambda: vs.hybridrt_tps(model, args.n_gen, args.cache_type),
-                     lambda: vs.llamacpp_run(path, args.n_gen, args.threads)["tg_tps"], not args.no_llamacpp)
+                     lambda: vs.llamacpp_run(path, args.n_gen, args.threads)["tg_tps"], not args.no_llamacpp, model)
 
 
 def section_decode(args, model, path: Path, results: dict) -> dict:
@@ -293,7 +307,8 @@ def section_tk(args, model, path: Path, results: dict) -> dict:
         rollback, n_rs_seq = r["rollback"], r["n_rs_seq"]
         return {int(k): v[0] for k, v in r["batch_s"].items()}
 
-    ours, their = alternate(args.reps, lambda: tk_round(model, session, args.k_max), theirs, not args.no_llamacpp)
+    ours, their = alternate(args.reps, lambda: tk_round(model, session, args.k_max), theirs, not args.no_llamacpp,
+                            model)
     row = {"k": ks, "n_prompt": len(ids), "reps": args.reps}
     for name, rounds in (("hybridrt", ours), ("llamacpp", their)):
         if rounds:
@@ -312,7 +327,8 @@ def section_pp(args, model, path: Path, results: dict) -> dict:
     log(f"pp: {args.pp} prompt tokens")
     vs.hybridrt_pp_tps(model, ids[:64], args.cache_type)     # warm-up of the batch kernels
     ours, theirs = alternate(args.reps, lambda: vs.hybridrt_pp_tps(model, ids, args.cache_type),
-                             lambda: vs.llamacpp_run(path, 0, args.threads, args.pp)["pp_tps"], not args.no_llamacpp)
+                             lambda: vs.llamacpp_run(path, 0, args.threads, args.pp)["pp_tps"], not args.no_llamacpp,
+                             model)
     row = {"pp": args.pp, "reps": args.reps}
     for name, values in (("hybridrt", ours), ("llamacpp", theirs)):
         if values:
