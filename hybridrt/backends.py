@@ -385,9 +385,10 @@ class FusedGDNBlock:
         self.a = _fused_operands(ba[1]) if len(ba) > 1 else self.b
         self.out = _fused_operands(mixer.w_out)
         mats = [self.qkv, self.z, self.b, self.a, self.out]
+        # what gdn_core reads beside the projections: conv kernel, dt bias, A, ssm_norm
+        self.core_weights = (mixer.conv_w.numpy(), mixer.dt_bias.numpy(), mixer.ssm_a.numpy(), mixer.norm.numpy())
         self.args = (*_covering(kernel_types, mats), block.norm.numpy(), mixer.spec.eps,
-                     *self.qkv, *self.z, *self.b, *self.a, *self.out,
-                     mixer.conv_w.numpy(), mixer.dt_bias.numpy(), mixer.ssm_a.numpy(), mixer.norm.numpy())
+                     *self.qkv, *self.z, *self.b, *self.a, *self.out, *self.core_weights)
         self.index, self.spec, self.ba_packed = mixer.index, mixer.spec, mixer.split_ba
         self.nbytes = sum(m.nbytes for m in mixer.w_rest) + mixer.w_out.nbytes
 
@@ -413,9 +414,8 @@ class FusedGDNBlock:
         x = rms_norm_on_cpu(h, self.block.norm, m.spec.eps)
         qkv, z, *ba = m._projections(x)
         b, a = m._beta_alpha(ba)
-        conv_w, dt_bias, ssm_a, ssm_norm = self.args[-4:]
         y = gdn_block.gdn_core(numba.get_num_threads(), _rows_f32(qkv), _rows_f32(z), _rows_f32(b), _rows_f32(a),
-                               conv_w, dt_bias, ssm_a, ssm_norm, m.spec.eps, *self._views(state), capture,
+                               *self.core_weights, m.spec.eps, *self._views(state), capture,
                                self.spec.n_k_heads, self.spec.tiled_heads)
         return h + m.w_out(torch.from_numpy(y))
 
