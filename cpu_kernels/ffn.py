@@ -86,6 +86,18 @@ def _exp(x):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _silu(g):
+    """SiLU of a float64, g / (1 + e^-g), in float64 (see _act_times)."""
+    return np.divide(g, 1.0 + _exp(-g))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _sigmoid(g):
+    """1 / (1 + e^-g) of a float64, in float64 (qwen35's gates)."""
+    return np.divide(1.0, 1.0 + _exp(-g))
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _act_times(g, u, act):
     """act(g) * u in float64: SiLU g / (1 + e^-g); GELU-tanh 0.5 g (1 + tanh z) = g / (1 + e^-2z),
     z = sqrt(2 / pi) (g + 0.044715 g^3) (no cancellation where tanh z is near -1). _exp is plain
@@ -93,7 +105,7 @@ def _act_times(g, u, act):
     loop vectorizes, and any loop shape gives the same bits."""
     g = np.float64(g)
     if act == 0:
-        a = np.divide(g, 1.0 + _exp(-g))
+        a = _silu(g)
     else:
         a = np.divide(g, 1.0 + _exp(-2.0 * _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)))
     return np.float32(a * np.float64(u))

@@ -25,8 +25,9 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .ffn import _exp
-from .layer_fused import NONE, _project, _residual, rms_norm_rows
+from .ffn import _exp, _sigmoid
+from .ffn import _silu as _silu64
+from .layer_fused import NONE, _project, _residual, _rms_scale, rms_norm_rows
 from .simd_int import CACHE
 
 # a batch's recurrence work (value heads x state size x tokens) from which its heads are split
@@ -36,8 +37,8 @@ PARALLEL_MIN_STATE = 1 << 16
 
 @njit(cache=CACHE, nogil=True, inline="always")
 def _silu(x):
-    x = np.float64(x)
-    return np.float32(np.divide(x, 1.0 + _exp(-x)))
+    """SiLU of a float32 value as float32 (computed in float64, as the FFN's activation)."""
+    return np.float32(_silu64(np.float64(x)))
 
 
 @njit(cache=CACHE, nogil=True, inline="always")
@@ -149,7 +150,7 @@ def gdn_core(n_threads, qkv, z, b, a, conv_w, dt_bias, ssm_a, ssm_norm, eps, con
     beta = np.empty((k, n_v_heads), np.float32)
     for t in range(k):
         for jv in range(n_v_heads):
-            beta[t, jv] = np.float32(np.divide(1.0, 1.0 + _exp(-np.float64(b[t, jv]))))
+            beta[t, jv] = np.float32(_sigmoid(np.float64(b[t, jv])))
             g = np.float64(ssm_a[jv]) * _softplus(a[t, jv] + dt_bias[jv])
             decay[t, jv] = np.float32(_exp(g))
     r = n_v_heads // n_k_heads
@@ -166,11 +167,7 @@ def gdn_core(n_threads, qkv, z, b, a, conv_w, dt_bias, ssm_a, ssm_norm, eps, con
     for t in range(k):
         for jv in range(n_v_heads):
             lo = jv * d
-            ss = 0.0
-            for i in range(d):
-                x = np.float64(core[t, lo + i])
-                ss += x * x
-            rs = np.float32(1.0 / math.sqrt(ss / d + eps))
+            rs = _rms_scale(core[t], lo, d, eps)
             for i in range(d):
                 y[t, lo + i] = ((core[t, lo + i] * rs) * ssm_norm[i]) * _silu(z[t, lo + i])
     return y

@@ -36,7 +36,7 @@ from numba.extending import overload
 from numba.core.errors import NumbaPerformanceWarning
 
 from .blocks import decode_rows_serial
-from .ffn import _act_times, _exp, ffn_glu
+from .ffn import _act_times, _sigmoid, ffn_glu
 from .formats import format_of
 from .matvec import tile_products
 from .matvec_amx import MAX_TOKENS, uses_amx
@@ -376,8 +376,8 @@ def attention_block(h, n_threads, int_types, float_path, attn_norm, post_norm, h
         for t in range(k):
             for hd in range(n_head):
                 for i in range(dv):
-                    gate = np.float64(qkv[t, hd * 2 * d + d + i])
-                    o[t, hd * dv + i] = o[t, hd * dv + i] * np.float32(np.divide(1.0, 1.0 + _exp(-gate)))
+                    gate = np.float32(_sigmoid(np.float64(qkv[t, hd * 2 * d + d + i])))
+                    o[t, hd * dv + i] = o[t, hd * dv + i] * gate
     a = np.empty((k, n_embd), np.float32)
     _project(n_threads, int_types, float_path, wo, to, eo, io, n_embd, wo, to, eo, io, NONE, wo, to, eo, io, NONE, o, a)
     return _residual(h, a, post_norm, has_post, eps)

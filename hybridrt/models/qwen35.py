@@ -197,14 +197,8 @@ class Qwen35(Model):
 
     def ffn_half(self, w: WeightBinder, prefix: str):
         """A block's FFN half, h + FFN(RMSNorm(h; post_attention_norm))."""
-        moe = self.make_ffn(w, prefix) if w.has(f"{prefix}.ffn_gate_inp.weight") else None
+        moe = MoEFFN(w, prefix, self.n_expert_used) if w.has(f"{prefix}.ffn_gate_inp.weight") else None
         return ffn_block(w, prefix, "silu", self.eps, norm="post_attention_norm", ffn=moe)
-
-    def make_ffn(self, w: WeightBinder, prefix: str):
-        """A block's FFN: the MoE one when the block has a router, else a dense SwiGLU."""
-        if w.has(f"{prefix}.ffn_gate_inp.weight"):
-            return MoEFFN(w, prefix, self.n_expert_used)
-        return w.glu_ffn(prefix, act="silu")
 
     # --- state ----------------------------------------------------------------------------------
     def new_state(self, n_ctx: int, cache_type: str = "f32", k_max: int = 4) -> HybridState:
