@@ -309,7 +309,8 @@ def main() -> None:
             w_f32 = torch.from_numpy(dequantize(w_hot, qtype).astype(np.float32))
             # every (k, kernel) call of a repeat before the next repeat: the VM's speed drifts by up to
             # 2x within a minute, and timed one after another k = 1 and k = 8 (or a kernel and its
-            # --baseline) could fall in different phases of it (session 30)
+            # --baseline) could fall in different phases of it (docs/history.md, "Zen 5: row lanes for one
+            # token and Q4_0's batches")
             cases = []
             xs = {k: rng.standard_normal((k, cols)).astype(np.float32) for k in ks}
             for k, x in xs.items():

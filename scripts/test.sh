@@ -5,7 +5,8 @@
 #   - "slow" and "oracle" tests are left out: run them with  pytest -m slow  /  pytest -m oracle;
 #   - the tests run in one pytest-xdist worker per core (at most 4), a test file per worker: most of
 #     the suite's time is Numba compiling kernels on one thread, so on CI's 2 cores two workers take
-#     about half the wall time (BENCHMARKS.md session 21). HYBRIDRT_TEST_WORKERS overrides (0: none).
+#     about half the wall time (docs/history.md, "The test suite in pytest-xdist workers").
+#     HYBRIDRT_TEST_WORKERS overrides (0: none).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --disable-pip-version-check torch==2.13.0

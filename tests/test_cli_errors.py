@@ -127,7 +127,7 @@ def _prompt_file(tmp_path, data: bytes) -> str:
 
 
 # (command and flags, "{tmp}" standing for a fresh directory; fragment of the one error line). Each
-# was a traceback, a silent acceptance or a multi-line box before (session 27's review as a user)
+# was a traceback, a silent acceptance or a multi-line box before a review as a user (fc59ccf)
 BAD_VALUES = [
     ("run -t -3", "-t -3"), ("run --temp nan", "--temp"), ("run --top-p 2", "--top-p"),
     ("run --min-p 1.5", "--min-p"), ("run --top-k -1", "--top-k"), ("run -c -1", "-c -1"),

@@ -150,7 +150,7 @@ def test_bench_loads_the_draft_where_run_does(monkeypatch, tiny_llama):
 
 def test_launch_bench_runs_with_stubbed_launches():
     """scripts/bench_gpu_launch.py --stub (its own process: it replaces the kernels' launches) times
-    every piece's wrapper without a GPU, so the script cannot rot between GPU sessions."""
+    every piece's wrapper without a GPU, so the script cannot rot between runs on a GPU."""
     import subprocess
     import sys
     from pathlib import Path

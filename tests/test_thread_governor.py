@@ -14,7 +14,8 @@ from hybridrt.loader import load_draft_model, load_model
 from hybridrt.thread_governor import ThreadGovernor
 
 # seconds per decode step at (threads, machine): 2 threads are faster alone and far slower when
-# other processes hold a core (BENCHMARKS.md session 28: ~118 vs 84 t/s idle, 32-44 vs 84 loaded)
+# other processes hold a core (docs/history.md, "The thread governor": ~118 vs 84 t/s idle, 32-44 vs
+# 84 loaded)
 STEP = {(2, "idle"): 0.008, (1, "idle"): 0.0112, (2, "busy"): 0.024, (1, "busy"): 0.0096}
 
 
