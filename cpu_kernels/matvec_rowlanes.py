@@ -2,8 +2,8 @@
 
 Why: the register groups (matvec_int.block_dots) dot each (row, token) pair in 64-byte vectors, so
 every pair's 16 partial sums must be folded to one lane and every sub-block scale applied per pair:
-at 4 tokens ~19 vector instructions per (row, token, super-block), of which 4 are vpdpbusd (session
-17's count), and k = 4 cost 1.4-1.8x k = 1 on the 27B shapes, k = 8 2.5-4x (token quads). Here 16
+at 4 tokens ~19 vector instructions per (row, token, super-block), of which 4 are vpdpbusd (counted
+in the IR), and k = 4 cost 1.4-1.8x k = 1 on the 27B shapes, k = 8 2.5-4x (token quads). Here 16
 rows' steps are transposed (vector j, lane r: weight dword j of row r), so one vpdpbusd multiplies 4
 weights of 16 rows by the same 4 activation bytes of one token, broadcast from memory into the
 instruction: every integer lands in its row's lane, nothing is folded, and a sub-block's scales are
@@ -14,8 +14,9 @@ row), the other types transpose their rows' decoded steps. A K-quant pass of 2+ 
 weights in L1 and loops over sub-blocks, each sub-block's weight vectors kept in registers for all
 the tokens (straight-line code let LLVM order the work token by token and spill them).
 
-Memory: the 16 rows of a group are one contiguous block; the next group is prefetched into L2 a
-slice per step (16 short rows read side by side stream at ~60 % of one row's speed on Zen 4).
+Memory: the 16 rows of a group are one contiguous block; on AMD Zen the next group is prefetched
+into L2 a slice per step (NEXT_GROUP_PREFETCH: 16 short rows read side by side stream at ~60 % of
+one row's speed on Zen 4).
 
 Per (token, row) the integers and the float steps are matvec_int's numerics block, in its order, so
 the bits are those of every other kernel there.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -217,7 +219,7 @@ def _q6_k_lanes(b, v0, ptrs):
 
     def chunks():
         # qh whole in one 16 x 16 transpose (dword 8 h + l / 4 for half h), not a 16 x 8 per half:
-        # k = 8 10-15 % faster on the 27B shapes, Zen 5 (BENCHMARKS.md, session 30)
+        # k = 8 10-15 % faster on the 27B shapes, Zen 5 (a4a8af9)
         qh = _raw_dwords(b, ptrs, 128, 16)
         for h in range(2):
             ql = _raw_dwords(b, ptrs, 64 * h, 16)    # ql dword 8 (t & 1) + l / 4 of half h
@@ -356,8 +358,8 @@ def _q4_0_pair_lanes(b, v0, ptrs):
     """A full Q4_0 pair (d @0, qs[16] @2; d @18, qs[16] @20) decoded in the lanes from its raw
     dwords: the rows' decoders and the 32 extracts and inserts that gather 16 rows' scales cost
     about twice the transposes, and at 8 tokens the shared steps are what keeps Q4_0 over 1.6x k = 1
-    (BENCHMARKS.md, session 30). Block A's quants sit 2 bytes off the dwords: a funnel shift
-    (vpshrdd) of two neighbours each."""
+    (docs/history.md, "Zen 5: row lanes for one token and Q4_0's batches"). Block A's quants sit 2
+    bytes off the dwords: a funnel shift (vpshrdd) of two neighbours each."""
     c32 = lambda x: _lanes_i32(v0, 16, x)
     D = _raw_dwords(b, ptrs, 0, 8) + _raw_dwords(b, ptrs, 4, 8)[7:]       # the pair's dwords 0..8
     i32x16 = ir.VectorType(I32, 16)
@@ -372,9 +374,10 @@ def _q4_0_pair_lanes(b, v0, ptrs):
 
 # The 32-weight types decoded in the lanes (a full pair; an odd last block takes the row decoders),
 # in passes of PAIR_LANES_MIN_TOKENS tokens or more. Q4_0 on the 27B shapes, Zen 5, 2 threads, from
-# memory, the trees interleaved call by call (BENCHMARKS.md, session 30): k = 8 1.52 ms against the
-# row decoders' 2.21-2.23, k = 4 1.23-1.25 against 1.35-1.43, but k = 1 1.33-1.47 against 1.18-1.34
-# (faster from cache, slower from memory: not explained), so 1- and 2-token passes keep the rows'.
+# memory, the trees interleaved call by call (docs/history.md, "Zen 5: row lanes for one token and
+# Q4_0's batches"): k = 8 1.52 ms against the row decoders' 2.21-2.23, k = 4 1.23-1.25 against
+# 1.35-1.43, but k = 1 1.33-1.47 against 1.18-1.34 (faster from cache, slower from memory: not
+# explained), so 1- and 2-token passes keep the rows'.
 PAIR_LANE_DECODERS = {int(_T.Q4_0): _q4_0_pair_lanes}
 PAIR_LANES_MIN_TOKENS = 4
 
@@ -420,22 +423,51 @@ def _pair_row_lanes(b, pl, i, trows, ybufs, prefetch_part):
 
 # K-quant passes of this many tokens stage their weights in L1 and loop over sub-blocks. One token
 # too: the straight-line pass of one token (each weight vector used once, from its transpose) ran
-# Q4_K / Q5_K k = 1 at ~57 % of the read bandwidth on Zen 5, staged at ~72 % (BENCHMARKS.md, session 30).
+# Q4_K / Q5_K k = 1 at ~57 % of the read bandwidth on Zen 5, staged at ~72 % (dd107e5).
 STAGE_MIN_TOKENS = 1
 TOKEN_PASSES = {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 6: 8, 7: 8, 8: 8}      # tokens -> the pass (compiled) that takes them
 PASS_TOKENS = 8         # the most tokens of a pass (a row group takes more in several passes)
 
 # The fewest tokens from which each type's matrices run in row lanes (matvec_int.block_dots),
 # measured on the 27B FFN shapes on Zen 4, 2 threads, from memory, against the register groups
-# (BENCHMARKS.md, session 25): Q6_K's single rows stream faster at 1-2 tokens, the register groups
-# fold Q4_1 / Q5_1's mins more cheaply at 1-2.
+# (docs/history.md, "Row lanes: 16 rows in a vector's lanes"): Q6_K's single rows stream faster at
+# 1-2 tokens, the register groups fold Q4_1 / Q5_1's mins more cheaply at 1-2.
 ROW_LANES_MIN_K = {int(_T.Q4_K): 1, int(_T.Q5_K): 1, int(_T.Q6_K): 3, int(_T.Q3_K): 1, int(_T.Q2_K): 4,
                    int(_T.IQ4_XS): 1, int(_T.Q8_0): 1, int(_T.Q4_0): 1, int(_T.Q5_0): 1, int(_T.Q4_1): 3,
                    int(_T.Q5_1): 3, int(_T.IQ4_NL): 2}
-# where they run: the AVX-512 VNNI lowering they were measured on (on ymm ISAs the 16-lane vectors
-# split in two and the transposes cross halves: unmeasured)
-ROW_LANES_HOST = dict(ROW_LANES_MIN_K) if ISA == "avx512vnni" else {}
+# Off AMD Zen (the Xeon of BENCHMARKS.md's "Mission size" section, LLVM: emeraldrapids) one token
+# runs faster in matvec_int's register groups of 4 rows for every type that takes row lanes from 1:
+# 27B FFN shapes, 2 threads, from memory, k = 1, e.g. Q4_K 17408 x 5120 2.02 -> 1.93 ms and
+# 5120 x 17408 2.12 -> 1.81, Q8_0 3.87 -> 3.44, Q5_K 3.03 -> 2.75, Q3_K 48 -> 64 % of the read
+# bandwidth; from 2 tokens on the row lanes match or beat the groups there as on Zen.
+ROW_LANES_ZEN_CPUS = ("znver",)
+INTEL_MIN_K = 2
+
+
+def row_lanes_table(cpu_name: str, isa: str) -> dict[int, int]:
+    """qtype -> the fewest tokens from which its matrices run in row lanes on this CPU: the AVX-512
+    VNNI lowering they were measured on only (on ymm ISAs the 16-lane vectors split in two and the
+    transposes cross halves: unmeasured)."""
+    if isa != "avx512vnni":
+        return {}
+    if cpu_name.startswith(ROW_LANES_ZEN_CPUS):
+        return dict(ROW_LANES_MIN_K)
+    return {qt: max(k, INTEL_MIN_K) for qt, k in ROW_LANES_MIN_K.items()}
+
+
+ROW_LANES_HOST = row_lanes_table(llvm.get_host_cpu_name(), ISA)
 NEVER = 1 << 30
+
+# Whether a group's steps also prefetch the next group (a slice per step, into L2). On AMD Zen
+# (LLVM's "znver*") 16 short rows read side by side stream from memory at ~60 % of the speed of
+# one, while the linear read of the next group runs at full speed. On the Xeon of BENCHMARKS.md's
+# "Mission size" section (LLVM: emeraldrapids) the same prefetches cost 20-25 % at 2-8 tokens
+# (27B FFN shapes, Q4_K / Q6_K / Q8_0, 2 threads, from memory: Q4_K 5120 x 17408 k = 4 3.07 ->
+# 2.29 ms, k = 8 4.06 -> 3.27): software prefetches hold line fill buffers there, so they cap the
+# misses in flight that the hardware L2 streamer would otherwise keep going over the group's rows.
+# Fixed at import like matvec_int's per-CPU tables: it enters the compiled kernels, whose on-disk
+# cache is per CPU.
+NEXT_GROUP_PREFETCH = llvm.get_host_cpu_name().startswith(ROW_LANES_ZEN_CPUS)
 
 
 row_lanes_from = _max_k_lookup(ROW_LANES_HOST, "row_lanes_from", NEVER)   # ROW_LANES_HOST[qtype], else NEVER
@@ -484,7 +516,7 @@ def row_lanes_dot(typingctx, qtype, n, w, r0, xq, xd, xs, t0, out, oc, cold):
             f32x16 = ir.VectorType(F32, 16)
             # the buffers allocated here, freed at the end (not entry-block allocas: ~5 KB per
             # type and pass size in every frame of block_dots' callers cost the fused layer
-            # kernels' old paths ~1.5x, as matvec_int's two-phase buffers did, session 15)
+            # kernels' old paths ~1.5x, as matvec_int's two-phase buffers did: docs/history.md, 2026-11-24)
             sp = _intrinsic(b, "llvm.stacksave", I8.as_pointer(), [])
             ybuf = b.alloca(ir.ArrayType(f32x16, n_toks))
             ybuf.align = 64
@@ -498,19 +530,19 @@ def row_lanes_dot(typingctx, qtype, n, w, r0, xq, xd, xs, t0, out, oc, cold):
                 p.align = 64
                 wbuf = b.bitcast(p, I8.as_pointer())
 
-            # the next group's rows (16 rows further on: one contiguous block) are prefetched into L2
-            # a slice per step: 16 short rows side by side stream from memory at ~60 % of the speed
-            # of one (Zen 4), a linear read runs at full speed
+            # where NEXT_GROUP_PREFETCH: the next group's rows (16 rows further on: one contiguous
+            # block) are prefetched into L2 a slice per step (see NEXT_GROUP_PREFETCH)
             group_bytes = b.mul(rbs[0], _c64(ROW_LANES))
-            with b.if_then(cold_):
-                _loop(b, _c64(0), b.sdiv(b.add(group_bytes, _c64(63)), _c64(64)), [],
-                      lambda j, _: prefetch(b, b.gep(wrows[0], [b.mul(j, _c64(64))]), locality=2) or [])
+            if NEXT_GROUP_PREFETCH:
+                with b.if_then(cold_):
+                    _loop(b, _c64(0), b.sdiv(b.add(group_bytes, _c64(63)), _c64(64)), [],
+                          lambda j, _: prefetch(b, b.gep(wrows[0], [b.mul(j, _c64(64))]), locality=2) or [])
             next_group = b.gep(wrows[0], [group_bytes])
             slice_bytes = ROW_LANES * step_bytes
 
             def step(vbs, i, _):
                 base = b.gep(next_group, [b.mul(i, _c64(slice_bytes))])
-                lines = list(range(0, slice_bytes, 64))
+                lines = list(range(0, slice_bytes, 64)) if NEXT_GROUP_PREFETCH else []
 
                 def prefetch_part(c):       # a quarter of the lines with each chunk
                     for line in lines[c * len(lines) // 4:(c + 1) * len(lines) // 4]:
@@ -520,7 +552,7 @@ def row_lanes_dot(typingctx, qtype, n, w, r0, xq, xd, xs, t0, out, oc, cold):
                     # this group's next step into L1 as well (its lines are in L2 by the slices
                     # above): on Zen 5 the 16 rows' loads at a step's start otherwise wait on L2, the
                     # transposes behind them (27B shapes: Q4_K k = 1 / 8 7-10 % faster, Q6_K k = 4
-                    # 7-9 %; Q4_0's pairs k = 1 6 % slower, so theirs stay as they were; session 30)
+                    # 7-9 %; Q4_0's pairs k = 1 6 % slower, so theirs stay as they were; docs/history.md, 2026-11-26)
                     for p in ptrs:
                         for off in range(0, step_bytes, 64):
                             prefetch(b, b.gep(p, [_c64(step_bytes + off)]), locality=3)
