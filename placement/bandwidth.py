@@ -30,18 +30,22 @@ def gpu_peak_bandwidth(name: str, memory_clock_khz: int = 0, bus_width_bits: int
     return None
 
 
-def measure_cpu_bandwidth(nbytes: int = 64 << 20, repeats: int = 5, threads: int | None = None) -> float:
-    """Read bandwidth in bytes/s: every core sums its slice of a buffer larger than the caches;
-    numpy's reductions release the GIL, so threads read in parallel as the FFN matvec does.
-    Best of `repeats`; well under 0.5 s for the default 64 MiB (larger than most desktop L3s;
-    bigger buffers cost more in page faults than they gain in accuracy)."""
+def measure_cpu_bandwidth(nbytes: int = 256 << 20, repeats: int = 8, threads: int | None = None) -> float:
+    """Read bandwidth in bytes/s: every core takes the maximum of its slice of a buffer larger than
+    most caches (numpy's reductions release the GIL, so threads read in parallel as the matvecs do).
+    The maximum of unsigned 64-bit integers: numpy's widest-SIMD reduction, so the cores wait on
+    memory, not on the arithmetic. A float32 sum (pairwise, ~15 GB/s) or an int64 sum (~25) read
+    too low on the Xeon of BENCHMARKS.md's "Mission size" section, where this reads 30-31 GB/s and
+    the Q6_K matvec streams at 28-29. Best of `repeats`; 256 MiB: ~0.1 s to fill on a desktop
+    (0.6 s in that VM, whose first touch of a page is slow), a 64 MiB buffer sits partly in a
+    server's L3."""
     threads = threads or os.cpu_count() or 1
-    buf = np.ones(nbytes // 4, dtype=np.float32)
+    buf = np.ones(nbytes // 8, dtype=np.uint64)
     chunks = np.array_split(buf, threads)
     best = float("inf")
     with ThreadPoolExecutor(threads) as pool:
         for _ in range(repeats):
             t0 = time.perf_counter()
-            list(pool.map(np.sum, chunks))
+            list(pool.map(np.max, chunks))
             best = min(best, time.perf_counter() - t0)
     return buf.nbytes / best

@@ -335,8 +335,9 @@ def test_cpu_bandwidth_probe_is_quick():
     t0 = time.process_time()
     bw = measure_cpu_bandwidth()
     assert 1e8 < bw < 1e13
-    # CPU seconds (robust on a shared machine): the work is fixed, 64 MiB filled and 5 x 64 MiB summed
-    assert time.process_time() - t0 < 1.0
+    # CPU seconds (robust on a shared machine): the work is fixed, 256 MiB filled (~0.6 s of page
+    # faults on the dev VM) and 8 x 256 MiB read
+    assert time.process_time() - t0 < 2.0
 
 
 def test_dequant_tile_matches_gpu_kernels():
