@@ -14,7 +14,7 @@ import numba
 import numpy as np
 import torch
 
-from cpu_kernels import gdn_block, int_blocks, kv_attention, layer_fused
+from cpu_kernels import gdn_block, int_blocks, kv_attention, layer_fused, moe_block
 from cpu_kernels.dequant import RowGather, dequantize
 from cpu_kernels.ffn import ACTIVATIONS, ffn_glu
 from cpu_kernels.formats import format_of
@@ -369,6 +369,40 @@ class FusedFfnBlock:
         return torch.from_numpy(layer_fused.ffn_block(_rows_f32(h), numba.get_num_threads(), *self.args))
 
 
+class FusedMoEBlock:
+    """A MoE layer's FFN half (norm, router, the chosen routed experts, the shared expert and its
+    gate, residual) as one moe_block call, for a CPU trunk whose expert matrices are all in the
+    mmap; prompt batches run `block` (models.qwen35.MoEFFN through RoutedExperts). The experts'
+    matrices go in whole ([n_expert * rows] of the file's tensor): the kernel picks each expert's
+    rows."""
+
+    def __init__(self, block, kernel_types: tuple, gguf: GGUFFile):
+        moe, self.block = block.ffn, block
+        self.ffn = moe          # the MoE FFN the prompt path runs (models.qwen35.MoEFFN)
+        first, shared = moe.experts.experts[0], moe.shared
+
+        def whole(linear: CpuQuantLinear) -> tuple:     # the tensor an expert's "name[e]" matrix is a part of
+            name = linear.name.rsplit("[", 1)[0]
+            return layer_fused.matrix_operands(gguf.tensor_bytes(name), linear.qtype,
+                                               use_int(linear.qtype, linear.exact), linear.residual)
+        mats = [_fused_operands(moe.router), _fused_operands(moe.shared_gate),
+                whole(first.gate), whole(first.up), whole(first.down),
+                *(_fused_operands(m) for m in (shared.gate, shared.up, shared.down))]
+        (_, _, eg, ig), (_, _, eu, iu), (_, _, esg, isg), (_, _, esu, isu) = mats[2], mats[3], mats[5], mats[6]
+        if (eg, ig) != (eu, iu) or (esg, isg) != (esu, isu):
+            # gate and up share one quantization of their activations in the kernel
+            raise ValueError("gate and up of an expert take different activation blocks")
+        self.norm = block.norm.numpy()
+        self.nbytes = moe.nbytes
+        self.args = (*_covering(kernel_types, mats), self.norm, block.eps, *mats,
+                     first.gate.n_out, shared.gate.n_out, moe.n_used)
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        if h.shape[0] > ROWWISE_MAX:
+            return self.block(h)
+        return torch.from_numpy(moe_block.moe_block(_rows_f32(h), numba.get_num_threads(), *self.args))
+
+
 class FusedGDNBlock:
     """A Gated DeltaNet layer half (norm, input projections, conv, L2 norms, gates, the delta-rule
     recurrence with its snapshot-ring writes, gated norm, output projection, residual) as one
@@ -684,6 +718,14 @@ class WeightBinder:
         """How a layer's FFN half runs: `block` (models.common.FfnBlock) or the fused kernel."""
         if self._fusable() and type(block.ffn) is CpuGluFFN:
             return FusedFfnBlock(block, self._fused_types())
+        experts = getattr(block.ffn, "experts", None)
+        if (self._fusable() and block.post_norm is None and type(experts) is RoutedExperts
+                and all(type(e) is CpuGluFFN for e in experts.experts) and type(block.ffn.shared) is CpuGluFFN
+                and type(block.ffn.router) is CpuQuantLinear and type(block.ffn.shared_gate) is CpuQuantLinear):
+            try:
+                return FusedMoEBlock(block, self._fused_types(), self.gguf)
+            except ValueError:      # kernel types or activation blocks the fused kernel does not cover
+                return block
         return block
 
     def mtp_step(self, embedding, embed_scale: float, enorm, hnorm, eh_proj, attn_half, ffn_half, head_norm,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import make_model
-from hybridrt.backends import RoutedExperts
+from hybridrt.backends import FusedMoEBlock, RoutedExperts
 from hybridrt.generate import generate
 from hybridrt.gguf_file import GGUFFile
 from hybridrt.loader import load_model
@@ -17,6 +17,7 @@ from hybridrt.models.qwen35 import MoEFFN, Qwen35Moe
 from hybridrt.sampling import SamplerConfig
 from hybridrt.speculative.loop import SpecConfig, speculative_generate
 from hybridrt.speculative.sources import build_source
+from tests.reference.common import rms_norm
 from tests.reference.ref_qwen35 import RefQwen35
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -223,3 +224,73 @@ def test_bench_moe_verify_runs(tmp_path, capsys):
     assert all(r["grouped_bytes"] <= r["separate_bytes"] for r in rows)
     assert rows[0]["grouped_bytes"] == rows[0]["separate_bytes"] and rows[-1]["grouped_bytes"] < rows[-1]["separate_bytes"]
     assert "experts read" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ the fused MoE FFN half
+
+def _fused_halves(model):
+    halves = [ffn for _, ffn in model.layers]
+    assert all(isinstance(f, FusedMoEBlock) for f in halves)     # a plain CPU trunk fuses every MoE half
+    return halves
+
+
+@pytest.mark.parametrize("fixture", ["moe_mtp", "moe_q4"])
+def test_fused_moe_half_matches_float64_reference(fixture, request, exact_activations):
+    """cpu_kernels.moe_block (router and shared gate, the chosen experts grouped by expert, the shared
+    expert, residual) against the float64 reference's block FFN half, k = 1 and a verify batch."""
+    path = request.getfixturevalue(fixture)
+    model, ref = load_model(path), RefQwen35(path)
+    h = np.random.default_rng(3).standard_normal((8, model.n_embd)).astype(np.float32)
+    for layer in (0, 3):
+        half = _fused_halves(model)[layer]
+        for rows in (h[:1], h):
+            got = half(torch.from_numpy(rows)).numpy()
+            x = rms_norm(rows.astype(np.float64), half.norm.astype(np.float64), half.block.eps)
+            want = rows + ref._moe_ffn(f"blk.{layer}", x)
+            assert rel_err(got - rows, want - rows) <= 1e-5, layer
+
+
+@pytest.mark.parametrize("fixture", ["moe_mtp", "moe_q4"])
+def test_fused_moe_half_is_the_torch_half(fixture, request):
+    """On the default int8 activations the fused half runs the same kernels per (expert, token) as
+    MoEFFN's separate calls: equal up to the routing weights' float32 rounding."""
+    model = load_model(request.getfixturevalue(fixture))
+    h = torch.from_numpy(np.random.default_rng(4).standard_normal((6, model.n_embd)).astype(np.float32))
+    for layer in (0, 3):
+        half = _fused_halves(model)[layer]
+        fused, torch_half = half(h), half.block(h)
+        assert rel_err((fused - h).numpy(), (torch_half - h).numpy()) <= 1e-5, layer
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_moe_token_bits_do_not_depend_on_the_batch_or_threads(moe_q4, threads):
+    """Every token's fused MoE half, in batches of 1..8 with random companions, on 1 or 2 threads,
+    is bitwise its result alone on one thread."""
+    import numba
+
+    model = load_model(moe_q4)
+    rng = np.random.default_rng(6)
+    h = torch.from_numpy(rng.standard_normal((16, model.n_embd)).astype(np.float32))
+    half = _fused_halves(model)[1]
+    before = numba.get_num_threads()
+    alone = torch.cat([half(h[i:i + 1]) for i in range(16)])
+    numba.set_num_threads(threads)
+    try:
+        for k in range(1, 9):
+            idx = torch.from_numpy(rng.choice(16, k, replace=False))
+            assert torch.equal(half(h[idx]), alone[idx]), k
+    finally:
+        numba.set_num_threads(before)
+
+
+def test_fused_moe_routes_as_the_router_says():
+    """_route: the n_used largest logits (the lower id on a tie), ascending, weights the softmax
+    renormalised over them."""
+    from cpu_kernels.moe_block import _route
+
+    logits = np.array([[0.5, 2.0, -1.0, 2.0, 1.0, 0.0], [3.0, 3.0, 3.0, 3.0, 3.0, 3.0]], np.float32)
+    ids, wts = _route(logits, 5, 3)         # the sixth column (the shared gate's) is not an expert
+    assert ids.tolist() == [[1, 3, 4], [0, 1, 2]]
+    p = np.exp(np.array([2.0, 2.0, 1.0]) - 2.0)
+    np.testing.assert_allclose(wts[0], p / p.sum(), rtol=1e-6)
+    np.testing.assert_allclose(wts[1], [1 / 3] * 3, rtol=1e-6)
