@@ -3,12 +3,12 @@ train-mtp teacher's (hybridrt.train_mtp.torch_model), which decodes 256 sequence
 
 torch's CPU scaled_dot_product_attention (and batched matmuls) read such a cache at ~10 GB/s for a
 single query row per sequence, so late in a 256-token continuation attention was about half of a
-teacher step (BENCHMARKS.md, session 18). Here each (sequence, KV head) item streams its keys and
-values once for all the query heads that share them, in parallel over items, with kv_attention's
-steps (the runtime's decode attention): up to four heads' scores a key step with their reduction
-trees merged, a vectorized exp, the weighted values in registers over all the keys. A cache of 256
-sequences does not fit any CPU cache, so the step is bound by its bytes: the teacher keeps float16,
-as `hybridrt run` does (BENCHMARKS.md, session 20).
+teacher step (docs/history.md, "The train-mtp teacher's decode attention"). Here each (sequence, KV
+head) item streams its keys and values once for all the query heads that share them, in parallel
+over items, with kv_attention's steps (the runtime's decode attention): up to four heads' scores a
+key step with their reduction trees merged, a vectorized exp, the weighted values in registers over
+all the keys. A cache of 256 sequences does not fit any CPU cache, so the step is bound by its
+bytes: the teacher keeps float16, as `hybridrt run` does (fd140c0).
 
 Results match torch's float32 attention to rounding, not bit for bit; every float step is fixed by
 the code (no fastmath), so the teacher's text does not depend on how LLVM vectorized a given build.

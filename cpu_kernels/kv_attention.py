@@ -2,8 +2,8 @@
 
 Why its own kernel: the first one looped over (token, head) items and, per key, made a view of the
 cache row, one dot product with its own reduction tree and a libm exp: ~110 cycles per (head, key)
-at head size 64, so SmolLM2 decoded at 0.74x llama.cpp's speed at depth 4096 (BENCHMARKS.md,
-session 20) while it led at short contexts. Here:
+at head size 64, so SmolLM2 decoded at 0.74x llama.cpp's speed at depth 4096 (docs/history.md,
+"Attention over a long KV cache") while it led at short contexts. Here:
 
 - keys go in fixed chunks of CHUNK_KEYS by absolute position, and a work item is one (token, chunk,
   KV head) with all the query heads that share that KV head: the cache rows are read once for the
@@ -70,7 +70,7 @@ def _prefetch_row(builder, row_ptr, ahead, n_bytes):
     of the first head asks for the whole position (the next heads' items, which run next on the
     same thread, then find it in L2), the others for nothing. Strided by the other heads' rows, the
     pattern the hardware prefetcher missed: without this a layer's attention from memory took 3.3x
-    its time from L3, with it 1.6-2x (SmolLM2, 4096 keys, BENCHMARKS.md session 20)."""
+    its time from L3, with it 1.6-2x (SmolLM2, 4096 keys, docs/history.md, "Attention over a long KV cache")."""
     base = builder.bitcast(builder.gep(row_ptr, [ahead]), _I8.as_pointer())
     i64 = n_bytes.type
     n_lines = builder.udiv(builder.add(n_bytes, ir.Constant(i64, 63)), ir.Constant(i64, 64))

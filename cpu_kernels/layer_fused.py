@@ -56,8 +56,9 @@ GROUPS_PER_THREAD = 4       # work items per thread, so a slow core does not hol
 PARALLEL_MIN_WEIGHTS = 1 << 17   # below this a projection runs on the calling thread alone
 # rows of int8 activations (2 per token with the residual pass) from which a legacy matrix runs on
 # matvec_int's token lanes instead of block_dots: 1.5-2.4x faster at 16-32 rows on small matrices
-# (Zen 4, BENCHMARKS.md session 16); the K-quants' tiles lose to block_dots at <= 32 rows there.
-# Measured before the token lanes took rows 4 at a time (session 24), so kept apart from
+# (Zen 4, docs/history.md, "Token lanes inside the fused layer kernels"); the K-quants' tiles lose
+# to block_dots at <= 32 rows there.
+# Measured before the token lanes took rows 4 at a time (4478651), so kept apart from
 # matvec_tiled.LANES_MIN_K, which was re-measured then on the 27B's shapes.
 LANES_MIN_ROWS = 14
 

@@ -392,26 +392,27 @@ GRID_TOKENS = 4      # most tokens a grid_dot pass takes (2 rows by 4 tokens: 8 
 
 # Single-row groups. On AMD Zen (LLVM's host CPU "znver*"), with both cores streaming from memory,
 # rows shorter than SINGLE_ROW_BYTES read faster one row at a time than in groups of 4 side by
-# side: Zen 4, 2 threads, k = 1, GB/s of 33.8 (BENCHMARKS.md "A Zen 4 machine: single-row groups"):
+# side: Zen 4, 2 threads, k = 1, GB/s of 33.8 (docs/history.md, "A Zen 4 machine: single-row groups"):
 # Q8_0 262144 x 640 (Gemma 3's output layer) 18.7 -> 31.0, Q6_K 17408 x 5120 18 -> 33, Q4_K 25 ->
 # 34, while the 17408-input rows (9.8-18 KB) keep their speed in groups of 4 and the light legacy
 # types (Q4_0 .. Q5_1, IQ4_NL), whose single rows are bound by their folds, run slower alone. At
 # k = 2 single rows win for Q6_K only: Q8_0's short rows take two-phase groups (below), and its
-# 3072-8192-byte rows read faster in groups of 4 rows x 2 tokens (cold, 2 threads, session 23:
+# 3072-8192-byte rows read faster in groups of 4 rows x 2 tokens (cold, 2 threads, 2026-11-25:
 # 17408 x 5120 3.85 vs 5.08 ms, 4096 x 7680 1.39 vs 1.94; 8192 x 3072 and 14336 x 4096 level),
-# where Q6_K's lose by half (17408 x 5120 3.63 vs 2.33 ms in groups). The Xeon measured in
-# sessions 6-8 (and where no measurement says otherwise) keeps the groups of 4. The bits are the
+# where Q6_K's lose by half (17408 x 5120 3.63 vs 2.33 ms in groups). The Xeon measurements of
+# 2026-11-23/24 (and where no measurement says otherwise) keep the groups of 4. The bits are the
 # same either way.
 SINGLE_ROW_BYTES = 8192
 SINGLE_ROW_CPUS = ("znver",)
 SINGLE_ROW_MAX_K = {int(_T.Q4_K): 1, int(_T.Q5_K): 1, int(_T.Q6_K): 2, int(_T.Q8_0): 1}
 # Q8_0's rows under TWO_PHASE_BYTES on the same CPUs: groups again, each row read on its own before
 # the group's float steps (_two_phase_pairs), for k <= 2. Zen 4, 2 threads, from memory, best of 3
-# `bench_matvec.py` runs against single rows (BENCHMARKS.md, session 15): 262144 x 640 (Gemma 3's
-# output layer) k = 1 4.57 vs 5.13 ms, k = 2 5.81 vs 6.84; 131072 x 1536 and 98304 x 2048 k = 1
-# within 2 %, k = 2 15 % faster; 3072 columns k = 2 faster but k = 1 slower (6.60 vs 5.67 ms), so
-# those rows (3264 bytes) stay single. The lighter legacy types lose by it (their folds, not their
-# bytes, bound them: Q4_0 640 columns k = 1 3.95 vs 3.70 ms in groups side by side).
+# `bench_matvec.py` runs against single rows (docs/history.md, "Q8_0's short rows in two-phase
+# groups (Zen 4)"): 262144 x 640 (Gemma 3's output layer) k = 1 4.57 vs 5.13 ms, k = 2 5.81 vs 6.84;
+# 131072 x 1536 and 98304 x 2048 k = 1 within 2 %, k = 2 15 % faster; 3072 columns k = 2 faster but
+# k = 1 slower (6.60 vs 5.67 ms), so those rows (3264 bytes) stay single. The lighter legacy types
+# lose by it (their folds, not their bytes, bound them: Q4_0 640 columns k = 1 3.95 vs 3.70 ms in
+# groups side by side).
 TWO_PHASE_BYTES = 3072
 TWO_PHASE_MAX_K = {int(_T.Q8_0): 2}
 

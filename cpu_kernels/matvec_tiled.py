@@ -50,7 +50,7 @@ from .simd_int import CACHE, F32, I8, I16, I32, IntBlockIR, _intrinsic, dpbusd, 
 # vpdpbusd and L1 could not feed more than ~1 a cycle; 4 rows share it, and their weights, stored
 # once per step (not once per token vector: LLVM spilled and reloaded the decoded step then), are
 # read back through an opaque pointer as broadcasts that fold into the vpdpbusd. Q4_K at k = 512,
-# one core, an L2-resident matrix: 78 -> 157 G multiply-adds/s (BENCHMARKS.md, session 24).
+# one core, an L2-resident matrix: 78 -> 157 G multiply-adds/s (4478651).
 
 
 def _offset_128(v, blk):
@@ -475,13 +475,13 @@ TILE_UNITS = 4        # token quads (16 tokens) or token vectors (64) per pass o
 # (Q6_K's bit assembly, Q4_K's scales and mins) is paid once per row for all its tokens, where passes
 # of 4 vectors paid it 8 times. Their chunks are one super-block either way (ACT_L1_BYTES); the
 # legacy types' pairs are cheap to decode and want their chunks L1-sized (32 units: ~1.4x slower).
-# Side by side, 2 threads, the 27B FFN shapes, k = 512 (BENCHMARKS.md, session 23): Q4_K 1.46x,
+# Side by side, 2 threads, the 27B FFN shapes, k = 512 (9682ccf): Q4_K 1.46x,
 # Q5_K and Q3_K 1.3-1.4x, Q6_K 1.04-1.07x faster; a Q4_K_M llama's pp512 1.20x end to end.
 TILE_UNITS_K_LANES = 32
 ACT_L1_BYTES = 24576  # activation bytes of a chunk (all the pass's tokens) kept in L1
 # k from which matvec runs the tiled kernels (below it: block_dots, state in registers). Measured on
 # the 27B FFN shapes, 2 threads (bench_matvec.py --quick --ks 1,3,4,5,8 --tiled-from 999 against
-# 3, BENCHMARKS.md "Register groups of rows by tokens"): block_dots takes 0.5-0.9x the quads' time
+# 3, docs/history.md, "Register groups of rows by tokens"): block_dots takes 0.5-0.9x the quads' time
 # at 3 and 4 tokens for all five types and 0.7-1.0x at 5 (one type 1.06x); at 8 the quads are
 # faster for four of five (one pass over the weights where block_dots makes two).
 TILED_MIN_K = 6
@@ -493,7 +493,7 @@ def tiled_min_k(qtype: int) -> int:
     return LANES_MIN_K[SPECS[int(qtype)][0]] if int(qtype) in ROW_LANES_HOST else TILED_MIN_K
 # k from which the tiled kernel runs on token lanes (transposed activations, padded to 16 tokens)
 # instead of token quads. Measured on the 27B FFN shapes, 2 threads, from memory, with the lanes'
-# rows 4 at a time (bench_matvec.py --lanes-from 1 against 999, BENCHMARKS.md session 24), lanes /
+# rows 4 at a time (bench_matvec.py --lanes-from 1 against 999, 69a6fa9, 3317039), lanes /
 # quads: K-quants 1.09-1.63 at 8 tokens, 0.76-0.91 at 12, 0.48-0.87 at 16-32; legacy types
 # (Q4_0, Q5_0, Q8_0) 0.93-1.10 at 8, 0.66-0.74 at 10, 0.64-0.74 at 12.
 # hybridrt.warmup's batches (1, 4, 8, 16, 40 tokens) compile both layouts for either kind.

@@ -89,9 +89,9 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positi
         return out
     # [1, heads, T, d] views of the rows: torch's SDPA takes a fused kernel (flash, memory-efficient)
     # only for 4-d operands, on CUDA and on the CPU; 3-d ones run the math path (on 2 CPU threads
-    # 13.7 vs 6.5 ms for a 512-token Gemma 3 layer, BENCHMARKS.md session 21). A CPU trunk attends
-    # in kv_attention (hybridrt.backends.attend_on_cpu); this path serves the device, bf16 caches
-    # and the torch-only trunk (HYBRIDRT_FUSED_LAYERS=0).
+    # 13.7 vs 6.5 ms for a 512-token Gemma 3 layer, docs/history.md, "Prompt attention on
+    # kv_attention"). A CPU trunk attends in kv_attention (hybridrt.backends.attend_on_cpu); this
+    # path serves the device, bf16 caches and the torch-only trunk (HYBRIDRT_FUSED_LAYERS=0).
     keys = all_keys[None].transpose(1, 2)
     vals = all_vals[None].transpose(1, 2)
     key_pos = torch.arange(base, last + 1, device=q.device)

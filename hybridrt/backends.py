@@ -251,7 +251,7 @@ def attend_on_cpu(q: torch.Tensor, k_cache, v_cache, positions: list[int], scale
     """gpu_kernels.attention.attend for a CPU trunk: kv_attention's kernel (the fused layers' own)
     on Numba's threads over an f32, f16 or q8_0 cache, for any batch, prompts included (torch's
     SDPA runs there on the trunk's single torch thread: 2x the time on Gemma 3's 512-token prompt,
-    BENCHMARKS.md session 21); torch's attend for a bf16 cache."""
+    60a8fb1; docs/history.md, "Prompt attention on kv_attention"); torch's attend for a bf16 cache."""
     kc, vc = _fused_cache_view(k_cache), _fused_cache_view(v_cache)
     if kc is None or vc is None or q.device.type != "cpu":
         return attend(q, k_cache, v_cache, positions, scale, window, first)

@@ -8,7 +8,7 @@ routed experts in the mmap, its router and shared expert on the device). This mo
 needs: one CPU worker thread for the Numba kernels, the pinned host buffers activations cross in,
 stream-ordered copies with events instead of device-wide synchronizes, and the trace.
 
-What overlaps (see README, "What runs at the same time"):
+What overlaps (see docs/placement.md, "What runs at the same time, and what bounds it"):
   1. the split layer: its device half is queued while the worker computes its CPU half; the layer
      costs max(device half, CPU half) + one round trip of k x n_embd floats;
   2. transfers are queued on the device stream behind the work that produces their input; the host

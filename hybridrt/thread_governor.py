@@ -3,12 +3,13 @@
 The kernels' OpenMP threads spin at each parallel region's barrier. When other processes hold some
 of the cores, a waiting thread can keep the core its partner needs, and a 2-thread SmolLM2 decode
 falls from ~118 t/s to 32-44 t/s beside one busy process and to 1-7 t/s beside two, where one
-thread decodes at 84 and 52-58 t/s (BENCHMARKS.md, session 28). No wait policy wins both idle and
-loaded, so the count itself adapts: the first step runs on the cores other runnable tasks leave
-free (/proc/loadavg), decode and verify steps are timed, and the governor tries half as many threads
-(or, once a core is free again, twice as many) for a couple of steps when the steps have slowed or
-when a probe is due, keeping whichever is faster. The kernels' results do not depend on
-the thread count (each output row is one thread's), so switching never changes a token.
+thread decodes at 84 and 52-58 t/s (docs/history.md, "The thread governor"; BENCHMARKS.md, "Threads
+on a busy machine"). No wait policy wins both idle and loaded, so the count itself adapts: the first
+step runs on the cores other runnable tasks leave free (/proc/loadavg), decode and verify steps are
+timed, and the governor tries half as many threads (or, once a core is free again, twice as many)
+for a couple of steps when the steps have slowed or when a probe is due, keeping whichever is
+faster. The kernels' results do not depend on the thread count (each output row is one thread's), so
+switching never changes a token.
 """
 from __future__ import annotations
 

@@ -180,7 +180,7 @@ COST_REPS = 3           # timings per verify size it hands an adaptive run (RECE
 # the timing's start-up cost: a round of every size is timed again only while the rounds so far
 # took less than this. A small model's rounds take milliseconds (three each); one round of a
 # 27B's 1..4-token verifies at ~6 t/s would take about a second, and three would add ~2 s to
-# every `run` for a ~3 % gain measured on SmolLM2 (BENCHMARKS.md, session 36): one round there.
+# every `run` for a ~3 % gain measured on SmolLM2 (cc3b39d; docs/history.md, 2026-11-27): one round there.
 COST_BUDGET_S = 0.5
 
 

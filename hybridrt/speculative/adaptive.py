@@ -119,8 +119,8 @@ class DraftLengthPolicy:
         learned about the machine and the head (verify and draft costs, acceptance, calibration,
         the recent first rows) carries over; the stretch and probe of the last sequence do not.
         A policy learned afresh in every 128-token run trailed one kept across 32 of them by 1-3 %
-        on SmolLM2's head (BENCHMARKS.md, session 35): each run paid for its first plain steps and
-        chose plain stretches on a handful of rows."""
+        on SmolLM2's head (docs/history.md, "Where adaptive length trails a fixed N = 1"): each run
+        paid for its first plain steps and chose plain stretches on a handful of rows."""
         self.plain_streak, self.probe_gap = 0, self.probe_every
         self.step_tokens, self.step_prob = 1.0, 1.0
 

@@ -3,7 +3,7 @@ implementation without a model with one that has one: each step asks them in ord
 the first that proposes anything drafts that step. Prompt lookup goes first: it costs a dictionary
 lookup, proposes only where the text repeats itself, and is right there far more often than a small
 head (SmolLM2's trained head: 75 % of the lookup's drafts correct at the 35 % of held-out positions
-where it has one, against the head's 44 % at those positions; BENCHMARKS.md, session 32). The head
+where it has one, against the head's 44 % at those positions; BENCHMARKS.md, "Speculative decoding"). The head
 drafts everywhere else.
 
 Every source sees every committed token (`observe`), whichever drafted, so each keeps its own

@@ -26,7 +26,8 @@ from ..sampling import top_k_rows
 
 ATTN = ("attn_q", "attn_k", "attn_v", "attn_output")
 # the teacher's KV cache: float16, as `hybridrt run`'s (the values the runtime's attention reads); a
-# decode step of 256 sequences is bound by the cache's bytes, half float32's (BENCHMARKS.md, session 20)
+# decode step of 256 sequences is bound by the cache's bytes, half float32's (fd140c0;
+# docs/history.md, "The train-mtp teacher's decode attention")
 KV_DTYPE = torch.float16
 FFN = ("ffn_gate", "ffn_up", "ffn_down")
 
@@ -186,8 +187,9 @@ def initial_head_tensors(model, draft_ids: torch.Tensor, kind: BlockKind, scale:
     layer's and those of the layers before it), each one's pre-FFN norm folded into its gate and up
     rows, so a pre-norm block's starts as their sum (gemma3's sandwich norm applies to the sum).
     SmolLM2's head learned faster that way (600 steps: +2.6 points held-out) but ended level
-    after train-mtp's default steps (BENCHMARKS.md, session 19). `layer`: another target layer to
-    copy (of the same attention shape; scripts/ablate_mtp_head.py's --init-layer)."""
+    after train-mtp's default steps (docs/history.md, "What did not raise a small head's
+    acceptance"). `layer`: another target layer to copy (of the same attention shape;
+    scripts/ablate_mtp_head.py's --init-layer)."""
     last, spec = head_attention_spec(model)
     layer = last if layer is None else layer
     g, d = model.gguf, model.n_embd
@@ -218,9 +220,10 @@ def output_rows(model, ids: torch.Tensor | None) -> torch.Tensor:
 def _attend_cached(q: torch.Tensor, cache: dict, visible: torch.Tensor, scale: float) -> torch.Tensor:
     """A decode step's attention over the cache's first cache["n"] rows (q [b, 1, n_head, d] float32,
     visible [b, n]) -> [b, 1, n_head, dv]. torch's CPU attention reads a cache of 256 sequences at
-    ~10 GB/s, about half of a late teacher step (BENCHMARKS.md, session 18); attend_decode streams
-    each sequence's keys and values once for all the heads that share them. It takes the whole
-    buffers: a view cut to n rows would be a non-contiguous array, whose rows Numba does not vectorize."""
+    ~10 GB/s, about half of a late teacher step (b705ee1; docs/history.md, "The train-mtp teacher's
+    decode attention"); attend_decode streams each sequence's keys and values once for all the heads
+    that share them. It takes the whole buffers: a view cut to n rows would be a non-contiguous
+    array, whose rows Numba does not vectorize."""
     assert cache["k"].is_contiguous() and cache["v"].is_contiguous()
     b, _, n_head, _ = q.shape
     out = np.empty((b, n_head, cache["v"].shape[-1]), np.float32)
@@ -237,7 +240,7 @@ class TorchTeacher:
     `dtype`: the matrices' storage and matmul dtype; bfloat16 writes training text ~5x faster than
     float32 on the AMX Xeon. The residual stream and the norms stay float32 either way, the KV cache
     is float16 (KV_DTYPE; a bfloat16 cache moved the hiddens the head learns from further from
-    hybridrt's: 3-4 points less held-out acceptance for Gemma 3's head, BENCHMARKS.md session 18)."""
+    hybridrt's: 3-4 points less held-out acceptance for Gemma 3's head, 8d98cb3; docs/history.md, 2026-11-25)."""
 
     SUPPORTED = ("llama", "qwen3", "gemma3")
 
@@ -270,8 +273,8 @@ class TorchTeacher:
         default: every id a step's top-k ranked so far), greedy and top-k picks among them. Gemma 3's
         262k-row product was over half of a teacher step; the 21,588 ids the first 64 steps of its
         first batch (256 continuations) ranked in a top-40 hold the full argmax at 99.25 % of the
-        later text's positions and 98.7 % of its probability (BENCHMARKS.md, session 29). Returns
-        the rows kept."""
+        later text's positions and 98.7 % of its probability (scripts/teacher_vocab_coverage.py;
+        docs/history.md, "The teacher over the ids it ranks"). Returns the rows kept."""
         keep = self.ranked if keep is None else keep
         self.rows = keep.nonzero()[:, 0]          # ascending: equal logits still pick the lower id
         self.step_output = self.output[self.rows].contiguous()

@@ -223,7 +223,7 @@ def step_batch(model, train: list[Sequence], cfg: TrainConfig, step: int):
     match are not `valid` (the loss leaves them out; attention still sees them): behind the lookup
     the head only drafts where it has none. SmolLM2 (1000 steps, the default text): 49.8-50.4 %
     per position behind the lookup in the last three evaluations against 47.7-48.7 %, the head alone
-    no worse (BENCHMARKS.md, session 32)."""
+    no worse (docs/history.md, "Prompt lookup ahead of the trained heads")."""
     g = torch.Generator().manual_seed(cfg.seed * 100_003 + step)
     pick = torch.randperm(len(train), generator=g)[:cfg.batch].tolist()
     seqs = [train[i] for i in pick]
@@ -295,7 +295,8 @@ def n_max_1_walk(hits: list[bool]) -> tuple[int, int]:
     prompt's logits, undrafted; a miss commits the target's token and the next position is drafted,
     a hit also commits the verify's bonus token, so the position after a hit is never drafted. Hits
     come in runs, so a run accepts a smaller share than all positions show (Gemma 3 v2 head: 40 %
-    walked vs 45 % per position; the run measured 35 % on text that differed, see BENCHMARKS.md)."""
+    walked vs 45 % per position; the run measured 35 % on text that differed, see docs/history.md,
+    "Per position against walked acceptance")."""
     accepted = drafted = 0
     p = 1
     while p < len(hits):
@@ -415,7 +416,8 @@ def prepare_data(model, cfg: TrainConfig, cache: Path, progress) -> tuple[list[S
     # held-out text: hybridrt's own greedy continuations, the text a run drafts on. The bfloat16
     # teacher's greedy text leaves it within a few tokens on some prompts (at the first token on
     # two of Gemma 3's eight), and a head trained on the teacher's text scored 5 points higher
-    # on the teacher's held-out text than on hybridrt's (45 % vs 40 %, BENCHMARKS.md)
+    # on the teacher's held-out text than on hybridrt's (45 % vs 40 %, docs/history.md, "Per
+    # position against walked acceptance")
     held_new = write_text(model, None, held_ids, [0.0] * len(held_ids), [0] * len(held_ids), cfg.heldout_len,
                           cfg.seed + 1, progress, "held-out text")
     # the teacher's hiddens are the training inputs where it wrote the text (bfloat16 matmuls: cosine
