@@ -185,7 +185,7 @@ COST_BUDGET_S = 0.5
 
 
 def warm_up(model: "Model", spec_type: str, spec, sampler, cache_type: str, draft_model: "Model | None" = None,
-            ngram_n_max: int = 4) -> dict | None:
+            ngram_n_max: int = 4, draft_vocab: int = 0) -> dict | None:
     """llama.cpp's warm-up before the timed run (`run --no-warmup` skips it): a few tokens through
     the same steps the run takes, on a scratch session freed before the run's own is made (a plan's
     VRAM holds one KV cache). In a fresh process each kernel's first call loads its machine code:
@@ -194,7 +194,8 @@ def warm_up(model: "Model", spec_type: str, spec, sampler, cache_type: str, draf
     adaptive policy read the loading as the drafts' cost. A speculative warm-up drafts at fixed
     --spec-draft-n-max, so its first step verifies the largest batch the run can. For an adaptive
     run it then times each verify size (verify_costs) and returns length policies that start from
-    those timings (`speculative_generate(policies=...)`), rather than from a prior."""
+    those timings (`speculative_generate(policies=...)`), rather than from a prior. draft_vocab: the
+    run's (build_source): a reduced-vocabulary view of the MTP head is built here, not in the run."""
     import dataclasses
 
     from .generate import generate
@@ -214,7 +215,7 @@ def warm_up(model: "Model", spec_type: str, spec, sampler, cache_type: str, draf
     fixed = dataclasses.replace(spec, adaptive=False, n_min=0, p_min=0.0)
     session = model.session(n_ctx, cache_type, k_max=fixed.k_max)
     source = build_source(spec_type, session, sampler, fixed, draft_model, ngram_n_max=ngram_n_max,
-                          cache_type=cache_type)
+                          cache_type=cache_type, draft_vocab=draft_vocab)
     if "draft-mtp" in spec_type_parts(spec_type):
         compile_head(model)         # the head's other batch sizes and a catch-up's KV rows
     speculative_generate(model, session, prompt, WARMUP_TOKENS, sampler, source, fixed, stop_ids=set())

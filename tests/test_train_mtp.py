@@ -469,7 +469,7 @@ def test_qwen35_keeps_its_own_head_unless_given_one(tiny_qwen35_mtp, qwen35_head
 
 
 def test_reduced_vocab_sampling_is_exact(tiny_llama, llama_head):
-    _check_reduced_vocab_exact(tiny_llama, llama_head, flatten=True)
+    check_reduced_vocab_exact(load_model(tiny_llama, mtp_head=llama_head), flatten=True)
 
 
 @pytest.mark.slow
@@ -480,20 +480,20 @@ def test_reduced_vocab_sampling_is_exact_smollm2():
     head = Path.home() / ".cache/hybridrt/heads/smollm2-135m.v4.mtp.gguf"     # bench_mtp.py's
     if not head.exists():
         pytest.skip(f"no trained head at {head}: python3 scripts/bench_mtp.py -m smollm2-135m")
-    _check_reduced_vocab_exact(require(SMOLLM2), head, flatten=False)
+    check_reduced_vocab_exact(load_model(require(SMOLLM2), mtp_head=head), flatten=False)
 
 
-def _check_reduced_vocab_exact(model_path, head_path, flatten: bool):
-    """temp 0.7: drafts drawn from the trained head's reduced-vocabulary q (zero off its 48 tokens),
-    verified by exact speculative sampling, emit the target's distribution p (TV bound); resampling
-    rejections from p instead of the residual fails the same bound (negative control)."""
+def check_reduced_vocab_exact(m, flatten: bool, draft_vocab: int = 0):
+    """temp 0.7: drafts drawn from a head's reduced-vocabulary q (zero off its draft tokens: a
+    trained head's, or the built-in head's view of `draft_vocab` rows), verified by exact
+    speculative sampling, emit the target's distribution p (TV bound); resampling rejections from
+    p instead of the residual fails the same bound (negative control)."""
     cfg = SamplerConfig(temp=0.7, top_k=40, top_p=0.95, min_p=0.0, seed=0)
-    m = load_model(model_path, mtp_head=head_path)
     ids = m.tokenize("Once upon a time, in a small village")
     if not flatten:     # a real model is confident after plain text: random tokens spread p
         ids = torch.randint(1000, m.n_vocab - 1000, (32,), generator=torch.Generator().manual_seed(0)).tolist()
     session = m.session(64, k_max=2)
-    source = build_source("draft-mtp", session, cfg, SpecConfig(n_max=1))
+    source = build_source("draft-mtp", session, cfg, SpecConfig(n_max=1), draft_vocab=draft_vocab)
     logits = session.eval(ids, logits="all")
     source.observe(0, ids, session.hidden)
     certain = int(torch.argmax(logits[-1]))
@@ -502,9 +502,9 @@ def _check_reduced_vocab_exact(model_path, head_path, flatten: bool):
     target = session.eval([certain, 0], start_pos=len(ids), logits="all").clone() * (0.05 if flatten else 1.0)
     # the head's entries for the prompt (pending in the source) and the certain token, as propose writes them
     hiddens = torch.cat(source.prev_hidden + [source.last_hidden])
-    _, h = m.mtp.step(session.state, torch.tensor(source.tokens + [certain]), hiddens, source.synced)
+    _, h = source.mtp.step(session.state, torch.tensor(source.tokens + [certain]), hiddens, source.synced)
     h = h[-1:]
-    q_row = m.mtp.head(h)[0] * (0.2 if flatten else 1.0)
+    q_row = source.mtp.head(h)[0] * (0.2 if flatten else 1.0)
     p = dense_probs(target[:1], cfg)[0].double().numpy()
     in_vocab = np.zeros_like(p, dtype=bool)
     in_vocab[source.draft_ids.numpy()] = True

@@ -14,7 +14,9 @@ sequence starts at position 1. A prompt is written as soon as it is observed.
 A trained head (`--mtp-head`, hybridrt.mtp_head) may cover only a draft vocabulary: its logits
 row i is token `draft_ids[i]`. The picker chooses among those rows and the choice (and, sampled,
 q's candidate ids) is mapped back to token ids, so q is exactly zero off the draft vocabulary and
-the acceptance rule (min(1, p/q), residual max(0, p - q)) needs nothing special.
+the acceptance rule (min(1, p/q), residual max(0, p - q)) needs nothing special. `draft_vocab`
+V > 0 drafts the built-in head the same way, over V rows of its output and the rows of the
+sequence's own tokens, added as they are observed (draft_vocab.SequenceDraftHead).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import torch
 from ..errors import UserError
 from ..session import PROMPT_CHUNK, Session
 from .draft import Draft, DraftPicker
+from .draft_vocab import SequenceDraftHead, draft_head
 
 EAGER_TOKENS = 64    # observed tokens are written in batches this large (a prompt: as prompt time, with
                      # the rest of it written by the loop's prefill through catch_up)
@@ -33,17 +36,22 @@ EAGER_TOKENS = 64    # observed tokens are written in batches this large (a prom
 class MTPSource:
     name = "draft-mtp"
 
-    def __init__(self, session: Session, picker: DraftPicker):
-        mtp = getattr(session.model, "mtp", None)
-        if mtp is None:
+    def __init__(self, session: Session, picker: DraftPicker, draft_vocab: int = 0):
+        if getattr(session.model, "mtp", None) is None:
             raise UserError(f"--spec-type draft-mtp: {session.model.arch} model has no MTP (nextn) head")
+        mtp = draft_head(session.model, draft_vocab)        # model.mtp itself at draft_vocab 0
         self.mtp, self.state, self.picker = mtp, session.state, picker
         self.synced = 1      # MTP KV positions [1, synced) were written from trunk hiddens
         self.tokens: list[int] = []                 # committed tokens at positions >= synced
         self.prev_hidden: list[torch.Tensor] = []   # trunk hidden of the position before each
         self.last_hidden: torch.Tensor | None = None    # trunk hidden of the last observed position
-        self.draft_ids = getattr(mtp, "draft_ids", None)
-        self.row = torch.empty(1, mtp.n_out)
+        self.vocab = mtp if isinstance(mtp, SequenceDraftHead) else None     # a draft vocabulary that grows
+        self.row = torch.empty(1, getattr(mtp, "max_out", mtp.n_out))
+
+    @property
+    def draft_ids(self) -> torch.Tensor | None:
+        """Token id of each logits row (None: the full vocabulary)."""
+        return getattr(self.mtp, "draft_ids", None)
 
     def observe(self, start: int, tokens: Sequence[int], hidden: torch.Tensor | None) -> None:
         for j, token in enumerate(tokens):
@@ -51,6 +59,8 @@ class MTPSource:
                 self.tokens.append(int(token))
                 self.prev_hidden.append(self.last_hidden)
             self.last_hidden = hidden[j:j + 1]
+        if self.vocab is not None:
+            self.vocab.add_tokens(tokens)
         if len(self.tokens) >= EAGER_TOKENS:
             self.catch_up()
 
@@ -86,7 +96,7 @@ class MTPSource:
         h = self._write(tokens, hiddens, start)
         self.synced, self.tokens, self.prev_hidden = pos + 1, [], []
         for i in range(n_max):
-            if not self.add(draft, self.row[0]) or i == n_max - 1 or not self.picker.wants(i + 1):
+            if not self.add(draft, self.row[0, :self.mtp.n_out]) or i == n_max - 1 or not self.picker.wants(i + 1):
                 break
             h = self.mtp.draft(self.state, torch.tensor(draft.tokens[-1:]), h, pos + 1 + i, out=self.row)
         return draft
@@ -94,12 +104,13 @@ class MTPSource:
     def add(self, draft: Draft, logits_row: torch.Tensor) -> bool:
         """Append the token the picker chooses from the head's logits row; with a draft vocabulary
         the chosen row (and q's candidate rows, or a refused draft's) are renamed to token ids."""
+        ids = self.draft_ids
         if not self.picker.add(draft, logits_row):
-            if draft.refused is not None and self.draft_ids is not None:
-                draft.refused.ids = self.draft_ids[draft.refused.ids]
+            if draft.refused is not None and ids is not None:
+                draft.refused.ids = ids[draft.refused.ids]
             return False
-        if self.draft_ids is not None:
-            draft.tokens[-1] = int(self.draft_ids[draft.tokens[-1]])
+        if ids is not None:
+            draft.tokens[-1] = int(ids[draft.tokens[-1]])
             if draft.q_ids is not None:
-                draft.q_ids[-1] = self.draft_ids[draft.q_ids[-1]]
+                draft.q_ids[-1] = ids[draft.q_ids[-1]]
         return True

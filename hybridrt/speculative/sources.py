@@ -21,14 +21,19 @@ def default_spec_type(model: Model) -> str:
 
 def build_source(spec_type: str, session: Session, sampler: SamplerConfig, spec: SpecConfig,
                  draft_model: Model | None = None, ngram_n_max: int = 4, ngram_n_min: int = 2,
-                 cache_type: str = "f32") -> DraftSource | None:
-    """A fresh source for one generation on `session` (None for "none")."""
+                 cache_type: str = "f32", draft_vocab: int = 0) -> DraftSource | None:
+    """A fresh source for one generation on `session` (None for "none"). draft_vocab: the number
+    of tokens the built-in MTP head drafts among (0: all of them; draft_vocab.py)."""
     parts = spec_type_parts(spec_type)
+    if draft_vocab and "draft-mtp" not in parts:
+        raise UserError(f"--spec-draft-vocab drafts with the model's MTP head: it needs --spec-type draft-mtp, "
+                        f"not {spec_type}")
     if len(parts) > 1:
         if draft_model is not None and "draft-simple" not in parts:
             raise UserError(f"-md/--model-draft needs draft-simple in --spec-type, not {spec_type}")
         return DraftChain([build_source(p, session, sampler, spec, draft_model if p == "draft-simple" else None,
-                                        ngram_n_max, ngram_n_min, cache_type) for p in parts])
+                                        ngram_n_max, ngram_n_min, cache_type, draft_vocab if p == "draft-mtp" else 0)
+                           for p in parts])
     if spec_type != "draft-simple" and draft_model is not None:
         raise UserError(f"-md/--model-draft needs --spec-type draft-simple, not {spec_type}")
     if spec_type == "none":
@@ -38,7 +43,7 @@ def build_source(spec_type: str, session: Session, sampler: SamplerConfig, spec:
     # drafts are sampled with their own stream so the target's draws do not depend on the source
     picker = DraftPicker(sampler, make_generator(sampler.seed + 1 if sampler.seed >= 0 else -1), spec.p_min)
     if spec_type == "draft-mtp":
-        return MTPSource(session, picker)
+        return MTPSource(session, picker, draft_vocab)
     if draft_model is None:
         raise UserError("--spec-type draft-simple needs a draft model: -md DRAFT.gguf")
     check_same_vocab(session.model, draft_model)
