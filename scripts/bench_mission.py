@@ -2,7 +2,8 @@
 """Benchmarks of the mission's size: hybridrt next to llama.cpp on one big GGUF, in one run.
 
     python scripts/bench_mission.py MODEL [-t 2] [-n 16] [--reps 3] [--sections decode,tk,pp,start,spec]
-        [--k-max 8] [--depth 0] [--pp 512] [--cold] [--spec-n 1,2,3] [--spec-accept 0.6,0.8] [--no-llamacpp]
+        [--k-max 8] [--depth 0] [--pp 512] [--cold] [--spec-n 1,2,3] [--spec-accept 0.6,0.8]
+        [--spec-draft-vocab 0,4096] [--no-llamacpp]
 
 MODEL: the 16.8 GB Qwen3.6-27B Q4_K_M file (`scripts/make_model.py --preset qwen3.6-27b-mtp`), or any
 GGUF both engines load. Both engines run at -t threads and alternate rep by rep, so that both see the
@@ -45,9 +46,10 @@ hybridrt / llama.cpp.
           --spec-force` takes only accept (every draft kept) or reject (none), so these rows run its
           loop in this process with its ForcedSource at a corruption probability of 1 - alpha: each
           draft token is the target's own greedy token with probability alpha, and a step keeps the
-          drafts up to the first wrong one; the MTP head still drafts, for its cost.
+          drafts up to the first wrong one; the MTP head still drafts, for its cost, over each
+          --spec-draft-vocab V (0: the full output head; V: build_source's reduced vocabulary).
           Fields: n_gen, reps, hybridrt_plain_tps, llamacpp_plain_tps (the decode section's medians,
-          or measured here when it did not run), rows: [{n_max, alpha, accept_rate (accepted /
+          or measured here when it did not run), rows: [{n_max, alpha, draft_vocab, accept_rate (accepted /
           drafted, as `run` reports it: below alpha for N > 1), tokens_per_step, tps, tps_best,
           identical (the output equals plain decoding's), vs_hybridrt_plain, vs_llamacpp_plain}].
 Bad input (a missing file, an unknown section, no oracle venv) prints one `error: ...` line, exit 2.
@@ -100,13 +102,13 @@ def emit(section: str, row: dict) -> None:
     print(json.dumps({"section": section, **row}), flush=True)
 
 
-def int_list(text: str, what: str) -> list[int]:
+def int_list(text: str, what: str, minimum: int = 1) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise UserError(f"{what} {text!r}: expected comma-separated integers") from None
-    if not values or min(values) < 1:
-        raise UserError(f"{what} {text!r}: expected integers >= 1")
+    if not values or min(values) < minimum:
+        raise UserError(f"{what} {text!r}: expected integers >= {minimum}")
     return values
 
 
@@ -132,6 +134,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--run-args", default="", help="start: more `hybridrt run` flags, space-separated")
     ap.add_argument("--spec-n", default="1,2,3", help="spec: draft lengths N")
     ap.add_argument("--spec-accept", default="0.6,0.8", help="spec: forced per-token acceptance probabilities (0..1)")
+    ap.add_argument("--spec-draft-vocab", default="0", help="spec: draft vocabularies V (0: the full head)")
     ap.add_argument("--bw-mib", type=int, default=512, help="decode: MiB the bandwidth probe reads")
     ap.add_argument("-ctk", "--cache-type", default="f16", help="hybridrt's KV cache (f16: llama.cpp's)")
     ap.add_argument("--no-llamacpp", action="store_true", help="hybridrt only (no oracle venv needed)")
@@ -156,6 +159,7 @@ def check_args(args: argparse.Namespace) -> Path:
     if args.depth < 0:
         raise UserError(f"--depth {args.depth}: must be >= 0")
     args.spec_n_list = int_list(args.spec_n, "--spec-n")
+    args.draft_vocab_list = int_list(args.spec_draft_vocab, "--spec-draft-vocab", minimum=0)
     try:
         args.accept_list = [float(v) for v in args.spec_accept.split(",") if v.strip()]
     except ValueError:
@@ -407,7 +411,7 @@ def section_start(args, model, path: Path, results: dict) -> dict:
 
 # --- spec ---------------------------------------------------------------------------------------
 def spec_run(model, ids: list[int], ref: list[int], n_gen: int, n_max: int, alpha: float, seed: int,
-             cache_type: str = "f16"):
+             cache_type: str = "f16", draft_vocab: int = 0):
     """One draft-mtp generation at fixed n_max, each draft token replaced by the target's own greedy
     one (`ref`) with probability alpha, by a wrong one otherwise: (tokens, GenerationStats)."""
     from hybridrt.sampling import SamplerConfig
@@ -417,7 +421,8 @@ def spec_run(model, ids: list[int], ref: list[int], n_gen: int, n_max: int, alph
 
     greedy, spec = SamplerConfig(temp=0.0), SpecConfig(n_max=n_max)
     session = model.session(len(ids) + n_gen + n_max + 8, cache_type, k_max=spec.k_max)
-    source = ForcedSource(build_source("draft-mtp", session, greedy, spec, cache_type=cache_type), ref, len(ids),
+    source = ForcedSource(build_source("draft-mtp", session, greedy, spec, cache_type=cache_type, draft_vocab=draft_vocab),
+                          ref, len(ids),
                           model.n_vocab, corrupt=1.0 - alpha, seed=seed)
     return speculative_generate(model, session, ids, n_gen, greedy, source, spec, stop_ids=set())
 
@@ -439,23 +444,24 @@ def section_spec(args, model, path: Path, results: dict) -> dict:
     ref, _ = generate(model, model.session(len(ids) + args.n_gen + 8, args.cache_type), ids, args.n_gen, greedy,
                       stop_ids=set())
     rows = []
-    for n_max in args.spec_n_list:
-        warm_up(model, "draft-mtp", SpecConfig(n_max=n_max), greedy, args.cache_type)    # untimed, as `run`'s
+    for n_max, vocab in [(n, v) for n in args.spec_n_list for v in args.draft_vocab_list]:
+        warm_up(model, "draft-mtp", SpecConfig(n_max=n_max), greedy, args.cache_type,     # untimed, as `run`'s
+                draft_vocab=vocab)
         for alpha in args.accept_list:
             tps, rates, steps, identical = [], [], [], True
             for rep in range(args.reps):
-                out, stats = spec_run(model, ids, ref, args.n_gen, n_max, alpha, rep, args.cache_type)
+                out, stats = spec_run(model, ids, ref, args.n_gen, n_max, alpha, rep, args.cache_type, vocab)
                 tps.append(stats.decode_tps)
                 rates.append(stats.spec.acceptance_rate)
                 steps.append(stats.spec.to_dict()["tokens_per_step"])
                 identical &= out == ref
             med, best = summary(tps)
-            row = {"n_max": n_max, "alpha": alpha, "accept_rate": round(statistics.mean(rates), 3),
+            row = {"n_max": n_max, "alpha": alpha, "draft_vocab": vocab, "accept_rate": round(statistics.mean(rates), 3),
                    "tokens_per_step": round(statistics.mean(steps), 2), "tps": med, "tps_best": best,
                    "identical": identical, "vs_hybridrt_plain": round(med / results["hybridrt"], 3)}
             if "llamacpp" in results:
                 row["vs_llamacpp_plain"] = round(med / results["llamacpp"], 3)
-            log(f"  spec N={n_max} alpha {alpha}: {row}")
+            log(f"  spec N={n_max} V={vocab} alpha {alpha}: {row}")
             rows.append(row)
     return {"n_gen": args.n_gen, "reps": args.reps, "hybridrt_plain_tps": results["hybridrt"],
             "llamacpp_plain_tps": results.get("llamacpp"), "rows": rows,

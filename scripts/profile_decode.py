@@ -2,7 +2,7 @@
 
     python scripts/profile_decode.py [MODEL] [-t 2] [-n 40] [--reps 3] [--cpu-time]
 Loads the model twice: with the fused layer kernels (cpu_kernels/layer_fused.py and gdn_block.py:
-one Numba call per attention half, FFN half and Gated DeltaNet half) and with HYBRIDRT_FUSED_LAYERS=0's torch trunk ops. Their entry
+one Numba call per attention half, FFN half, Gated DeltaNet half and MoE FFN half) and with HYBRIDRT_FUSED_LAYERS=0's torch trunk ops. Their entry
 points are wrapped with timers; the two alternate, n decode steps each after a warm-up, best of
 --reps, and the output head is also timed alone. --cpu-time: the calling thread's CPU time instead
 of wall time (use with -t 1, where all the work is on that thread; immune to other processes'
@@ -16,7 +16,7 @@ import time
 import torch
 
 import hybridrt.backends as backends
-from cpu_kernels import gdn_block, layer_fused
+from cpu_kernels import gdn_block, layer_fused, moe_block
 from hybridrt.loader import load_model
 
 
@@ -30,7 +30,7 @@ def main() -> None:
     args = ap.parse_args()
     clock = time.thread_time if args.cpu_time else time.perf_counter
 
-    parts = ("attention half", "GDN half", "FFN half", "matvec", "ffn_glu")
+    parts = ("attention half", "GDN half", "FFN half", "MoE half", "matvec", "ffn_glu")
     spent = dict.fromkeys(parts, 0.0)
 
     def timed(name, fn):
@@ -45,6 +45,7 @@ def main() -> None:
     layer_fused.attention_block = timed("attention half", layer_fused.attention_block)
     layer_fused.ffn_block = timed("FFN half", layer_fused.ffn_block)
     gdn_block.gdn_block = timed("GDN half", gdn_block.gdn_block)
+    moe_block.moe_block = timed("MoE half", moe_block.moe_block)
     backends.matvec = timed("matvec", backends.matvec)
     backends.ffn_glu = timed("ffn_glu", backends.ffn_glu)
 
