@@ -105,7 +105,7 @@ def bench_speculative(m, prompt_ids: list[int], n_gen: int, reps: int, spec_type
     from .generate import generate
     from .sampling import SamplerConfig
     from .speculative.draft_forced import ForcedSource
-    from .speculative.loop import SpecConfig, speculative_generate
+    from .speculative.loop import SpecConfig
     from .speculative.sources import build_source
 
     greedy = SamplerConfig(temp=0.0)
@@ -124,7 +124,7 @@ def bench_speculative(m, prompt_ids: list[int], n_gen: int, reps: int, spec_type
         source = build_source(spec_type, session, greedy, spec, draft_model, cache_type=cache_type or "f32")
         if force != "none":
             source = ForcedSource(source, ref, len(prompt_ids), m.n_vocab, corrupt=1.0 if force == "reject" else 0.0)
-        out, stats = speculative_generate(m, session, prompt_ids, n_gen, greedy, source, spec, stop_ids=set())
+        out, stats = generate(m, session, prompt_ids, n_gen, greedy, source, spec, stop_ids=set())
         identical &= out == ref
         if stats.decode_tps > best_spec:
             best_spec, spec_stats = stats.decode_tps, stats.spec

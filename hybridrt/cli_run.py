@@ -163,7 +163,7 @@ def run(
     from .loader import load_draft_model, load_model
     from .place import placement_line
     from .sampling import SamplerConfig
-    from .speculative.loop import SpecConfig, speculative_generate
+    from .speculative.loop import SpecConfig
     from .speculative.sources import build_source, default_spec_type
 
     # Kernels compile lazily, when a step first calls them (a short greedy run never builds the prompt
@@ -221,11 +221,8 @@ def run(
             sys.stdout.flush()
 
         stop_ids = set() if ignore_eos else None      # None: the tokenizer's end-of-generation ids
-        if source is None:
-            out, stats = generate(m, session, ids, n_predict, sampler, on_token=emit, stop_ids=stop_ids)
-        else:
-            out, stats = speculative_generate(m, session, ids, n_predict, sampler, source, spec, on_token=emit,
-                                            stop_ids=stop_ids, trace=m.executor.trace, policies=policies)
+        out, stats = generate(m, session, ids, n_predict, sampler, source, spec, on_token=emit, stop_ids=stop_ids,
+                              trace=m.executor.trace, policies=policies)
         sys.stdout.write(stream.flush() + "\n")
         sys.stdout.flush()
         if stats.stopped_by == "context":

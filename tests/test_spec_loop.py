@@ -15,7 +15,7 @@ from hybridrt.session import PROMPT_CHUNK, Session
 from hybridrt.snapshot_ring import SnapshotRing
 from hybridrt.speculative import acceptance
 from hybridrt.speculative.draft_forced import ForcedSource
-from hybridrt.speculative.loop import SpecConfig, speculative_generate
+from hybridrt.speculative.loop import SpecConfig
 from hybridrt.speculative.sources import build_source
 from hybridrt.errors import UserError
 
@@ -40,7 +40,7 @@ def spec_run(model, ids, source_of, n_max, n=N_GEN, sampler=GREEDY, stop_ids=fro
     spec = SpecConfig(n_max=n_max, **kw)
     session = model.session(256, k_max=spec.k_max)
     source = source_of(session, spec)
-    out, stats = speculative_generate(model, session, ids, n, sampler, source, spec, stop_ids=set(stop_ids))
+    out, stats = generate(model, session, ids, n, sampler, source, spec, stop_ids=set(stop_ids))
     return out, stats, session, source
 
 
@@ -191,14 +191,16 @@ def test_n_cap_inside_a_window(name, request):
 
 
 def test_context_end(qwen3):
+    """A full context ends the generation with its last token emitted (it needs no forward), with
+    drafts as without them."""
     ids = prompt(8)
     spec = SpecConfig(n_max=8)
-    for src_of in (None, forced(qwen3, ids, plain(qwen3, ids, n=-1), 0.0)):
-        plain_out, _ = generate(qwen3, qwen3.session(24), ids, -1, GREEDY, stop_ids=set())
-        session = qwen3.session(24, k_max=spec.k_max)
-        out, stats = speculative_generate(qwen3, session, ids, -1, GREEDY,
-                                          src_of(session, spec) if src_of else None, spec, stop_ids=set())
-        assert out == plain_out and stats.stopped_by == "context"
+    plain_out, stats = generate(qwen3, qwen3.session(24), ids, -1, GREEDY, stop_ids=set())
+    assert len(plain_out) == 24 - len(ids) + 1 and stats.stopped_by == "context"
+    session = qwen3.session(24, k_max=spec.k_max)
+    source = forced(qwen3, ids, plain(qwen3, ids, n=-1), 0.0)(session, spec)
+    out, stats = generate(qwen3, session, ids, -1, GREEDY, source, spec, stop_ids=set())
+    assert out == plain_out and stats.stopped_by == "context"
 
 
 def test_no_draft_loop_is_plain_sampling(qwen3):
@@ -306,10 +308,9 @@ def test_each_token_is_shown_with_the_logits_row_plain_decoding_drew_it_from(nam
     spec = SpecConfig(n_max=3)
     session = model.session(256, k_max=spec.k_max)
     source = forced(model, ids, ref, corrupt=0.3)(session, spec)
-    out, stats = speculative_generate(model, session, ids, N_GEN, GREEDY, source, spec, stop_ids=set(),
-                                      on_token=lambda t: order.append(("token", t)),
-                                      on_logits=lambda t, row: (seen_spec.append((t, row.clone())),
-                                                                order.append(("row", t))))
+    out, stats = generate(model, session, ids, N_GEN, GREEDY, source, spec, stop_ids=set(),
+                          on_token=lambda t: order.append(("token", t)),
+                          on_logits=lambda t, row: (seen_spec.append((t, row.clone())), order.append(("row", t))))
     assert out == ref and 0 < stats.spec.acceptance_rate < 1
     assert [t for t, _ in seen_plain] == [t for t, _ in seen_spec] == ref
     assert order == [x for t in ref for x in (("row", t), ("token", t))]
@@ -337,8 +338,7 @@ def test_prompt_rows_are_visited_once_in_each_decoder(name, request):
             spec = SpecConfig(n_max=spec_n)
             session = model.session(n_ctx, k_max=spec.k_max)
             source = forced(model, ids, ref, corrupt=0.3)(session, spec)
-            out, _ = speculative_generate(model, session, ids, N_GEN, GREEDY, source, spec, stop_ids=set(),
-                                          on_prompt_row=visit)
+            out, _ = generate(model, session, ids, N_GEN, GREEDY, source, spec, stop_ids=set(), on_prompt_row=visit)
         assert out == ref
         assert [i for i, _ in seen] == list(range(1, len(ids)))
         torch.testing.assert_close(torch.stack([r for _, r in seen]), want[:-1], rtol=0, atol=1e-4)

@@ -9,8 +9,8 @@ loop only moves text.
 
 A request's tokens go back to its handler through `Job`: the worker pushes events onto an asyncio
 queue via `loop.call_soon_threadsafe`. A client that goes away sets `Job.cancelled`, and the
-worker's `on_token` answers "stop" at the next token, which ends `generate` /
-`speculative_generate` there and frees the session for the next request.
+worker's `on_token` answers "stop" at the next token, which ends `generate` there and frees the
+session for the next request.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from ..errors import UserError
 from ..generate import GenerationStats, generate, prefill
 from ..models.base import Model
 from ..session import Session
-from ..speculative.loop import SpecConfig, speculative_generate
+from ..speculative.loop import SpecConfig
 from ..speculative.sources import build_source
 from .errors import bad_request, internal, queue_full
 from .metrics import Metrics
@@ -251,15 +251,10 @@ class SessionPool:
         # allocate nothing; a draft model's source makes its own draft session)
         source = build_source(cfg.spec_type, session, req.sampler, cfg.spec, self.draft_model,
                               ngram_n_max=cfg.ngram_n, cache_type=cfg.cache_type)
-        ids = list(req.prompt_ids)
         stop_ids = set() if req.ignore_eos else None        # None: the tokenizer's end-of-generation ids
-        if source is None:      # as `hybridrt run`: plain decoding without a source
-            return generate(model, session, ids, req.max_tokens, req.sampler, on_token=on_token,
-                            stop_ids=stop_ids, on_logits=on_logits, on_prompt_row=on_prompt_row)
-        kept = self._policies.setdefault((id(session), req.sampler.greedy), {})
-        return speculative_generate(model, session, ids, req.max_tokens, req.sampler, source, cfg.spec,
-                                    on_token=on_token, stop_ids=stop_ids, on_logits=on_logits,
-                                    on_prompt_row=on_prompt_row, policies=kept)
+        return generate(model, session, list(req.prompt_ids), req.max_tokens, req.sampler, source, cfg.spec,
+                        on_token=on_token, stop_ids=stop_ids, on_logits=on_logits, on_prompt_row=on_prompt_row,
+                        policies=self._policies.setdefault((id(session), req.sampler.greedy), {}))
 
 
 def _decoded_offsets(tokenizer, ids: list[int]) -> tuple[str, list[int]]:
