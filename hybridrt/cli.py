@@ -15,6 +15,7 @@ import typer
 from cpu_kernels.formats import UnsupportedQuantType
 from gpu_kernels.triton_support import TritonMissing
 
+from .cli_options import JSON, MODEL, MODEL_ARG
 from .errors import UserError
 from .gguf_file import GGUFError
 
@@ -25,18 +26,15 @@ app = typer.Typer(
     help="Run GGUF language models split across GPU and CPU, with exact speculative decoding.",
 )
 
-MODEL_HELP = "GGUF path or a known name (gemma3-270m, smollm2-135m); default gemma3-270m"
-
-
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
 @app.command()
 def info(
-    model: Optional[str] = typer.Argument(None, help=MODEL_HELP, show_default=False),
-    model_opt: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_HELP),
-    as_json: bool = typer.Option(False, "--json", help="Print the facts as JSON."),
+    model: Optional[str] = MODEL_ARG,
+    model_opt: Optional[str] = MODEL,
+    as_json: bool = JSON,
     tensors: bool = typer.Option(False, "--tensors", help="List every tensor."),
 ):
     """Architecture, size, quant types, layers, context and tokenizer of a GGUF model."""

@@ -8,14 +8,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-import sys
-
 import typer
 
-from .cli_run import GPU_LAYERS_HELP
+from .cli_options import (ADAPTIVE, CPU_BW, DRAFT_N_MAX, GROUP, JSON, MODEL, MODEL_DRAFT, MTP_HEAD, THREADS, KVFlags,
+                          LoadFlags, flag_groups)
 from .errors import UserError
-
-MODEL_HELP = "GGUF path or a known name (gemma3-270m, smollm2-135m); default gemma3-270m"
 
 
 @dataclass
@@ -124,7 +121,8 @@ def bench_speculative(m, prompt_ids: list[int], n_gen: int, reps: int, spec_type
         source = build_source(spec_type, session, greedy, spec, draft_model, cache_type=cache_type or "f32")
         if force != "none":
             source = ForcedSource(source, ref, len(prompt_ids), m.n_vocab, corrupt=1.0 if force == "reject" else 0.0)
-        out, stats = generate(m, session, prompt_ids, n_gen, greedy, source, spec, stop_ids=set())
+        out, stats = generate(m, session, prompt_ids, n_gen, greedy, source, spec, stop_ids=set(),
+                              trace=m.executor.trace)
         identical &= out == ref
         if stats.decode_tps > best_spec:
             best_spec, spec_stats = stats.decode_tps, stats.spec
@@ -134,33 +132,26 @@ def bench_speculative(m, prompt_ids: list[int], n_gen: int, reps: int, spec_type
                            spec=spec_stats.to_dict())
 
 
+@flag_groups
 def bench(
-    model: Optional[str] = typer.Option(None, "-m", "--model", help=MODEL_HELP),
+    model: Optional[str] = MODEL,
     n_prompt: int = typer.Option(128, "-p", "--n-prompt", help="Prompt tokens to process."),
     n_gen: int = typer.Option(128, "-n", "--n-gen", help="Tokens to generate."),
     reps: int = typer.Option(2, "-r", "--repetitions", help="Repetitions (best is reported)."),
-    threads: Optional[int] = typer.Option(None, "-t", "--threads", help="CPU threads."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    threads: Optional[int] = THREADS,
+    as_json: bool = JSON,
     spec_type: Optional[str] = typer.Option(None, "--spec-type", help="Compare plain and speculative decoding: draft-mtp, draft-simple, ngram-simple, or a chain such as ngram-simple,draft-mtp (none: the plain bench)."),
-    draft_n_max: int = typer.Option(3, "--spec-draft-n-max", "--draft-max", help="Most draft tokens per step."),
-    model_draft: Optional[str] = typer.Option(None, "-md", "--model-draft", help="Draft model for draft-simple."),
+    draft_n_max: int = DRAFT_N_MAX,
+    model_draft: Optional[str] = MODEL_DRAFT,
     prompt_file: Optional[Path] = typer.Option(None, "-f", "--file", help="Speculative bench: prompt text file."),
     spec_prompt: str = typer.Option("echo", "--spec-prompt", help="Speculative bench built-in prompt: echo (lookup pays) or adversarial (it cannot); 'random' uses -p random tokens."),
     spec_force: str = typer.Option("none", "--spec-force", help="Replace drafts by the target's own continuation (accept) or wrong tokens (reject) to measure step cost vs k."),
-    device: str = typer.Option("cpu", "--device", help="Trunk device: cpu or cuda (cuda, or --vram, executes the plan)."),
-    vram: Optional[str] = typer.Option(None, "--vram", help="VRAM budget to plan for and execute (12GiB, 700MiB, auto)."),
-    gpu_layers: Optional[int] = typer.Option(None, "-ngl", "--n-gpu-layers", "--gpu-layers", show_default=False, help=GPU_LAYERS_HELP),
     ctx_size: Optional[int] = typer.Option(None, "-c", "--ctx-size", help="Context the plan reserves (default 4096 or the model's)."),
-    margin: str = typer.Option("512MiB", "--margin", help="Planned fixed overhead."),
-    no_op_offload: bool = typer.Option(False, "--no-op-offload", help="With a plan: prompt batches run the CPU FFN layers on the CPU instead of copying their weights to the device (frees one layer's VRAM for decoding)."),
-    cache_type_k: str = typer.Option("f16", "-ctk", "--cache-type-k", help="KV cache type for K (f16 as `run` and llama.cpp; a plan reserves it)."),
-    cache_type_v: str = typer.Option("f16", "-ctv", "--cache-type-v", help="KV cache type for V."),
-    cpu_bw: Optional[float] = typer.Option(None, "--cpu-bw", help="CPU memory bandwidth in GB/s for the prediction (default: measured)."),
-    trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome/Perfetto trace of the bench to this file."),
-    exact_activations: bool = typer.Option(False, "--exact-activations", help="Run the mmap'd matrices on float32 activations (exact; slower) instead of int8 activations with integer dot products (llama.cpp's numerics)."),
-    act_residual: Optional[bool] = typer.Option(None, "--act-residual/--no-act-residual", help="On int8 activations, a second int8 pass on the rounding of the attention and FFN-down inputs of decode and verify steps (near-float32 accuracy, ~8 % a step; default on, HYBRIDRT_ACT_RESIDUAL); --no-act-residual is llama.cpp's numerics exactly."),
-    adaptive: Optional[bool] = typer.Option(None, "--adaptive/--no-adaptive", help="Adaptive draft length (default: on for draft-mtp and draft-simple)."),
-    mtp_head: Optional[Path] = typer.Option(None, "--mtp-head", help="MTP head from `hybridrt train-mtp` for --spec-type draft-mtp (replaces a built-in head)."),
+    load: LoadFlags = GROUP,
+    kv: KVFlags = GROUP,
+    cpu_bw: Optional[float] = CPU_BW,
+    adaptive: Optional[bool] = ADAPTIVE,
+    mtp_head: Optional[Path] = MTP_HEAD,
 ):
     """Prompt and decode tokens/s, plus achieved weight bandwidth (bytes per token x tokens/s) and the
     planner's predicted speed. With --spec-type: plain and speculative decoding of the same prompt,
@@ -169,33 +160,19 @@ def bench(
 
     from placement import measure_cpu_bandwidth
 
-    from .cli_run import (_check_device, check_ctx_size, check_output_path, check_spec_flags, device_for_gpu_layers,
-                          placement_options)
-    from .kv_cache import kv_cache_type
-    from .loader import load_model
-    from .place import placement_line
+    from .cli_options import check_ctx_size, check_spec_flags
 
     for flag, value in (("-p", n_prompt), ("-n", n_gen), ("-r", reps)):
         if value < 1:
             raise UserError(f"{flag} {value}: must be >= 1")
-    device = device_for_gpu_layers(gpu_layers, device)
-    _check_device(device)
+    device = load.check()
     check_spec_flags(draft_n_max)
     check_ctx_size(ctx_size)
-    check_output_path(trace, "--trace")
     cbw = cpu_bw * 1e9 if cpu_bw else measure_cpu_bandwidth()
-    request = placement_options(model, vram, device, ctx_size, cache_type_k, cache_type_v,
-                                spec_type or "none", draft_n_max, model_draft, margin,
-                                op_offload=not no_op_offload)
-    if request is not None:
-        request = dataclasses.replace(request, cpu_bw=cbw)
-    cache_type = kv_cache_type(cache_type_k, cache_type_v)      # what `run` decodes on
+    cache_type = kv.cache_type      # what `run` decodes on
     # a benchmark runs at one thread count, the one it reports (no thread governor: loader.py)
-    m = load_model(model, device=device, threads=threads or numba.config.NUMBA_NUM_THREADS, placement=request,
-                   trace=trace is not None, exact_activations=True if exact_activations else None,
-                   mtp_head=mtp_head, act_residual=act_residual)
-    if m.plan is not None:
-        print(placement_line(m.plan, device), file=sys.stderr)
+    m = load.load(model, device, threads or numba.config.NUMBA_NUM_THREADS, ctx_size, kv, spec_type or "none",
+                  draft_n_max, model_draft, mtp_head, cpu_bw=cbw)
     try:
         if spec_type not in (None, "none"):        # none: the plain bench, as `run --spec-type none` decodes
             _bench_spec(m, spec_type, draft_n_max, model_draft, prompt_file, spec_prompt, spec_force, n_prompt,
@@ -203,8 +180,7 @@ def bench(
         else:
             _bench_plain(m, n_prompt, n_gen, reps, as_json, cbw, numba.get_num_threads(), cache_type)
     finally:
-        if trace is not None:
-            m.executor.trace.write(trace)
+        load.write_trace(m)
 
 
 def _bench_plain(m, n_prompt: int, n_gen: int, reps: int, as_json: bool, cpu_bw: float, threads: int,
@@ -246,7 +222,8 @@ def _bench_spec(m, spec_type, n_max, model_draft, prompt_file, spec_prompt, forc
                 cpu_bw, adaptive, cache_type):
     import torch
 
-    from .cli_run import adaptive_default, read_prompt
+    from .cli_options import adaptive_default
+    from .cli_run import read_prompt
     from .loader import load_draft_model
     from .speculative.bench_prompts import BUILTIN_PROMPTS
     from .speculative.spec_types import spec_type_parts

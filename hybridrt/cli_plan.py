@@ -12,10 +12,12 @@ from typing import Optional
 
 import typer
 
-from placement import (DEFAULT_GPU_BW, SPEC_TYPES, GiB, MiB, Plan, PlanError, PlanOptions, gpu_peak_bandwidth,
+from placement import (DEFAULT_GPU_BW, GiB, MiB, Plan, PlanError, PlanOptions, gpu_peak_bandwidth,
                        layer_ranges, measure_cpu_bandwidth)
 from placement import plan as make_plan
 
+from .cli_options import (CPU_BW, CTX_SIZE, DRAFT_N_MAX, GROUP, JSON, MARGIN, MODEL, MODEL_ARG, MODEL_DRAFT,
+                          NO_OP_OFFLOAD, SPEC_TYPE, KVFlags, flag_groups)
 from .errors import UserError
 from .place import parse_size
 
@@ -117,39 +119,34 @@ def _print_report(p: Plan, host: dict, sources: dict) -> None:
         console.print(f"[dim]note: {note}[/dim]")
 
 
+@flag_groups
 def plan(
-    model: Optional[str] = typer.Argument(None, help="GGUF path or a known name", show_default=False),
-    model_opt: Optional[str] = typer.Option(None, "-m", "--model", help="GGUF path or a known name "
-                                            "(gemma3-270m, smollm2-135m); default gemma3-270m"),
+    model: Optional[str] = MODEL_ARG,
+    model_opt: Optional[str] = MODEL,
     vram: str = typer.Option("auto", "--vram", help="VRAM budget: auto (free memory of GPU 0; 12GiB without "
                              "a GPU) or a size: 12GiB, 12GB, 12000MiB, bytes"),
-    ctx_size: Optional[int] = typer.Option(None, "-c", "--ctx-size", show_default=False,
-                                           help="context size in tokens (default: 4096 or the model's, if smaller; "
-                                           "0: the model's)"),
-    spec_type: Optional[str] = typer.Option(None, "--spec-type", help=f"{'|'.join(SPEC_TYPES)} (default: "
-                                            "draft-mtp with an MTP head, draft-simple with -md, else none)"),
-    spec_draft_n_max: int = typer.Option(3, "--spec-draft-n-max", help="drafts per verify step (N)"),
-    model_draft: Optional[str] = typer.Option(None, "-md", "--model-draft", help="draft model for draft-simple"),
-    cache_type_k: str = typer.Option("f16", "-ctk", "--cache-type-k", help="f16, q8_0, f32 or bf16"),
-    cache_type_v: str = typer.Option("f16", "-ctv", "--cache-type-v", help="f16, q8_0, f32 or bf16"),
-    margin: str = typer.Option("512MiB", "--margin", help="fixed overhead: CUDA context, allocator slack, safety"),
+    ctx_size: Optional[int] = CTX_SIZE,
+    spec_type: Optional[str] = SPEC_TYPE,
+    spec_draft_n_max: int = DRAFT_N_MAX,
+    model_draft: Optional[str] = MODEL_DRAFT,
+    kv: KVFlags = GROUP,
+    margin: str = MARGIN,
     accept_rate: float = typer.Option(0.8, "--accept-rate", help="assumed per-draft acceptance probability"),
     gpu_bw: Optional[float] = typer.Option(None, "--gpu-bw", help="GPU memory bandwidth in GB/s "
                                            "(default: the device's peak; 500 without a GPU)"),
-    cpu_bw: Optional[float] = typer.Option(None, "--cpu-bw", help="CPU memory bandwidth in GB/s (default: measured)"),
+    cpu_bw: Optional[float] = CPU_BW,
     k_max: Optional[int] = typer.Option(None, "--k-max", help="largest token batch evaluated at once "
                                         "(default: N + 1; prompts are processed in chunks of it)"),
     n_cpu_moe: int = typer.Option(0, "-ncmoe", "--n-cpu-moe", help="MoE: keep the routed experts of the "
                                   "first N layers on the CPU (as llama.cpp's flag); the rest are placed "
                                   "front first while they fit"),
-    no_op_offload: bool = typer.Option(False, "--no-op-offload", help="reserve no VRAM for prompt batches to "
-                                       "run the CPU FFN layers on the GPU (one more layer's room for decoding)"),
-    as_json: bool = typer.Option(False, "--json", help="print the whole plan as JSON"),
+    no_op_offload: bool = NO_OP_OFFLOAD,
+    as_json: bool = JSON,
 ):
     """Plan GPU/CPU placement for a model before loading it: memory per category, layers, speed."""
     from rich.console import Console
 
-    from .cli_run import check_spec_flags, context_size
+    from .cli_options import check_spec_flags, context_size
     from .gguf_file import GGUFError
     from .model_profile import load_profile
     from .registry import resolve_model
@@ -191,7 +188,7 @@ def plan(
         cbw, cbw_source = measure_cpu_bandwidth(), "measured"
 
     options = PlanOptions(vram_bytes=budget, margin_bytes=margin_bytes, n_ctx=n_ctx,
-                          cache_type_k=cache_type_k, cache_type_v=cache_type_v, spec_type=spec_type,
+                          cache_type_k=kv.cache_type_k, cache_type_v=kv.cache_type_v, spec_type=spec_type,
                           spec_draft_n_max=spec_draft_n_max, draft=draft, accept_rate=accept_rate,
                           gpu_bw=gbw, cpu_bw=cbw, k_max=k_max, n_cpu_moe=n_cpu_moe,
                           op_offload=not no_op_offload)

@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from .cli_options import JSON
 from .errors import UserError
 from .train_mtp.config import TrainConfig
 
@@ -59,7 +60,7 @@ def train_mtp(
     head_ffn_layers: int = typer.Option(DEFAULTS.head_ffn_layers, "--head-ffn-layers", help="The head block's FFN starts as the target's last N layers' FFNs side by side (N times as wide, a costlier draft): learns faster early, no better after the default steps."),
     full_teacher_vocab: bool = typer.Option(DEFAULTS.full_teacher_vocab, "--full-teacher-vocab", help="The teacher writes all its text over the whole vocabulary (default: after its first 64 steps, only over the ids those steps ranked in a top-40; Gemma 3's text ~1.6x faster)."),
     for_lookup: bool = typer.Option(DEFAULTS.for_lookup, "--for-lookup", help="A head to draft behind prompt lookup (--spec-type ngram-simple,draft-mtp): it learns only at positions where the lookup has no match, and is chosen by its acceptance behind the lookup."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON (no progress bar)."),
+    as_json: bool = JSON,
 ):
     """Train an MTP (NextN) draft head by self-distillation: the target writes its own text, the head
     learns the target's token after next; use it with --spec-type draft-mtp --mtp-head HEAD.gguf."""

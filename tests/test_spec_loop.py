@@ -97,7 +97,7 @@ def test_the_largest_verify_batch_keeps_parity(qwen3):
     windows of the full length give plain decoding's tokens."""
     from cpu_kernels.quantize_act import RESIDUAL_MAX_TOKENS
     from gpu_kernels.attention import ROWWISE_MAX
-    from hybridrt.cli_run import MAX_DRAFTS
+    from hybridrt.cli_options import MAX_DRAFTS
 
     assert MAX_DRAFTS + 1 == ROWWISE_MAX == RESIDUAL_MAX_TOKENS
     ids = prompt(4)
