@@ -123,22 +123,32 @@ def rms_norm_rows(x, w, eps):
 
 
 @njit(cache=CACHE, nogil=True)
-def _quantized(x, block, residual):
-    """x's rows as matvec_int reads them (quantize_act.quantize_rows's layout and padding); with
-    `residual`, 2k rows: x's, then their int8 rounding residuals (quantize_act.with_residual_rows)."""
-    k, n = x.shape
-    if block == QK_K:
-        group, n_pad = 16, n
-    else:
-        group, n_pad = QK_LEGACY, (n + PAD_LEGACY - 1) // PAD_LEGACY * PAD_LEGACY
-    m = 2 * k if residual else k
-    q = np.zeros((m, n_pad), np.int8)
-    d = np.zeros((m, n_pad // block), np.float32)
-    s = np.zeros((m, n_pad // group), np.int16)
+def quant_buffers(m, n, block):
+    """Zeroed (q, d, s) for m activation rows of n values as matvec_int reads them
+    (quantize_act.quantize_rows's layout and padding)."""
+    n_pad = n if block == QK_K else (n + PAD_LEGACY - 1) // PAD_LEGACY * PAD_LEGACY
+    group = 16 if block == QK_K else QK_LEGACY
+    return (np.zeros((m, n_pad), np.int8), np.zeros((m, n_pad // block), np.float32),
+            np.zeros((m, n_pad // group), np.int16))
+
+
+@njit(cache=CACHE, nogil=True)
+def quantize_into(x, block, residual, q, d, s):
+    """x's rows into quant_buffers' (q, d, s); with `residual`, 2k rows: x's, then their int8
+    rounding residuals (quantize_act.with_residual_rows)."""
+    group = 16 if block == QK_K else QK_LEGACY
     if residual:
         _quantize_rows_residual(x, block, group, q, d, s)
     else:
         _quantize_rows(x, block, group, q, d, s)
+
+
+@njit(cache=CACHE, nogil=True)
+def _quantized(x, block, residual):
+    """x's rows as matvec_int reads them, in buffers of their own (quantize_into)."""
+    k, n = x.shape
+    q, d, s = quant_buffers(2 * k if residual else k, n, block)
+    quantize_into(x, block, residual, q, d, s)
     return q, d, s
 
 

@@ -441,7 +441,7 @@ ROW_LANES_MIN_K = {int(_T.Q4_K): 1, int(_T.Q5_K): 1, int(_T.Q6_K): 3, int(_T.Q3_
 # 5120 x 17408 2.12 -> 1.81, Q8_0 3.87 -> 3.44, Q5_K 3.03 -> 2.75, Q3_K 48 -> 64 % of the read
 # bandwidth; from 2 tokens on the row lanes match or beat the groups there as on Zen.
 ROW_LANES_ZEN_CPUS = ("znver",)
-INTEL_MIN_K = 2
+NON_ZEN_MIN_K = 2
 
 
 def row_lanes_table(cpu_name: str, isa: str) -> dict[int, int]:
@@ -452,7 +452,7 @@ def row_lanes_table(cpu_name: str, isa: str) -> dict[int, int]:
         return {}
     if cpu_name.startswith(ROW_LANES_ZEN_CPUS):
         return dict(ROW_LANES_MIN_K)
-    return {qt: max(k, INTEL_MIN_K) for qt, k in ROW_LANES_MIN_K.items()}
+    return {qt: max(k, NON_ZEN_MIN_K) for qt, k in ROW_LANES_MIN_K.items()}
 
 
 ROW_LANES_HOST = row_lanes_table(llvm.get_host_cpu_name(), ISA)

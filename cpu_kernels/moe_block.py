@@ -25,10 +25,11 @@ import numpy as np
 from numba import njit, prange
 
 from .ffn import _act_times, _sigmoid
-from .layer_fused import (GROUPS_PER_THREAD, NONE, ROWS_PER_UNIT, _float_rows, _project, _residual, rms_norm_rows)
+from .layer_fused import (GROUPS_PER_THREAD, NONE, ROWS_PER_UNIT, _float_rows, _project, _residual, quant_buffers,
+                          quantize_into, rms_norm_rows)
 from .matvec_int import block_dots
 from .matvec_simd import TILE_ROWS
-from .quantize_act import PAD_LEGACY, QK_K, QK_LEGACY, RESIDUAL_MAX_TOKENS, _quantize_rows, _quantize_rows_residual
+from .quantize_act import QK_K, RESIDUAL_MAX_TOKENS
 from .simd_int import CACHE
 
 SILU = 0    # cpu_kernels.ffn.ACTIVATIONS["silu"]: every MoE expert here is a SwiGLU
@@ -68,34 +69,15 @@ def _route(logits, n_expert, n_used):
 
 
 @njit(cache=CACHE, nogil=True)
-def _quant_into(x, block, residual, q, d, s):
-    """x's rows (then, with residual, their int8 rounding residuals) into q, d, s as layer_fused's
-    _quantized lays them out."""
-    group = 16 if block == QK_K else QK_LEGACY
-    if residual:
-        _quantize_rows_residual(x, block, group, q, d, s)
-    else:
-        _quantize_rows(x, block, group, q, d, s)
-
-
-@njit(cache=CACHE, nogil=True)
-def _quant_alloc(m, n, block):
-    n_pad = n if block == QK_K else (n + PAD_LEGACY - 1) // PAD_LEGACY * PAD_LEGACY
-    group = 16 if block == QK_K else QK_LEGACY
-    return np.zeros((m, n_pad), np.int8), np.zeros((m, n_pad // block), np.float32), \
-        np.zeros((m, n_pad // group), np.int16)
-
-
-@njit(cache=CACHE, nogil=True)
 def _quantized_runs(x, block, mult, off, cnt):
     """x's rows quantized run by run: run j (rows off[j] .. off[j] + cnt[j]) at rows mult * off[j] of
     the result, its residual rows right after it where mult == 2, so each run is one contiguous
     (mult * cnt[j])-row operand, as block_dots takes a matrix's rows and their residuals."""
-    q, d, s = _quant_alloc(mult * x.shape[0], x.shape[1], block)
+    q, d, s = quant_buffers(mult * x.shape[0], x.shape[1], block)
     for j in range(off.shape[0]):
         lo, hi = off[j], off[j] + cnt[j]
         if hi > lo:
-            _quant_into(x[lo:hi], block, mult == 2, q[mult * lo:mult * hi], d[mult * lo:mult * hi],
+            quantize_into(x[lo:hi], block, mult == 2, q[mult * lo:mult * hi], d[mult * lo:mult * hi],
                         s[mult * lo:mult * hi])
     return q, d, s
 
@@ -109,6 +91,15 @@ def _unit(int_types, float_path, w, qt, be, is_int, r_lo, r_hi, out_off, x, q, d
         _float_rows(float_path, w, qt, be, r_lo, r_hi, x, buf, part, acc, out, out_off)
 
 
+@njit(cache=CACHE, nogil=True)
+def _n_units(runs):
+    """Units of ROWS_PER_UNIT rows over the runs (a run's last unit may be shorter)."""
+    n = 0
+    for j in range(runs.shape[0]):
+        n += (runs[j, 1] + ROWS_PER_UNIT - 1) // ROWS_PER_UNIT
+    return n
+
+
 @njit(cache=CACHE, nogil=True, parallel=True)
 def _experts_pass(n_groups, int_types, float_path, w0, t0, e0, i0, w1, t1, e1, i1, runs, x_r, q_r, d_r, s_r, out_r,
                   x_s, q_s, d_s, s_s, out_s):
@@ -116,14 +107,11 @@ def _experts_pass(n_groups, int_types, float_path, w0, t0, e0, i0, w1, t1, e1, i
 
     (w0, t0, e0, i0): the routed experts' matrix this pass reads (layer_fused.matrix_operands), (w1,
     t1, e1, i1) the shared expert's (separate arguments: a parallel region takes no tuples of
-    arrays). runs: int64 rows
-    (expert, first weight row, n_rows, first out column, token row, token rows, is_shared): one
-    matrix's rows for one expert's tokens; the routed operands (x_r / q_r ...) hold every run's
-    token rows, the shared ones every token."""
+    arrays). runs: int64 rows (first weight row, n_rows, first out column, token row, token rows,
+    is_shared): one matrix's rows for one expert's tokens; the routed operands (x_r / q_r ...) hold
+    every run's token rows, the shared ones every token."""
     k_max = max(out_r.shape[0], out_s.shape[0])
-    n_units = 0
-    for j in range(runs.shape[0]):
-        n_units += (runs[j, 2] + ROWS_PER_UNIT - 1) // ROWS_PER_UNIT
+    n_units = _n_units(runs)
     for g in prange(n_groups):
         buf = np.empty((TILE_ROWS, 1024), np.float32)
         part = np.empty(4 * TILE_ROWS, np.float32)
@@ -131,11 +119,11 @@ def _experts_pass(n_groups, int_types, float_path, w0, t0, e0, i0, w1, t1, e1, i
         u_first, u_end = g * n_units // n_groups, (g + 1) * n_units // n_groups
         u = 0
         for j in range(runs.shape[0]):
-            n_u = (runs[j, 2] + ROWS_PER_UNIT - 1) // ROWS_PER_UNIT
+            n_u = (runs[j, 1] + ROWS_PER_UNIT - 1) // ROWS_PER_UNIT
             if u + n_u <= u_first or u >= u_end:
                 u += n_u
                 continue
-            row0, rows, col0, t_lo, t_n, shared = runs[j, 1], runs[j, 2], runs[j, 3], runs[j, 4], runs[j, 5], runs[j, 6]
+            row0, rows, col0, t_lo, t_n, shared = runs[j, 0], runs[j, 1], runs[j, 2], runs[j, 3], runs[j, 4], runs[j, 5]
             for uu in range(max(u, u_first), min(u + n_u, u_end)):
                 r_lo = row0 + (uu - u) * ROWS_PER_UNIT
                 r_hi = min(row0 + rows, r_lo + ROWS_PER_UNIT)
@@ -157,7 +145,7 @@ def _operands(x, mat, mult, off, cnt):
     _, _, be, is_int = mat
     if is_int:
         return _quantized_runs(x, be, mult, off, cnt)
-    return _quant_alloc(0, 0, QK_K)
+    return quant_buffers(0, 0, QK_K)
 
 
 @njit(cache=CACHE, nogil=True)
@@ -187,22 +175,22 @@ def moe_block(h, n_threads, int_types, float_path, norm, eps, router, shared_gat
     used = np.empty(n_runs, np.intp)
     off = np.empty(n_runs, np.intp)
     cnt = np.empty(n_runs, np.intp)
-    start = np.empty(n_expert, np.intp)
+    run_of = np.empty(n_expert, np.intp)    # the run of each touched expert
     r, n_sel = 0, 0
     for e in range(n_expert):
         if count[e] > 0:
-            used[r], off[r], cnt[r], start[e] = e, n_sel, count[e], n_sel
+            used[r], off[r], cnt[r], run_of[e] = e, n_sel, count[e], r
             n_sel += count[e]
             r += 1
     sel_tok = np.empty(n_sel, np.intp)      # row i of the routed operands: token sel_tok[i]
     slot = np.empty((k, n_used), np.intp)   # where token t's j-th expert's row is
-    fill = start.copy()
+    fill = off.copy()
     for t in range(k):
         for j in range(n_used):
-            e = ids[t, j]
-            sel_tok[fill[e]] = t
-            slot[t, j] = fill[e]
-            fill[e] += 1
+            r = run_of[ids[t, j]]
+            sel_tok[fill[r]] = t
+            slot[t, j] = fill[r]
+            fill[r] += 1
     xg = np.empty((n_sel, n_embd), np.float32)
     for i in range(n_sel):
         xg[i] = x[sel_tok[i]]
@@ -218,13 +206,12 @@ def moe_block(h, n_threads, int_types, float_path, norm, eps, router, shared_gat
     # two passes (gate, then up) over one set of operands: each region's matrices must be one type
     for m in range(2):
         mats = (gate_exps, sh_gate) if m == 0 else (up_exps, sh_up)
-        runs = np.empty((n_runs + 1, 7), np.int64)
+        runs = np.empty((n_runs + 1, 6), np.int64)
         for j in range(n_runs):
-            runs[j] = (used[j], used[j] * n_ff, n_ff, m * n_ff, off[j], cnt[j], 0)
-        runs[n_runs] = (0, 0, n_ff_shared, m * n_ff_shared, 0, k, 1)
-        n_units = (n_runs * n_ff + n_ff_shared + ROWS_PER_UNIT - 1) // ROWS_PER_UNIT
+            runs[j] = (used[j] * n_ff, n_ff, m * n_ff, off[j], cnt[j], 0)
+        runs[n_runs] = (0, n_ff_shared, m * n_ff_shared, 0, k, 1)
         (w0, t0, e0, i0), (w1, t1, e1, i1) = mats
-        _experts_pass(max(1, min(n_units, GROUPS_PER_THREAD * n_threads)), int_types, float_path,
+        _experts_pass(max(1, min(_n_units(runs), GROUPS_PER_THREAD * n_threads)), int_types, float_path,
                       w0, t0, e0, i0, w1, t1, e1, i1, runs, xg, q_r, d_r, s_r, gate_up, x, q_s, d_s, s_s, gate_up_s)
     hidden = np.empty((n_sel, n_ff), np.float32)
     for i in range(n_sel):
@@ -246,25 +233,20 @@ def moe_block(h, n_threads, int_types, float_path, norm, eps, router, shared_gat
     wide_s = np.empty((mult_s * k, n_embd), np.float32)
     q_r, d_r, s_r = _operands(hidden, (wd, td, ed, i_d), mult_r, off, cnt)
     q_s, d_s, s_s = _operands(hidden_s, (wsd, tsd, esd, isd), mult_s, all_tok, all_cnt)
-    runs = np.empty((n_runs + 1, 7), np.int64)
+    runs = np.empty((n_runs + 1, 6), np.int64)
     for j in range(n_runs):
-        runs[j] = (used[j], used[j] * n_embd, n_embd, 0, mult_r * off[j], mult_r * cnt[j], 0)
-    runs[n_runs] = (0, 0, n_embd, 0, 0, mult_s * k, 1)
-    n_units = ((n_runs + 1) * n_embd + ROWS_PER_UNIT - 1) // ROWS_PER_UNIT
+        runs[j] = (used[j] * n_embd, n_embd, 0, mult_r * off[j], mult_r * cnt[j], 0)
+    runs[n_runs] = (0, n_embd, 0, 0, mult_s * k, 1)
     # the float path reads hidden rows, not their residuals: mult is 1 there
-    _experts_pass(max(1, min(n_units, GROUPS_PER_THREAD * n_threads)), int_types, float_path,
+    _experts_pass(max(1, min(_n_units(runs), GROUPS_PER_THREAD * n_threads)), int_types, float_path,
                   wd, td, ed, i_d, wsd, tsd, esd, isd, runs, hidden, q_r, d_r, s_r, wide,
                   hidden_s, q_s, d_s, s_s, wide_s)
 
     f = np.zeros((k, n_embd), np.float32)
     for t in range(k):
         for j in range(n_used):         # ascending expert ids, from zero
-            i = slot[t, j]
-            e = ids[t, j]
-            r = 0
-            while used[r] != e:
-                r += 1
-            row = mult_r * off[r] + (i - off[r])        # the run's own row of this token
+            r = run_of[ids[t, j]]
+            row = mult_r * off[r] + (slot[t, j] - off[r])   # the run's own row of this token
             for c in range(n_embd):
                 y = wide[row, c] + wide[row + cnt[r], c] if mult_r == 2 else wide[row, c]
                 f[t, c] = f[t, c] + y * wts[t, j]
