@@ -58,6 +58,7 @@ DRAFT_P_MIN = typer.Option(0.0, "--spec-draft-p-min", "--draft-p-min",
                            help="Stop model drafting below this top-1 probability.")
 NGRAM_N = typer.Option(4, "--spec-ngram-size-n",
                        help=f"ngram-simple: longest n-gram to match (tried down to {NGRAM_N_MIN}).")
+DRAFT_VOCAB = typer.Option(0, "--spec-draft-vocab", help="draft-mtp: the built-in MTP head drafts among this many tokens (chosen from the model's tokenizer) and the prompt's and output's own; 0: the whole vocabulary. Verification stays full, so outputs do not change.")
 ADAPTIVE = typer.Option(None, "--adaptive/--no-adaptive", help="Choose each step's draft count within "
                         "--spec-draft-n-max from the live acceptance and measured verify cost (default: on for "
                         "draft-mtp and draft-simple).")
@@ -147,11 +148,15 @@ class SpecFlags:
     draft_n_min: int = DRAFT_N_MIN
     draft_p_min: float = DRAFT_P_MIN
     ngram_n: int = NGRAM_N
+    draft_vocab: int = DRAFT_VOCAB
     adaptive: Optional[bool] = ADAPTIVE
 
     def check(self) -> None:
-        """The values alone, before anything loads (SpecConfig checks n_min against n_max, p_min)."""
+        """The values alone, before anything loads (SpecConfig checks n_min against n_max, p_min;
+        the model's vocabulary bounds --spec-draft-vocab from above once it is loaded)."""
         check_spec_flags(self.draft_n_max, self.ngram_n)
+        if self.draft_vocab < 0:
+            raise UserError(f"--spec-draft-vocab must be >= 0 (0: the whole vocabulary), got {self.draft_vocab}")
         self.config("none")
 
     def source_type(self, model: "Model", planned: str | None = None) -> str:

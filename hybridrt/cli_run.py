@@ -88,13 +88,14 @@ def run(
         policies = None
         if warmup:
             # an adaptive run's length policies start from the verify costs the warm-up timed
-            policies = warm_up(m, spec_type, spec, sampler, cache_type, draft_model, drafts.ngram_n)
+            policies = warm_up(m, spec_type, spec, sampler, cache_type, draft_model, drafts.ngram_n,
+                               draft_vocab=drafts.draft_vocab)
             if m.executor.trace is not None:
                 m.executor.trace.clear()
             notice.compiled = False         # whether the timed run below compiled anything
         session = m.session(n_ctx, cache_type, k_max=spec.k_max if spec_type != "none" else 1)
         source = build_source(spec_type, session, sampler, spec, draft_model, ngram_n_max=drafts.ngram_n,
-                              cache_type=cache_type)
+                              cache_type=cache_type, draft_vocab=drafts.draft_vocab)
         if display_prompt and not chat:
             sys.stdout.write(text)
             notice.partial_line = not text.endswith("\n")

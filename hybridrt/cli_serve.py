@@ -116,6 +116,7 @@ def serve(
     spec = drafts.config(spec_type)
     draft_model = load_model(drafts.model_draft, threads=threads) if drafts.model_draft else None
     cfg = ServeConfig(n_ctx=n_ctx, cache_type=cache_type, spec_type=spec_type, spec=spec, ngram_n=drafts.ngram_n,
+                      draft_vocab=drafts.draft_vocab,
                       n_parallel=parallel, max_queue=max_queue, threads=threads)
     metrics = Metrics(parallel)
     policies = None
@@ -125,11 +126,12 @@ def serve(
         # `run`'s before its own (a plan's VRAM holds them). Also a bad speculation setup is a
         # start-up error here, not a failure of every request.
         with compile_notice():
-            policies = warm_up(m, spec_type, spec, SamplerConfig(temp=0.0), cache_type, draft_model, drafts.ngram_n)
+            policies = warm_up(m, spec_type, spec, SamplerConfig(temp=0.0), cache_type, draft_model, drafts.ngram_n,
+                               draft_vocab=drafts.draft_vocab)
     pool = SessionPool(m, cfg, metrics, draft_model, policies=policies)
     if not warmup:
         build_source(spec_type, pool.sessions[0], SamplerConfig(), spec, draft_model, ngram_n_max=drafts.ngram_n,
-                     cache_type=cache_type)
+                     cache_type=cache_type, draft_vocab=drafts.draft_vocab)
     served = model if model in KNOWN_MODELS else Path(path).stem
     card = ModelCard(id=served, n_ctx=n_ctx, created=int(time.time()))
     print(f"hybridrt serve: {served} on http://{host}:{port}/v1 · {parallel} session(s) x {n_ctx} tokens, "

@@ -75,7 +75,7 @@ def test_groups_reach_the_command_as_instances():
     assert seen["model"] == "x.gguf" and seen["out"] == Path("y")
     assert seen["kv"] == KVFlags(cache_type_k="f16", cache_type_v="q8_0")
     assert seen["drafts"] == SpecFlags(spec_type="ngram-simple", model_draft=None, draft_n_max=5, draft_n_min=0,
-                                       draft_p_min=0.0, ngram_n=4, adaptive=False)
+                                       draft_p_min=0.0, ngram_n=4, draft_vocab=0, adaptive=False)
     assert seen["drafts"].config("ngram-simple").k_max == 6 and not seen["drafts"].config("draft-mtp").adaptive
     help_text = runner.invoke(one, ["--help"]).output
     assert help_text.index("--model") < help_text.index("--cache-type-v") < help_text.index("--spec-type")

@@ -157,3 +157,22 @@ def test_warm_up_builds_the_rows_the_run_drafts_with(qwen35):
 
     warm_up(qwen35, "draft-mtp", SpecConfig(n_max=2), GREEDY, "f32", draft_vocab=V + 1)
     assert V + 1 in _CHOSEN_ROWS[qwen35.mtp]
+
+
+def test_run_takes_the_draft_vocab_and_prints_plain_decodings_text(tiny_qwen35_mtp):
+    """`hybridrt run --spec-draft-vocab V` drafts over V tokens (the warm-up and the run's source) and
+    prints greedy plain decoding's text; a V above the vocabulary is one error line."""
+    import subprocess
+    import sys
+
+    def run_cli(*flags):
+        return subprocess.run([sys.executable, "-c", "from hybridrt.cli import main; main()", "run", "-m",
+                               str(tiny_qwen35_mtp), "-p", "a b c", "-n", "12", "--temp", "0", "-t", "1",
+                               "--no-display-prompt", *flags], capture_output=True, text=True)
+    plain = run_cli("--spec-type", "none")
+    drafted = run_cli("--spec-type", "draft-mtp", "--spec-draft-n-max", "2", "--spec-draft-vocab", "64")
+    assert plain.returncode == 0 and drafted.returncode == 0, drafted.stderr
+    assert drafted.stdout == plain.stdout and plain.stdout
+    too_big = run_cli("--spec-type", "draft-mtp", "--spec-draft-vocab", "100000")
+    assert too_big.returncode == 2 and len(too_big.stderr.strip().splitlines()) == 1, too_big.stderr
+    assert "--spec-draft-vocab 100000" in too_big.stderr

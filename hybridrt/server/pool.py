@@ -42,6 +42,7 @@ class ServeConfig:
     spec_type: str = "none"
     spec: SpecConfig = field(default_factory=SpecConfig)
     ngram_n: int = 4
+    draft_vocab: int = 0         # draft-mtp's reduced vocabulary (build_source; 0: the whole)
     n_parallel: int = 1
     max_queue: int = 64          # requests waiting for a session; one more is answered 503
     threads: int | None = None   # Numba threads per session (None: Numba's default)
@@ -250,7 +251,7 @@ class SessionPool:
         # a fresh draft source per request: it follows one sequence (MTP and n-gram sources
         # allocate nothing; a draft model's source makes its own draft session)
         source = build_source(cfg.spec_type, session, req.sampler, cfg.spec, self.draft_model,
-                              ngram_n_max=cfg.ngram_n, cache_type=cfg.cache_type)
+                              ngram_n_max=cfg.ngram_n, cache_type=cfg.cache_type, draft_vocab=cfg.draft_vocab)
         stop_ids = set() if req.ignore_eos else None        # None: the tokenizer's end-of-generation ids
         return generate(model, session, list(req.prompt_ids), req.max_tokens, req.sampler, source, cfg.spec,
                         on_token=on_token, stop_ids=stop_ids, on_logits=on_logits, on_prompt_row=on_prompt_row,
