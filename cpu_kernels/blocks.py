@@ -19,25 +19,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-from gguf.constants import GGMLQuantizationType as _T
-
-from .formats import FORMATS
-
-F32 = int(_T.F32)
-F16 = int(_T.F16)
-BF16 = int(_T.BF16)
-Q4_0 = int(_T.Q4_0)
-Q4_1 = int(_T.Q4_1)
-Q5_0 = int(_T.Q5_0)
-Q5_1 = int(_T.Q5_1)
-Q8_0 = int(_T.Q8_0)
-Q2_K = int(_T.Q2_K)
-Q3_K = int(_T.Q3_K)
-Q4_K = int(_T.Q4_K)
-Q5_K = int(_T.Q5_K)
-Q6_K = int(_T.Q6_K)
-IQ4_NL = int(_T.IQ4_NL)
-IQ4_XS = int(_T.IQ4_XS)
+from .formats import FORMATS, ROW_DECODER
 
 # The 16 non-linear levels of IQ4_NL / IQ4_XS (ggml's kvalues_iq4nl).
 IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
@@ -320,32 +302,36 @@ def decode_iq4_xs(src, off, out, out_off):
 
 # ---------------------------------------------------------------- whole rows
 
-# type -> block decoder (block sizes: formats.FORMATS, from gguf-py's table)
-ROW_DECODERS = {
-    F32: decode_f32, F16: decode_f16, BF16: decode_bf16,
-    Q4_0: decode_q4_0, Q4_1: decode_q4_1, Q5_0: decode_q5_0, Q5_1: decode_q5_1, Q8_0: decode_q8_0,
-    IQ4_NL: decode_iq4_nl, Q2_K: decode_q2_k, Q3_K: decode_q3_k, Q4_K: decode_q4_k, Q5_K: decode_q5_k,
-    Q6_K: decode_q6_k, IQ4_XS: decode_iq4_xs,
-}
+# type -> block decoder (formats.QUANT_TYPES: decode_<kernel> above)
+ROW_DECODERS = ROW_DECODER.bind(globals())
 
 
-def decode_row(src, off, qtype, n_cols, out, out_off):
-    """Decode n_cols consecutive values starting at src[off] into out[out_off:]; qtype is the type's
-    formats.type_tag, so a kernel calling this compiles only that type's decoder (Numba code only)."""
+def block_row(kernels: dict, decoding: bool):
+    """The @overload of a row function f(src, src_off, qtype, n_cols, dst, dst_off) that runs
+    kernels[qtype] (block decoders when `decoding`, else encoders) over the row's blocks: the bytes
+    side steps a block's bytes, the values side its elements. qtype is the type's formats.type_tag,
+    so a kernel calling f compiles only that type's function (F32's tag is ())."""
+    def typer(src, src_off, qtype, n_cols, dst, dst_off):
+        if not isinstance(qtype, types.BaseTuple) or len(qtype) not in kernels:
+            return None
+        kernel, fmt = kernels[len(qtype)], FORMATS[len(qtype)]
+        elems = fmt.block_elems
+        src_step, dst_step = (fmt.block_bytes, elems) if decoding else (elems, fmt.block_bytes)
+
+        def impl(src, src_off, qtype, n_cols, dst, dst_off):
+            for b in range(n_cols // elems):
+                kernel(src, src_off + src_step * b, dst, dst_off + dst_step * b)
+        return impl
+    return typer
+
+
+def decode_row(src, src_off, qtype, n_cols, dst, dst_off):
+    """Decode the n_cols values of the row starting at src[src_off] into dst[dst_off:]; qtype: the
+    type's formats.type_tag (Numba code only)."""
     raise NotImplementedError("decode_row runs inside Numba kernels")
 
 
-@overload(decode_row, inline="always")
-def _decode_row(src, off, qtype, n_cols, out, out_off):
-    if not isinstance(qtype, types.BaseTuple) or len(qtype) not in ROW_DECODERS:   # F32's tag is ()
-        return None
-    decode, fmt = ROW_DECODERS[len(qtype)], FORMATS[len(qtype)]
-    elems, nbytes = fmt.block_elems, fmt.block_bytes
-
-    def impl(src, off, qtype, n_cols, out, out_off):
-        for b in range(n_cols // elems):
-            decode(src, off + nbytes * b, out, out_off + elems * b)
-    return impl
+overload(decode_row, inline="always")(block_row(ROW_DECODERS, decoding=True))
 
 
 # Lives here, not in dequant.py: Numba's cache only notices edits to the caller's own file, and the

@@ -10,8 +10,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from gguf.constants import GGMLQuantizationType as _T
-
+from .formats import FORMATS, INT_DECODER, UnsupportedQuantType, int_kernel_of, type_name
 from .matvec_kquants import q3_k_scales
 from .matvec_simd import _array, _load_vec, _splat
 from .quantize_act import QK_K, QK_LEGACY
@@ -241,20 +240,16 @@ def _q8_0(v, n_blk):
 
 # --------------------------------------------------------------------------- the row kernel
 
-# qtype -> (kind, decoder, weight bytes per step): a K step is one super-block, a legacy step a pair.
-SPECS = {
-    int(_T.Q4_K): ("k", _q4_k, 144), int(_T.Q5_K): ("k", _q5_k, 176), int(_T.Q6_K): ("k", _q6_k, 210),
-    int(_T.Q3_K): ("k", _q3_k, 110), int(_T.Q2_K): ("k", _q2_k, 84),
-    int(_T.Q4_0): ("pair", _q4_0, 18), int(_T.Q4_1): ("pair", _q4_1, 20), int(_T.Q5_0): ("pair", _q5_0, 22),
-    int(_T.Q5_1): ("pair", _q5_1, 24), int(_T.Q8_0): ("pair", _q8_0, 34),
-    int(_T.IQ4_NL): ("pair", _iq4_nl, 18), int(_T.IQ4_XS): ("k", _iq4_xs, 136),
-}
+# qtype -> (family, decoder, block bytes) of the types with an integer kernel (formats.QUANT_TYPES:
+# _<kernel> above): a K step is one super-block, a legacy ("pair") step two blocks.
+SPECS = {qt: (FORMATS[qt].integer.family, decode, FORMATS[qt].block_bytes)
+         for qt, decode in INT_DECODER.bind(globals()).items()}
 INT_TYPES = frozenset(SPECS)
 
 
 def act_block(qtype: int) -> int:
     """The activation block (256 or 32) the integer kernel of `qtype` reads."""
-    return QK_K if SPECS[int(qtype)][0] == "k" else QK_LEGACY
+    return int_kernel_of(qtype).act_block
 
 
 def steps_per_row(qtype: int, row_bytes: int) -> int:
@@ -275,8 +270,7 @@ def _bcast_dword(b, ptr, byte_off, elty, n):
 
 
 # K-quant sub-block (weights sharing one scale): 32 for Q4_K / Q5_K, 16 for the others
-K_SUB = {int(_T.Q4_K): 32, int(_T.Q5_K): 32, int(_T.Q6_K): 16, int(_T.Q3_K): 16, int(_T.Q2_K): 16,
-         int(_T.IQ4_XS): 32}
+K_SUB = {qt: FORMATS[qt].integer.sub_block for qt, (kind, _, _) in SPECS.items() if kind == "k"}
 
 
 def _concat_all(b, vecs):
@@ -430,8 +424,11 @@ def types_tag(qtypes) -> tuple:
 
 def _qtype_arg(qtype):
     """The intrinsics' type for the qtype argument, and what to emit code for: the one type of a
-    type_tag, the set of a (qtype,) + types_tag tuple, or None (a plain int: every type in SPECS)."""
-    if isinstance(qtype, types.UniTuple) and qtype.count in SPECS:
+    type_tag, the set of a (qtype,) + types_tag tuple, or None (a plain int: every type in SPECS).
+    The tag of a type without an integer kernel fails typing, naming the type."""
+    if isinstance(qtype, types.UniTuple) and isinstance(qtype.dtype, types.Integer):
+        if qtype.count not in SPECS:
+            raise UnsupportedQuantType(f"{type_name(qtype.count)} has no integer kernel")
         return qtype, qtype.count
     if isinstance(qtype, types.BaseTuple) and len(qtype) == 1 + len(SPECS) and isinstance(qtype[0], types.Integer):
         return qtype, frozenset(qt for qt, ty in zip(sorted(SPECS), qtype[1:]) if isinstance(ty, types.Boolean))
@@ -444,7 +441,7 @@ def _by_type(b, qtype, done, emit, only=None):
     type outside it writes nothing, as one outside SPECS)."""
     if isinstance(only, int):
         if only not in SPECS:
-            raise TypeError(f"no integer kernel for ggml type {only}")
+            raise UnsupportedQuantType(f"{type_name(only)} has no integer kernel")
         emit(only, *SPECS[only])
         b.branch(done)
         return

@@ -26,14 +26,8 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from gguf.constants import GGMLQuantizationType as _T
-
-from .formats import format_of
-from .matvec_float import decode_chunk_bf16, decode_chunk_f16, decode_chunk_f32
-from .matvec_kquants import (decode_chunk_iq4_xs, decode_chunk_q2_k, decode_chunk_q3_k, decode_chunk_q4_k,
-                             decode_chunk_q5_k, decode_chunk_q6_k)
-from .matvec_legacy import (decode_chunk_iq4_nl, decode_chunk_q4_0, decode_chunk_q4_1, decode_chunk_q5_0,
-                            decode_chunk_q5_1, decode_chunk_q8_0)
+from . import matvec_float, matvec_kquants, matvec_legacy
+from .formats import CHUNK_DECODER, format_of
 from .matvec_amx import AMX, AMX_REFUSAL, matvec_amx_into, uses_amx
 from .matvec_int import INT_TYPES, act_block, matvec_int_into
 from .matvec_simd import LANES, TILE_ROWS, dot_tile_1, dot_tile_2, dot_tile_3, dot_tile_4
@@ -43,45 +37,38 @@ CHUNK = 1024        # columns decoded per step: 4 rows x 4 KiB of float32 stay i
 TOKEN_TILE = 4      # tokens per dot micro-kernel call (16 accumulators + 8 operands < 32 registers)
 GROUPS_PER_THREAD = 4
 
-_F32, _F16, _BF16 = int(_T.F32), int(_T.F16), int(_T.BF16)
-_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0 = int(_T.Q4_0), int(_T.Q4_1), int(_T.Q5_0), int(_T.Q5_1), int(_T.Q8_0)
-_Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K = int(_T.Q2_K), int(_T.Q3_K), int(_T.Q4_K), int(_T.Q5_K), int(_T.Q6_K)
-_IQ4_NL, _IQ4_XS = int(_T.IQ4_NL), int(_T.IQ4_XS)
+# type -> chunk decoder (formats.QUANT_TYPES: decode_chunk_<kernel> of the three modules)
+CHUNK_DECODERS = CHUNK_DECODER.bind({**vars(matvec_float), **vars(matvec_legacy), **vars(matvec_kquants)})
+
+
+def _chunk_dispatch(decoders: list):
+    """decode_chunk's body for (qtype, decoder) pairs: `if qtype == q: decoder(...) else: <the rest>`,
+    one type per level. Every QUANT_TYPES row has a decoder (CHUNK_DECODER.bind checked it) and
+    matvec / the fused kernels take a type only through formats.format_of, so the empty end of the
+    chain is never reached."""
+    if not decoders:
+        @njit(nogil=True)
+        def unreachable(qtype, src, b0, nb, dst):
+            pass
+        return unreachable
+    (qt, decode), rest = decoders[0], _chunk_dispatch(decoders[1:])
+
+    @njit(nogil=True)
+    def dispatch(qtype, src, b0, nb, dst):
+        if qtype == qt:
+            decode(src, b0, nb, dst)
+        else:
+            rest(qtype, src, b0, nb, dst)
+    return dispatch
+
+
+_decode_chunk_by_type = _chunk_dispatch(list(CHUNK_DECODERS.items()))
 
 
 @njit(cache=True, nogil=True)
 def decode_chunk(qtype, src, b0, nb, dst):
     """Blocks b0 .. b0+nb-1 of the row `src` (raw bytes) -> dst[: nb * block_elems] as float32."""
-    if qtype == _Q4_K:
-        decode_chunk_q4_k(src, b0, nb, dst)
-    elif qtype == _Q6_K:
-        decode_chunk_q6_k(src, b0, nb, dst)
-    elif qtype == _Q8_0:
-        decode_chunk_q8_0(src, b0, nb, dst)
-    elif qtype == _Q5_K:
-        decode_chunk_q5_k(src, b0, nb, dst)
-    elif qtype == _Q4_0:
-        decode_chunk_q4_0(src, b0, nb, dst)
-    elif qtype == _Q5_0:
-        decode_chunk_q5_0(src, b0, nb, dst)
-    elif qtype == _Q4_1:
-        decode_chunk_q4_1(src, b0, nb, dst)
-    elif qtype == _Q5_1:
-        decode_chunk_q5_1(src, b0, nb, dst)
-    elif qtype == _Q2_K:
-        decode_chunk_q2_k(src, b0, nb, dst)
-    elif qtype == _Q3_K:
-        decode_chunk_q3_k(src, b0, nb, dst)
-    elif qtype == _IQ4_NL:
-        decode_chunk_iq4_nl(src, b0, nb, dst)
-    elif qtype == _IQ4_XS:
-        decode_chunk_iq4_xs(src, b0, nb, dst)
-    elif qtype == _F32:
-        decode_chunk_f32(src, b0, nb, dst)
-    elif qtype == _F16:
-        decode_chunk_f16(src, b0, nb, dst)
-    elif qtype == _BF16:
-        decode_chunk_bf16(src, b0, nb, dst)
+    _decode_chunk_by_type(qtype, src, b0, nb, dst)
 
 
 @njit(cache=True, nogil=True)

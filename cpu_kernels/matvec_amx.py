@@ -39,9 +39,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from gguf.constants import GGMLQuantizationType as _T
-
-from .formats import type_tag
+from .formats import QUANT_TYPES, type_tag
 from .int_blocks import SPECS, _k_scales_mins16
 from .matvec_int import block_dots
 from .matvec_simd import _fma, _load_vec
@@ -51,16 +49,12 @@ from .simd_int import CACHE, F32, I32, I64, ISA, ISA_FORCED, IntBlockIR, host_fe
 V16I, V16F = ir.VectorType(I32, 16), ir.VectorType(F32, 16)
 _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA, _SYS_ARCH_PRCTL = 0x1023, 18, 158
 
-# qtype -> (family, offset of the decoded bytes, has a min): the types with an AMX kernel. K: 32-weight
-# sub-blocks with 6-bit scales and mins (Q4_K, Q5_K); the 16-weight sub-block K types (Q6_K, Q3_K,
-# Q2_K) would need twice the tile products per weight and stay on matvec_int. IQ4_XS (offset bytes,
-# scales without mins) takes the K path with -128 sc_j where Q4_K has its mins, folded into isum.
-AMX_TYPES = {
-    int(_T.Q4_K): ("k", 0, True), int(_T.Q5_K): ("k", 0, True),
-    int(_T.Q4_0): ("pair", -8, False), int(_T.Q5_0): ("pair", -16, False), int(_T.Q8_0): ("pair", -128, False),
-    int(_T.Q4_1): ("pair", 0, True), int(_T.Q5_1): ("pair", 0, True), int(_T.IQ4_NL): ("pair", -128, False),
-    int(_T.IQ4_XS): ("k", -128, False),
-}
+# qtype -> (family, offset of the decoded bytes, has a min): the types with an AMX kernel
+# (formats.QUANT_TYPES rows with IntKernel.amx). K: 32-weight sub-blocks with 6-bit scales and mins
+# (Q4_K, Q5_K); IQ4_XS (offset bytes, scales without mins) takes the K path with -128 sc_j where
+# Q4_K has its mins, folded into isum.
+AMX_TYPES = {t.qtype: (t.integer.family, t.integer.amx.offset, t.integer.amx.has_min)
+             for t in QUANT_TYPES if t.integer and t.integer.amx}
 MAX_TOKENS = 16
 # Fewest tokens and columns for which the tiles beat matvec_int's register groups / token quads
 # (measured, BENCHMARKS.md "AMX tiles"): a row tile's first decode and its writes are not

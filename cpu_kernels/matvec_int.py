@@ -50,9 +50,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from gguf.constants import GGMLQuantizationType as _T
-
-from .formats import type_tag
+from .formats import QUANT_TYPES, type_tag
 from .int_blocks import INT_TYPES, types_tag  # noqa: F401  (public here: matvec's users import them from here)
 from .int_blocks import (_by_type, _c64, _c_2d, _concat_all, _decoded, _loop, _max_k_lookup, _qtype_arg, _steps,
                          _Tokens, _weight_row, act_block, n_row_groups)
@@ -404,7 +402,8 @@ GRID_TOKENS = 4      # most tokens a grid_dot pass takes (2 rows by 4 tokens: 8 
 # same either way.
 SINGLE_ROW_BYTES = 8192
 SINGLE_ROW_CPUS = ("znver",)
-SINGLE_ROW_MAX_K = {int(_T.Q4_K): 1, int(_T.Q5_K): 1, int(_T.Q6_K): 2, int(_T.Q8_0): 1}
+# formats.QUANT_TYPES holds the numbers (IntKernel.single_row_max_k)
+SINGLE_ROW_MAX_K = {t.qtype: t.integer.single_row_max_k for t in QUANT_TYPES if t.integer and t.integer.single_row_max_k}
 # Q8_0's rows under TWO_PHASE_BYTES on the same CPUs: groups again, each row read on its own before
 # the group's float steps (_two_phase_pairs), for k <= 2. Zen 4, 2 threads, from memory, best of 3
 # `bench_matvec.py` runs against single rows (docs/history.md, "Q8_0's short rows in two-phase
@@ -414,7 +413,8 @@ SINGLE_ROW_MAX_K = {int(_T.Q4_K): 1, int(_T.Q5_K): 1, int(_T.Q6_K): 2, int(_T.Q8
 # lose by it (their folds, not their bytes, bound them: Q4_0 640 columns k = 1 3.95 vs 3.70 ms in
 # groups side by side).
 TWO_PHASE_BYTES = 3072
-TWO_PHASE_MAX_K = {int(_T.Q8_0): 2}
+# (IntKernel.two_phase_max_k)
+TWO_PHASE_MAX_K = {t.qtype: t.integer.two_phase_max_k for t in QUANT_TYPES if t.integer and t.integer.two_phase_max_k}
 
 
 def single_row_table(cpu_name: str) -> dict[int, int]:

@@ -31,8 +31,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from gguf.constants import GGMLQuantizationType as _T
-
+from .formats import LANE_DECODER, QUANT_TYPES
 from .int_blocks import (K_SUB, _bcast_dword, _by_type, _c64, _c_2d, _decoded, _loop, _max_k_lookup, _opaque,
                          _qtype_arg, _steps, _Tokens, _weight_row)
 from .matvec_simd import _array, _fma, _load_vec, _splat
@@ -201,6 +200,10 @@ def _q4_k_lanes(b, v0, ptrs, fifth=False):
                     b.fneg(_half_floats(b, h0, 16)))
 
 
+def _q5_k_lanes(b, v0, ptrs):
+    return _q4_k_lanes(b, v0, ptrs, fifth=True)
+
+
 def _q6_k_lanes(b, v0, ptrs):
     """Q6_K: ql[128] @0, qh[64] @128, int8 scales[16] @192, d @208. Element 128 h + 32 t + l: nibble
     t >> 1 of ql[64 h + 32 (t & 1) + l], bits 2t of qh[32 h + l] (int_blocks._q6_k). The offset
@@ -264,13 +267,8 @@ def _decoded_lanes(b, dec):
 def lane_step(b, qt, vbs, ptrs):
     """The LaneStep of 16 rows' step: ptrs their step pointers, vbs their row decoders (the types
     without a lane decoder)."""
-    v0 = IntBlockIR(b, ptrs[0], None)
-    if qt == int(_T.Q4_K):
-        return _q4_k_lanes(b, v0, ptrs)
-    if qt == int(_T.Q5_K):
-        return _q4_k_lanes(b, v0, ptrs, fifth=True)
-    if qt == int(_T.Q6_K):
-        return _q6_k_lanes(b, v0, ptrs)
+    if qt in LANE_DECODERS:
+        return LANE_DECODERS[qt](b, IntBlockIR(b, ptrs[0], None), ptrs)
     return _decoded_lanes(b, [_decoded(x) for x in vbs])
 
 
@@ -354,7 +352,7 @@ def _decoded_pair_lanes(b, dec):
     return PairLanes(W, d2, m2, blk0.off, blk0.wide)
 
 
-def _q4_0_pair_lanes(b, v0, ptrs):
+def _q4_0_lanes(b, v0, ptrs):
     """A full Q4_0 pair (d @0, qs[16] @2; d @18, qs[16] @20) decoded in the lanes from its raw
     dwords: the rows' decoders and the 32 extracts and inserts that gather 16 rows' scales cost
     about twice the transposes, and at 8 tokens the shared steps are what keeps Q4_0 over 1.6x k = 1
@@ -378,15 +376,18 @@ def _q4_0_pair_lanes(b, v0, ptrs):
 # Q4_0's batches"): k = 8 1.52 ms against the row decoders' 2.21-2.23, k = 4 1.23-1.25 against
 # 1.35-1.43, but k = 1 1.33-1.47 against 1.18-1.34 (faster from cache, slower from memory: not
 # explained), so 1- and 2-token passes keep the rows'.
-PAIR_LANE_DECODERS = {int(_T.Q4_0): _q4_0_pair_lanes}
 PAIR_LANES_MIN_TOKENS = 4
+
+# type -> its decoder in the lanes, K-quants (a super-block) and 32-weight types (a pair) alike
+# (formats.QUANT_TYPES rows with IntKernel.lane_decoder: _<kernel>_lanes above)
+LANE_DECODERS = LANE_DECODER.bind(globals())
 
 
 def pair_lanes(b, qt, vbs, ptrs, n_blk, n_toks):
     """The PairLanes of 16 rows' step for a pass of n_toks tokens: ptrs their step pointers, vbs
     their row decoders."""
-    if n_blk == 2 and qt in PAIR_LANE_DECODERS and n_toks >= PAIR_LANES_MIN_TOKENS:
-        return PAIR_LANE_DECODERS[qt](b, IntBlockIR(b, ptrs[0], None), ptrs)
+    if n_blk == 2 and qt in LANE_DECODERS and n_toks >= PAIR_LANES_MIN_TOKENS:
+        return LANE_DECODERS[qt](b, IntBlockIR(b, ptrs[0], None), ptrs)
     return _decoded_pair_lanes(b, [_decoded(x) for x in vbs])
 
 
@@ -432,9 +433,9 @@ PASS_TOKENS = 8         # the most tokens of a pass (a row group takes more in s
 # measured on the 27B FFN shapes on Zen 4, 2 threads, from memory, against the register groups
 # (docs/history.md, "Row lanes: 16 rows in a vector's lanes"): Q6_K's single rows stream faster at
 # 1-2 tokens, the register groups fold Q4_1 / Q5_1's mins more cheaply at 1-2.
-ROW_LANES_MIN_K = {int(_T.Q4_K): 1, int(_T.Q5_K): 1, int(_T.Q6_K): 3, int(_T.Q3_K): 1, int(_T.Q2_K): 4,
-                   int(_T.IQ4_XS): 1, int(_T.Q8_0): 1, int(_T.Q4_0): 1, int(_T.Q5_0): 1, int(_T.Q4_1): 3,
-                   int(_T.Q5_1): 3, int(_T.IQ4_NL): 2}
+# The numbers are formats.QUANT_TYPES' (IntKernel.row_lanes_min_k).
+ROW_LANES_MIN_K = {t.qtype: t.integer.row_lanes_min_k for t in QUANT_TYPES
+                   if t.integer and t.integer.row_lanes_min_k is not None}
 # Off AMD Zen (the Xeon of BENCHMARKS.md's "Mission size" section, LLVM: emeraldrapids) one token
 # runs faster in matvec_int's register groups of 4 rows for every type that takes row lanes from 1:
 # 27B FFN shapes, 2 threads, from memory, k = 1, e.g. Q4_K 17408 x 5120 2.02 -> 1.93 ms and

@@ -11,21 +11,17 @@ import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import quantize
 
-from .formats import format_of
+from .formats import QUANT_TYPES, format_of
 
-# Byte offsets of the float16 fields in each block.
-F16_FIELDS = {
-    T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
-    T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
-    T.IQ4_NL: (0,), T.IQ4_XS: (0,),
-}
+# Byte offsets of the float16 fields in each block (formats.QUANT_TYPES).
+F16_FIELDS = {t.qtype: t.f16_fields for t in QUANT_TYPES}
 
 
 def random_weights(qtype: int, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """A (rows, row_bytes) uint8 matrix of type `qtype` with `cols` weights per row."""
     qtype = T(int(qtype))
     fmt = format_of(qtype)
-    if qtype in (T.F32, T.F16, T.BF16):
+    if not fmt.quantized:
         return quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype).view(np.uint8)
     w = rng.integers(0, 256, (rows, fmt.row_bytes(cols)), dtype=np.uint8)
     blocks = w.reshape(rows, cols // fmt.block_elems, fmt.block_bytes)

@@ -29,7 +29,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .int_blocks import (K_SUB, SPECS, PairBlock, _bcast_dword, _by_type, _c64, _c_2d, _concat_all, _decoded,
+from .formats import int_kernel_of
+from .int_blocks import (K_SUB, PairBlock, _bcast_dword, _by_type, _c64, _c_2d, _concat_all, _decoded,
                          _loop, _opaque, _prefetch_ahead, _qtype_arg, _steps, _Tokens, _weight_row, act_block,
                          n_row_groups, steps_per_row)
 from .matvec_rowlanes import ROW_LANES_HOST
@@ -490,7 +491,7 @@ TILED_MIN_K = 6
 def tiled_min_k(qtype: int) -> int:
     """The k from which matvec runs the tiled kernels: a type in row lanes keeps them (block_dots)
     up to the token lanes' k, where the token quads would take over at TILED_MIN_K."""
-    return LANES_MIN_K[SPECS[int(qtype)][0]] if int(qtype) in ROW_LANES_HOST else TILED_MIN_K
+    return LANES_MIN_K[int_kernel_of(qtype).family] if int(qtype) in ROW_LANES_HOST else TILED_MIN_K
 # k from which the tiled kernel runs on token lanes (transposed activations, padded to 16 tokens)
 # instead of token quads. Measured on the 27B FFN shapes, 2 threads, from memory, with the lanes'
 # rows 4 at a time (bench_matvec.py --lanes-from 1 against 999, 69a6fa9, 3317039), lanes /
@@ -501,7 +502,7 @@ LANES_MIN_K = {"k": 12, "pair": 10}
 
 
 def uses_lanes(qtype: int, k: int) -> bool:
-    return k >= LANES_MIN_K[SPECS[int(qtype)][0]]
+    return k >= LANES_MIN_K[int_kernel_of(qtype).family]
 
 
 @intrinsic
@@ -552,7 +553,7 @@ def tiling(qtype: int, w_shape: tuple[int, int], k: int) -> tuple[int, int, int,
     """(steps per row, steps per column chunk, token units per pass, rows per tile, parallel work
     items) of the tiled kernel for k tokens and a (rows, row_bytes) weight matrix."""
     rows, row_bytes = w_shape
-    k_quant = SPECS[int(qtype)][0] == "k"
+    k_quant = int_kernel_of(qtype).family == "k"
     step_cols = QK_K if k_quant else 2 * QK_LEGACY
     unit = 16 if uses_lanes(qtype, k) else 4
     units = TILE_UNITS_K_LANES if k_quant and unit == 16 else TILE_UNITS

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
+from numba.extending import overload
 
-from .blocks import (BF16, F16, F32, IQ4_LEVELS, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0,
-                     Q5_1, Q5_K, Q6_K, Q8_0, bits_to_f32, f16_bits_to_f32_bits, f32_to_bits)
-from .formats import format_of
+from .blocks import IQ4_LEVELS, bits_to_f32, block_row, f16_bits_to_f32_bits, f32_to_bits
+from .formats import ENCODER, format_of, type_tag
 
 
 # ---------------------------------------------------------------- scalar conversions
@@ -529,56 +529,17 @@ def encode_iq4_xs(x, i, dst, off):
 
 # ---------------------------------------------------------------- rows
 
-@njit(cache=True)
-def encode_row(x, i, qtype, n_cols, dst, off):
-    """Quantize x[i:i+n_cols] (float32) into the bytes dst[off:off+row_bytes]."""
-    if qtype == F32:
-        for j in range(n_cols):
-            encode_f32(x, i + j, dst, off + 4 * j)
-    elif qtype == F16:
-        for j in range(n_cols):
-            encode_f16(x, i + j, dst, off + 2 * j)
-    elif qtype == BF16:
-        for j in range(n_cols):
-            encode_bf16(x, i + j, dst, off + 2 * j)
-    elif qtype == Q4_0:
-        for b in range(n_cols // 32):
-            encode_q4_0(x, i + 32 * b, dst, off + 18 * b)
-    elif qtype == Q4_1:
-        for b in range(n_cols // 32):
-            encode_q4_1(x, i + 32 * b, dst, off + 20 * b)
-    elif qtype == Q5_0:
-        for b in range(n_cols // 32):
-            encode_q5_0(x, i + 32 * b, dst, off + 22 * b)
-    elif qtype == Q5_1:
-        for b in range(n_cols // 32):
-            encode_q5_1(x, i + 32 * b, dst, off + 24 * b)
-    elif qtype == Q8_0:
-        for b in range(n_cols // 32):
-            encode_q8_0(x, i + 32 * b, dst, off + 34 * b)
-    elif qtype == IQ4_NL:
-        for b in range(n_cols // 32):
-            encode_iq4_nl(x, i + 32 * b, dst, off + 18 * b)
-    elif qtype == Q2_K:
-        for b in range(n_cols // 256):
-            encode_q2_k(x, i + 256 * b, dst, off + 84 * b)
-    elif qtype == Q3_K:
-        for b in range(n_cols // 256):
-            encode_q3_k(x, i + 256 * b, dst, off + 110 * b)
-    elif qtype == Q4_K:
-        for b in range(n_cols // 256):
-            encode_q4_k(x, i + 256 * b, dst, off + 144 * b)
-    elif qtype == Q5_K:
-        for b in range(n_cols // 256):
-            encode_q5_k(x, i + 256 * b, dst, off + 176 * b)
-    elif qtype == Q6_K:
-        for b in range(n_cols // 256):
-            encode_q6_k(x, i + 256 * b, dst, off + 210 * b)
-    elif qtype == IQ4_XS:
-        for b in range(n_cols // 256):
-            encode_iq4_xs(x, i + 256 * b, dst, off + 136 * b)
-    else:
-        raise ValueError("encode_row: unsupported tensor type")
+# type -> block encoder (formats.QUANT_TYPES: encode_<kernel> above)
+ROW_ENCODERS = ENCODER.bind(globals())
+
+
+def encode_row(src, src_off, qtype, n_cols, dst, dst_off):
+    """Quantize the n_cols float32 values at src[src_off] into the bytes dst[dst_off:]; qtype: the
+    type's formats.type_tag (Numba code only)."""
+    raise NotImplementedError("encode_row runs inside Numba kernels")
+
+
+overload(encode_row)(block_row(ROW_ENCODERS, decoding=False))
 
 
 @njit(parallel=True, cache=True)
@@ -596,5 +557,5 @@ def quantize(x: np.ndarray, qtype: int) -> np.ndarray:
     row_bytes = fmt.row_bytes(n_cols)
     out = np.empty(n_rows * row_bytes, dtype=np.uint8)
     if out.size:
-        _encode_rows(rows.reshape(-1), fmt.qtype, n_cols, row_bytes, out)
+        _encode_rows(rows.reshape(-1), type_tag(fmt.qtype), n_cols, row_bytes, out)
     return out.reshape(n_rows, row_bytes)

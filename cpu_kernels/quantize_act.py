@@ -35,8 +35,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-QK_K = 256          # K-quant super-block
-QK_LEGACY = 32      # Q4_0 .. Q8_0 block
+from .formats import QK_K, QK_LEGACY     # the activation blocks: a K-quant super-block, a Q4_0 .. Q8_0 block
+
 PAD_LEGACY = 64     # legacy rows padded to pairs of blocks
 RESIDUAL_MAX_TOKENS = 32    # the largest batch that takes the residual pass (= the fused path's batches)
 

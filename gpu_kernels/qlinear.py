@@ -22,10 +22,11 @@ from __future__ import annotations
 import math
 
 import torch
-from gguf.constants import GGMLQuantizationType as T
+
+from cpu_kernels.formats import QUANT_TYPES, type_name
 
 from .attention import ROWWISE_MAX
-from .quant import QUANTIZED_TYPES, dequantize_torch, row_bytes, type_name
+from .quant import QUANTIZED_TYPES, dequantize_torch, row_bytes
 from .triton_act_quant import RoundTripLaunch
 from .triton_matvec import K_MAX, MatvecLaunch, readable_past_end, tail_slack, width_fits
 from .triton_support import have_triton, require_triton
@@ -49,12 +50,10 @@ def fused_kernel_fits(qtype: int, n_in: int, raw: torch.Tensor | None = None) ->
     return raw is None or readable_past_end(raw.contiguous()) >= tail_slack(qtype, n_in)
 
 
-# The activation block the CPU's integer kernel of each type reads (cpu_kernels.matvec_int.act_block,
-# restated: gpu_kernels does not import cpu_kernels; tests/test_qlinear.py checks the two agree):
+# The activation block the CPU's integer kernel of each type reads (formats.IntKernel.act_block):
 # Q8_K-style 256-value blocks for the K-quants and IQ4_XS, Q8_0-style 32-value blocks for the
 # 32-weight types (IQ4_NL among them).
-ACT_BLOCK = {**{int(t): 256 for t in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS)},
-             **{int(t): 32 for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL)}}
+ACT_BLOCK = {t.qtype: t.integer.act_block for t in QUANT_TYPES if t.integer}
 # The largest batch whose activations take the second int8 pass (cpu_kernels.quantize_act's
 # RESIDUAL_MAX_TOKENS, restated likewise)
 RESIDUAL_MAX_TOKENS = 32

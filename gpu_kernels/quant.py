@@ -12,34 +12,21 @@ few byte-sized tensors.
 from __future__ import annotations
 
 import torch
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-QK_K = 256
+from cpu_kernels.formats import QUANT_TYPES, TORCH_DECODER, format_of, type_name
 
 # The 16 non-linear levels shared by IQ4_NL and IQ4_XS (ggml's kvalues_iq4nl).
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
-def type_name(qtype: int) -> str:
-    try:
-        return T(int(qtype)).name
-    except ValueError:
-        return f"type {int(qtype)}"
-
-
 def block_shape(qtype: int) -> tuple[int, int]:
-    """(weights per block, bytes per block) of a GGUF type."""
-    try:
-        return GGML_QUANT_SIZES[T(int(qtype))]
-    except (ValueError, KeyError):
-        raise ValueError(f"unknown GGUF tensor type {type_name(qtype)}") from None
+    """(weights per block, bytes per block) of a supported GGUF type (formats.QUANT_TYPES)."""
+    fmt = format_of(qtype)
+    return fmt.block_elems, fmt.block_bytes
 
 
 def row_bytes(qtype: int, n_cols: int) -> int:
-    elems, nbytes = block_shape(qtype)
-    if n_cols % elems:
-        raise ValueError(f"{type_name(qtype)}: row of {n_cols} is not a multiple of {elems}")
-    return n_cols // elems * nbytes
+    return format_of(qtype).row_bytes(n_cols)
 
 
 def _f16(blocks: torch.Tensor, off: int) -> torch.Tensor:
@@ -182,15 +169,12 @@ def _iq4_xs(b: torch.Tensor, dst: torch.Tensor) -> None:
     dst.view(-1, 8, 32).mul_(dl)
 
 
-_DECODERS = {
-    T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: _q8_0,
-    T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k,
-    T.IQ4_NL: _iq4_nl, T.IQ4_XS: _iq4_xs,
-}
-_FLOATS = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
+# type -> torch decoder (formats.QUANT_TYPES: _<kernel> above), float type -> its torch dtype
+_DECODERS = TORCH_DECODER.bind(globals())
+_FLOATS = {t.qtype: getattr(torch, t.device.dtype) for t in QUANT_TYPES if not t.quantized}
 
-SUPPORTED_TYPES = tuple(int(t) for t in (*_FLOATS, *_DECODERS))
-QUANTIZED_TYPES = tuple(int(t) for t in _DECODERS)
+SUPPORTED_TYPES = tuple(t.qtype for t in QUANT_TYPES)
+QUANTIZED_TYPES = tuple(_DECODERS)
 
 
 def dequantize_torch(raw: torch.Tensor, qtype: int, n_cols: int, dtype: torch.dtype = torch.float32,
@@ -201,8 +185,7 @@ def dequantize_torch(raw: torch.Tensor, qtype: int, n_cols: int, dtype: torch.dt
     tensor of `dtype` on the same device) the result lands there and `out` is returned.
     """
     qtype = int(qtype)
-    if qtype not in SUPPORTED_TYPES:
-        raise ValueError(f"gpu_kernels cannot decode {type_name(qtype)}")
+    format_of(qtype)        # UnsupportedQuantType, naming the type
     if raw.dtype != torch.uint8 or raw.dim() != 2:
         raise ValueError(f"raw must be uint8 (rows, row_bytes), got {raw.dtype} {tuple(raw.shape)}")
     if raw.shape[1] != row_bytes(qtype, n_cols):
@@ -214,10 +197,10 @@ def dequantize_torch(raw: torch.Tensor, qtype: int, n_cols: int, dtype: torch.dt
     direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
     values = out if direct else torch.empty(n_rows, n_cols, dtype=torch.float32, device=raw.device)
     if qtype in _FLOATS:
-        values.copy_(raw.view(_FLOATS[T(qtype)]))
+        values.copy_(raw.view(_FLOATS[qtype]))
     else:
         elems, nbytes = block_shape(qtype)
-        _DECODERS[T(qtype)](raw.view(-1, nbytes), values.view(-1, elems))
+        _DECODERS[qtype](raw.view(-1, nbytes), values.view(-1, elems))
     if out is None:
         return values if dtype == torch.float32 else values.to(dtype)
     if not direct:

@@ -32,16 +32,17 @@ Triton give each thread a single row for the type's load widths (see ROWS_FIRST_
 from __future__ import annotations
 
 import torch
-from gguf.constants import GGMLQuantizationType as T
 
-from .quant import IQ4_LEVELS, block_shape, row_bytes, type_name
+from cpu_kernels.formats import QUANT_TYPES, TRITON_DECODER, type_name
+
+from .quant import IQ4_LEVELS, block_shape, row_bytes
 from .triton_support import Launches, have_triton, require_triton
 
 K_MAX = 16          # tokens per launch: the accumulator is [BLOCK_N, K_MAX] whatever k is
 CHUNK = 256         # weights per row decoded per loop step
 
-TRITON_MATVEC_TYPES: frozenset[int] = frozenset(int(t) for t in (
-    T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS))
+# the types with a fused kernel (formats.QUANT_TYPES rows with DeviceKernel.triton)
+TRITON_MATVEC_TYPES: frozenset[int] = frozenset(t.qtype for t in QUANT_TYPES if t.device.triton)
 
 
 def _iq4_table() -> tuple[int, int]:
@@ -60,7 +61,7 @@ def _iq4_table() -> tuple[int, int]:
 # rows-first tile (20 shuffles) but one row from a [G, BLOCK_N, L] tile (rows in the middle, 2
 # shuffles). Q4_1, Q5_1 and IQ4_XS (4- and 8-byte aligned) are not clean either way; rows first
 # needs fewer barriers per chunk.
-ROWS_FIRST_TYPES = frozenset(int(t) for t in (T.Q4_K, T.Q5_K, T.Q4_1, T.Q5_1, T.IQ4_XS))
+ROWS_FIRST_TYPES = frozenset(t.qtype for t in QUANT_TYPES if t.device.rows_first)      # DeviceKernel.rows_first
 
 
 def launch_config(qtype: int, n_out: int) -> tuple[int, int, bool]:
@@ -341,12 +342,9 @@ if have_triton():
         dl = _f16(p) * ((low | (high << 4)) - 32).to(tl.float32)
         return dl * _iq4_level(qs & 15), dl * _iq4_level(qs >> 4), b * 32 + j, b * 32 + 16 + j
 
-    # the decoder of each type, passed to the kernel as a constexpr (one compiled kernel per type)
-    _DECODERS = {
-        T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: _q8_0, T.Q2_K: _q2_k,
-        T.Q3_K: _q3_k, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k, T.IQ4_NL: _iq4_nl, T.IQ4_XS: _iq4_xs,
-    }
-    assert set(_DECODERS) == TRITON_MATVEC_TYPES
+    # the decoder of each type, passed to the kernel as a constexpr (one compiled kernel per type;
+    # formats.QUANT_TYPES: _<kernel> above)
+    _DECODERS = TRITON_DECODER.bind(globals())
 
     @triton.jit
     def _chunk_dot(acc, wa, wb, xa, xb, xc, n_in, k, tok, ROWS_MID: tl.constexpr, TAIL: tl.constexpr):
@@ -475,7 +473,7 @@ class MatvecLaunch:
                              f"past the last row (allocate them with device_rows)")
         self.raw, self.n_out, self.n_in, self.row_bytes = raw, n_out, n_in, raw.shape[1]
         self.grid = matvec_grid(n_out, block_n)
-        self.constexprs = dict(DECODE=_DECODERS[T(qtype)], CHUNK_BYTES=CHUNK // elems * nbytes, BLOCK_N=block_n,
+        self.constexprs = dict(DECODE=_DECODERS[int(qtype)], CHUNK_BYTES=CHUNK // elems * nbytes, BLOCK_N=block_n,
                                KT=K_MAX, ROWS_MID=default_mid if rows_mid is None else rows_mid, TAIL=slack > 0)
         self.options = dict(num_warps=num_warps, enable_fp_fusion=fp_fusion)
         self.launches = Launches(_matvec_kernel)
