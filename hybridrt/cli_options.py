@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
+from placement.constants import CACHE_TYPES
+
 from .errors import UserError
 
 if TYPE_CHECKING:
@@ -37,7 +39,8 @@ MODEL_HELP = "GGUF path or a known name (gemma3-270m, smollm2-135m); default gem
 # plain decoding (tests/test_spec_loop.py checks the three agree)
 MAX_DRAFTS = 31
 NGRAM_N_MIN = 2     # ngram-simple's shortest n-gram (a 1-gram match predicts little)
-KV_TYPES = "f16, f32, bf16, q8_0"
+# the KV cache types -ctk/-ctv take, the default first
+KV_TYPES = ", ".join(sorted(CACHE_TYPES, key=lambda t: t != "f16"))
 
 MODEL = typer.Option(None, "-m", "--model", help=MODEL_HELP)
 MODEL_ARG = typer.Argument(None, help=MODEL_HELP, show_default=False)     # `info X`, `plan X`: -m's value

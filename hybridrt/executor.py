@@ -30,12 +30,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from placement.constants import OP_OFFLOAD_MIN_BATCH
+
 from .thread_governor import GOVERNED_MAX_TOKENS, ThreadGovernor
 from .trace import Tracer, maybe_span
 
-# the smallest batch whose CPU FFN layers run on the device (placement.plan.OP_OFFLOAD_MIN_BATCH,
-# restated: the runtime does not import the planner's module for a constant)
-OP_OFFLOAD_MIN_BATCH = 64
 
 
 class Executor:

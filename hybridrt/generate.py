@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from placement.constants import PROMPT_CHUNK
+
 from .errors import UserError
 from .models.base import Model
 from .sampling import SamplerConfig, make_generator, sample_token
-from .session import PROMPT_CHUNK, Session
+from .session import Session
 from .speculative.loop import SpecConfig, Speculation
 
 if TYPE_CHECKING:

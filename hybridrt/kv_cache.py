@@ -15,11 +15,12 @@ from typing import NamedTuple, Union
 import torch
 
 from gpu_kernels.attention import Q8_0_BLOCK, Q8_0_BYTES, q8_0_quantize
+from placement.constants import CACHE_TYPES
 
 from .errors import UserError
 
+# the float cache types' storage (placement.constants.CACHE_TYPES names them all, q8_0 too)
 CACHE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
-CACHE_TYPES = (*CACHE_DTYPES, "q8_0")
 
 Storage = Union[torch.dtype, str]       # a float dtype, or "q8_0"
 

@@ -6,11 +6,11 @@ from typing import Literal, Protocol, Sequence
 
 import torch
 
+from placement.constants import PROMPT_CHUNK
+
 from .errors import UserError
 from .executor import Executor
 from .kv_cache import kv_cache_type
-
-PROMPT_CHUNK = 512    # prompt tokens per forward (bounds the attention scratch, like llama.cpp's n_batch)
 
 
 class Evaluable(Protocol):

@@ -8,7 +8,6 @@ from .profile import ModelProfile
 
 MiB = 1 << 20
 GiB = 1 << 30
-SPEC_TYPES = ("none", "draft-mtp", "draft-simple", "ngram-simple")
 
 
 @dataclass(frozen=True)

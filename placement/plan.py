@@ -44,8 +44,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
 
-from .options import GiB, MiB, SPEC_TYPES, PlanOptions
-from .profile import CACHE_TYPES, F32, ModelProfile
+from .constants import CACHE_TYPES, OP_OFFLOAD_MIN_BATCH, PROMPT_CHUNK, SPEC_TYPES
+from .options import GiB, MiB, PlanOptions
+from .profile import F32, ModelProfile
 from .speed import FfnSplit, SpeedEstimate, estimate_speed
 
 CTX_STEP = 256          # context suggestions are rounded down to this
@@ -142,11 +143,6 @@ def _mib(n: int) -> str:
 # gpu_kernels.qlinear.TILE_ELEMS, restated because placement imports no torch code
 # (tests/test_placement.py checks that the two agree)
 DEQUANT_TILE_ELEMS = 1 << 22
-
-
-# hybridrt.session.PROMPT_CHUNK, restated likewise: prompts are evaluated in chunks of this many
-# tokens (llama.cpp's n_ubatch), whose activations the device holds at once
-PROMPT_CHUNK = 512
 
 
 def scratch_bytes(profile: ModelProfile, k: int, n_ctx: int) -> int:
@@ -373,12 +369,6 @@ def _split_boundary(profile: ModelProfile, ffn: dict[int, int], on_cpu: list[int
         return None
     gpu = int(ffn[layer] * units / n_ff)
     return FfnSplit(layer=layer, n_ff=n_ff, gpu_units=units, gpu_bytes=gpu, cpu_bytes=ffn[layer] - gpu)
-
-
-# the smallest prompt batch that takes CPU FFN layers' weights to the GPU: above the largest verify
-# batch (32 tokens at --spec-draft-n-max 31), so a verify keeps the CPU kernels' bits, which a
-# token's single steps have (llama.cpp takes 32); hybridrt.executor restates it (tests check)
-OP_OFFLOAD_MIN_BATCH = 64
 
 
 def _staging(profile: ModelProfile, opt: PlanOptions, ffn: dict[int, int], left: int) -> tuple[int, str]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .constants import CACHE_TYPES
+
 # Tensor roles. "attention" and "gdn" are the trunk's mixer projections (and their small vectors),
 # "ffn" is a trunk layer's feed-forward block as the planner moves it: a dense FFN whole, or a MoE
 # layer's routed experts; "moe_shared" is the rest of a MoE layer's FFN (router, shared expert and
@@ -19,9 +21,6 @@ ROLES = ("embedding", "attention", "gdn", "norm", "output", "ffn", "moe_shared",
 LAYER_KINDS = ("attention", "gdn")
 
 F32 = 4
-
-# KV cache element types: (elements per block, bytes per block). q8_0 is ggml's: 32 int8 + f16 scale.
-CACHE_TYPES: dict[str, tuple[int, int]] = {"f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34)}
 
 
 def cache_row_bytes(cache_type: str, n: int) -> int:

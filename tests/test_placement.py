@@ -347,11 +347,23 @@ def test_dequant_tile_matches_gpu_kernels():
     assert DEQUANT_TILE_ELEMS == TILE_ELEMS
 
 
-def test_prompt_chunk_matches_the_session():
-    from hybridrt.session import PROMPT_CHUNK as SESSION_CHUNK
-    from placement.plan import PROMPT_CHUNK
+def test_the_planner_and_the_runtime_share_one_statement_of_their_constants():
+    """placement.constants is the one place: the runtime's names are the same objects, not copies."""
+    import hybridrt.cli_options as cli_options
+    import hybridrt.executor as executor
+    import hybridrt.generate as generate
+    import hybridrt.kv_cache as kv_cache
+    import hybridrt.session as session
+    import hybridrt.speculative.spec_types as spec_types
+    import placement.plan as plan
+    from placement import constants
 
-    assert PROMPT_CHUNK == SESSION_CHUNK
+    assert session.PROMPT_CHUNK is generate.PROMPT_CHUNK is plan.PROMPT_CHUNK is constants.PROMPT_CHUNK
+    assert executor.OP_OFFLOAD_MIN_BATCH is plan.OP_OFFLOAD_MIN_BATCH is constants.OP_OFFLOAD_MIN_BATCH
+    assert spec_types.SPEC_TYPES is plan.SPEC_TYPES is constants.SPEC_TYPES
+    assert kv_cache.CACHE_TYPES is plan.CACHE_TYPES is constants.CACHE_TYPES
+    assert set(kv_cache.CACHE_DTYPES) | {"q8_0"} == set(constants.CACHE_TYPES)
+    assert cli_options.KV_TYPES == "f16, f32, bf16, q8_0"       # -ctk's help: the default first
 
 
 def test_scratch_holds_a_prompt_chunk_of_activations():

@@ -2,11 +2,9 @@
 a model source (draft_chain.py). Torch-free, so `plan` reads them without loading the runtime."""
 from __future__ import annotations
 
-from ..errors import UserError
+from placement.constants import MODEL_TYPES, SPEC_TYPES
 
-SPEC_TYPES = ("none", "draft-mtp", "draft-simple", "ngram-simple")
-LOOKUP_TYPES = ("ngram-simple",)                # no model: tried first in a chain
-MODEL_TYPES = ("draft-mtp", "draft-simple")     # at most one per chain
+from ..errors import UserError
 
 
 def spec_type_parts(spec_type: str) -> tuple[str, ...]:
