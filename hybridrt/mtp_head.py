@@ -31,6 +31,7 @@ from .backends import WeightBinder
 from .errors import UserError
 from .gguf_file import GGUFError, GGUFFile
 from .kv_cache import KVCache
+from .models.base import MTPHead
 from .models.common import Attention, AttentionSpec, ModelState, attention_block, ffn_block
 
 HEAD_ARCH = "mtp_head"
@@ -83,7 +84,7 @@ def target_fingerprint(gguf: GGUFFile) -> str:
     return hashlib.sha256(gguf.tensor_bytes(name).tobytes()).hexdigest()
 
 
-class TrainedMTPHead:
+class TrainedMTPHead(MTPHead):
     """The loaded head: `step` writes its KV and returns its output hidden, `head` its logits over
     the draft vocabulary (`draft_ids[i]` is row i's token; None: the full vocabulary)."""
 
@@ -102,7 +103,7 @@ class TrainedMTPHead:
         self.norm = w.norm_kernel()     # a draft's three norms are most of its small ops' time
         self.output = w.linear(f"{p}.head.weight")
         self.spec, self.draft_ids = spec, draft_ids
-        self.n_out = self.output.n_out
+        self.n_out = self.max_out = self.output.n_out
         # the whole step as one compiled call where every part above runs fused (None otherwise);
         # gemma3 scales its embedding rows (embed_scale), the other targets do not
         self.fused = w.mtp_step(model.tok_embd, getattr(model, "embed_scale", 1.0), self.enorm, self.hnorm,
@@ -124,7 +125,7 @@ class TrainedMTPHead:
 
     def step(self, state: ModelState, tokens: torch.Tensor, hidden: torch.Tensor, start_pos: int,
              logits: bool = True, out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """As qwen35's MTPHead.step: tokens at [start_pos, +n) with the hidden of the position before
+        """As qwen35's NextNHead.step: tokens at [start_pos, +n) with the hidden of the position before
         each; returns (logits or None, the head's output hidden for chaining)."""
         pos_list = list(range(start_pos, start_pos + tokens.shape[0]))
         x = self.ffn_half(self.attn_half(self._input(tokens, hidden), self._head_state(state), pos_list))

@@ -122,7 +122,7 @@ def compile_head(model: "Model") -> None:
     compiled: without this, a server's first draft stalled for seconds. Nothing without a head."""
     import torch
 
-    mtp = getattr(model, "mtp", None)
+    mtp = model.mtp
     if mtp is None:
         return
     token = model.tokenizer.bos_id if model.tokenizer.bos_id is not None else 0
@@ -194,12 +194,12 @@ def warm_up(model: "Model", spec_type: str, spec, sampler, cache_type: str, draf
     adaptive policy read the loading as the drafts' cost. A speculative warm-up drafts at fixed
     --spec-draft-n-max, so its first step verifies the largest batch the run can. For an adaptive
     run it then times each verify size (verify_costs) and returns length policies that start from
-    those timings (`speculative_generate(policies=...)`), rather than from a prior. draft_vocab: the
+    those timings (`generate(policies=...)`), rather than from a prior. draft_vocab: the
     run's (build_source): a reduced-vocabulary view of the MTP head is built here, not in the run."""
     import dataclasses
 
     from .generate import generate
-    from .speculative.loop import length_policies, speculative_generate
+    from .speculative.loop import length_policies
     from .speculative.sources import build_source
     from .speculative.spec_types import spec_type_parts
 
@@ -218,7 +218,7 @@ def warm_up(model: "Model", spec_type: str, spec, sampler, cache_type: str, draf
                           cache_type=cache_type, draft_vocab=draft_vocab)
     if "draft-mtp" in spec_type_parts(spec_type):
         compile_head(model)         # the head's other batch sizes and a catch-up's KV rows
-    speculative_generate(model, session, prompt, WARMUP_TOKENS, sampler, source, fixed, stop_ids=set())
+    generate(model, session, prompt, WARMUP_TOKENS, sampler, source, fixed, stop_ids=set())
     if not spec.adaptive or session.n_past + (COST_REPS + 1) * spec.k_max > session.n_ctx:
         return None
     times = verify_costs(model, session, spec.k_max, lo)

@@ -35,7 +35,7 @@ from hybridrt.loader import load_model  # noqa: E402
 from hybridrt.registry import resolve_model  # noqa: E402
 from hybridrt.sampling import SamplerConfig  # noqa: E402
 from hybridrt.speculative.draft_vocab import choose_draft_vocab, draft_head  # noqa: E402
-from hybridrt.speculative.loop import SpecConfig, speculative_generate  # noqa: E402
+from hybridrt.speculative.loop import SpecConfig  # noqa: E402
 from hybridrt.speculative.sources import build_source  # noqa: E402
 from hybridrt.train_mtp.prompts import HELDOUT_PROMPTS  # noqa: E402
 from hybridrt.train_mtp.train import prompt_ids  # noqa: E402
@@ -102,7 +102,7 @@ def main() -> None:
             for ids_p, ref in zip(prompts, refs):
                 session = m.session(len(ids_p) + args.n + spec.k_max + 8, k_max=spec.k_max)
                 source = build_source("draft-mtp", session, GREEDY, spec, draft_vocab=v)
-                out, stats = speculative_generate(m, session, ids_p, args.n, GREEDY, source, spec, stop_ids=set())
+                out, stats = generate(m, session, ids_p, args.n, GREEDY, source, spec, stop_ids=set())
                 identical &= out == ref
                 drafted, accepted = drafted + sum(stats.spec.drafted), accepted + sum(stats.spec.accepted)
                 steps += stats.spec.steps

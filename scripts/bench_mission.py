@@ -414,9 +414,10 @@ def spec_run(model, ids: list[int], ref: list[int], n_gen: int, n_max: int, alph
              cache_type: str = "f16", draft_vocab: int = 0):
     """One draft-mtp generation at fixed n_max, each draft token replaced by the target's own greedy
     one (`ref`) with probability alpha, by a wrong one otherwise: (tokens, GenerationStats)."""
+    from hybridrt.generate import generate
     from hybridrt.sampling import SamplerConfig
     from hybridrt.speculative.draft_forced import ForcedSource
-    from hybridrt.speculative.loop import SpecConfig, speculative_generate
+    from hybridrt.speculative.loop import SpecConfig
     from hybridrt.speculative.sources import build_source
 
     greedy, spec = SamplerConfig(temp=0.0), SpecConfig(n_max=n_max)
@@ -424,7 +425,7 @@ def spec_run(model, ids: list[int], ref: list[int], n_gen: int, n_max: int, alph
     source = ForcedSource(build_source("draft-mtp", session, greedy, spec, cache_type=cache_type, draft_vocab=draft_vocab),
                           ref, len(ids),
                           model.n_vocab, corrupt=1.0 - alpha, seed=seed)
-    return speculative_generate(model, session, ids, n_gen, greedy, source, spec, stop_ids=set())
+    return generate(model, session, ids, n_gen, greedy, source, spec, stop_ids=set())
 
 
 def section_spec(args, model, path: Path, results: dict) -> dict:

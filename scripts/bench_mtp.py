@@ -30,7 +30,7 @@ from hybridrt.loader import load_model  # noqa: E402
 from hybridrt.registry import resolve_model  # noqa: E402
 from hybridrt.sampling import SamplerConfig  # noqa: E402
 from hybridrt.speculative.bench_prompts import ADVERSARIAL_PROMPT  # noqa: E402
-from hybridrt.speculative.loop import SpecConfig, speculative_generate  # noqa: E402
+from hybridrt.speculative.loop import SpecConfig  # noqa: E402
 from hybridrt.speculative.sources import build_source  # noqa: E402
 from hybridrt.train_mtp.config import TrainConfig  # noqa: E402
 from hybridrt.train_mtp.prompts import HELDOUT_PROMPTS  # noqa: E402
@@ -85,7 +85,7 @@ def run_mode(m, ids: list[int], n_gen: int, n_max: int | None, adaptive: bool, g
             policies.update(seeded)
     session = m.session(len(ids) + n_gen + 16, k_max=spec.k_max)
     source = build_source(spec_type, session, GREEDY, spec)
-    out, stats = speculative_generate(m, session, ids, n_gen, GREEDY, source, spec, stop_ids=set(), policies=policies)
+    out, stats = generate(m, session, ids, n_gen, GREEDY, source, spec, stop_ids=set(), policies=policies)
     return out, stats.decode_s, sum(stats.spec.drafted), sum(stats.spec.accepted)
 
 

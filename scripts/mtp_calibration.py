@@ -15,8 +15,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_mtp import GREEDY, prompts  # noqa: E402
+from hybridrt.generate import generate  # noqa: E402
 from hybridrt.loader import load_model  # noqa: E402
-from hybridrt.speculative.loop import SpecConfig, speculative_generate  # noqa: E402
+from hybridrt.speculative.loop import SpecConfig  # noqa: E402
 from hybridrt.speculative.sources import build_source  # noqa: E402
 
 
@@ -35,7 +36,7 @@ def main() -> None:
         source = build_source("draft-mtp", session, GREEDY, spec)
         confs: list[float] = []
         source.picker.gate = lambda i, top1: confs.append(top1) or True    # records, keeps every draft
-        _, stats = speculative_generate(m, session, ids, args.n_gen, GREEDY, source, spec, stop_ids=set())
+        _, stats = generate(m, session, ids, args.n_gen, GREEDY, source, spec, stop_ids=set())
         for top1, kept in zip(confs, stats.spec.accepted):
             b = min(int(top1 * 10), 9)
             hits[b] += kept

@@ -16,7 +16,7 @@ from hybridrt.errors import UserError
 from hybridrt.generate import generate
 from hybridrt.kv_cache import KVCache, KVTypes, cache_dtype, kv_cache_type
 from hybridrt.sampling import SamplerConfig
-from hybridrt.speculative.loop import SpecConfig, speculative_generate
+from hybridrt.speculative.loop import SpecConfig
 from hybridrt.speculative.sources import build_source
 from tests.real_models import SMOLLM2, require
 from tests.spec_helpers import ECHO_PROMPT
@@ -120,7 +120,7 @@ def test_q8_speculative_greedy_parity(smollm2, cache_type):
     spec = SpecConfig(n_max=4)
     session = smollm2.session(512, cache_type, k_max=spec.k_max)
     source = build_source("ngram-simple", session, greedy, spec, cache_type=cache_type)
-    got, stats = speculative_generate(smollm2, session, ids, 24, greedy, source, spec)
+    got, stats = generate(smollm2, session, ids, 24, greedy, source, spec)
     assert got == want
     assert stats.spec.acceptance_rate > 0.5
 

@@ -11,10 +11,11 @@ import torch
 
 import make_model
 from hybridrt.errors import UserError
+from hybridrt.generate import generate
 from hybridrt.loader import load_model
 from hybridrt.sampling import SamplerConfig
 from hybridrt.speculative.draft_vocab import bundled_text, choose_draft_vocab, draft_head
-from hybridrt.speculative.loop import SpecConfig, speculative_generate
+from hybridrt.speculative.loop import SpecConfig
 from hybridrt.speculative.sources import build_source
 from hybridrt.tokenizer import CONTROL
 from tests.test_spec_loop import GREEDY, N_GEN, plain, prompt
@@ -46,7 +47,7 @@ def run(model, ids, n_max, draft_vocab, sampler=GREEDY):
         drafts.extend(proposed)
         return draft
     source.propose = recording
-    out, stats = speculative_generate(model, session, ids, N_GEN, sampler, source, spec, stop_ids=set())
+    out, stats = generate(model, session, ids, N_GEN, sampler, source, spec, stop_ids=set())
     return out, stats, source, drafts
 
 

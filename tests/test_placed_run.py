@@ -18,7 +18,7 @@ from hybridrt.loader import load_model
 from hybridrt.model_profile import load_profile
 from hybridrt.place import PlacementRequest, plan_for, placement_line
 from hybridrt.sampling import SamplerConfig
-from hybridrt.speculative.loop import SpecConfig, speculative_generate
+from hybridrt.speculative.loop import SpecConfig
 from hybridrt.speculative.sources import build_source
 from hybridrt.trace import Tracer
 from gpu_kernels.qlinear import QuantLinear
@@ -136,7 +136,7 @@ def test_tiny_qwen35_mtp_placed_speculative_parity(tiny_qwen35_mtp):
     spec = SpecConfig(n_max=3)
     session = placed.session(256)
     source = build_source("draft-mtp", session, GREEDY, spec, None)
-    got, stats = speculative_generate(placed, session, prompt, 24, GREEDY, source, spec, stop_ids=set())
+    got, stats = generate(placed, session, prompt, 24, GREEDY, source, spec, stop_ids=set())
     assert got == ref and stats.spec.steps > 0
 
 
@@ -198,7 +198,7 @@ def test_cuda_placed_verify_batch_bitwise_and_speculative_parity(tiny_qwen35_mtp
     spec = SpecConfig(n_max=3)
     session = placed.session(256)
     source = build_source("draft-mtp", session, GREEDY, spec, None)
-    got, _ = speculative_generate(placed, session, prompt, 24, GREEDY, source, spec, stop_ids=set())
+    got, _ = generate(placed, session, prompt, 24, GREEDY, source, spec, stop_ids=set())
     assert got == ref
 
 

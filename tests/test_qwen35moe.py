@@ -15,7 +15,7 @@ from hybridrt.loader import load_model
 from hybridrt.model_info import read_model_info
 from hybridrt.models.qwen35 import MoEFFN, Qwen35Moe
 from hybridrt.sampling import SamplerConfig
-from hybridrt.speculative.loop import SpecConfig, speculative_generate
+from hybridrt.speculative.loop import SpecConfig
 from hybridrt.speculative.sources import build_source
 from tests.reference.common import rms_norm
 from tests.reference.ref_qwen35 import RefQwen35
@@ -207,7 +207,7 @@ def test_mtp_speculative_greedy_parity(moe_mtp, n_max):
         spec = SpecConfig(n_max=n_max)
         session = model.session(256, k_max=spec.k_max)
         source = build_source("draft-mtp", session, GREEDY, spec)
-        got, stats = speculative_generate(model, session, ids, 32, GREEDY, source, spec, stop_ids=set())
+        got, stats = generate(model, session, ids, 32, GREEDY, source, spec, stop_ids=set())
         assert got == ref and sum(stats.spec.drafted) > 0
 
 

@@ -25,7 +25,7 @@ from hybridrt.loader import load_model
 from hybridrt.model_profile import load_profile
 from hybridrt.place import PlacementRequest, plan_for
 from hybridrt.sampling import SamplerConfig
-from hybridrt.speculative.loop import SpecConfig, speculative_generate
+from hybridrt.speculative.loop import SpecConfig
 from hybridrt.speculative.sources import build_source
 from hybridrt.trace import Tracer
 from gpu_kernels.qlinear import QuantLinear
@@ -93,7 +93,7 @@ def test_speculative_greedy_parity(files):
     spec = SpecConfig(n_max=3)
     session = placed.session(256)
     source = build_source("draft-mtp", session, GREEDY, spec, None)
-    got, stats = speculative_generate(placed, session, PROMPT, 24, GREEDY, source, spec, stop_ids=set())
+    got, stats = generate(placed, session, PROMPT, 24, GREEDY, source, spec, stop_ids=set())
     assert got == ref and stats.spec.steps > 0
 
 

@@ -60,7 +60,7 @@ def test_logprob_track_releases_a_token_once_its_text_shows():
 
 def test_a_session_keeps_its_length_policies_between_requests(tiny_qwen35_mtp):
     """The pool continues adaptive length's policies from one request to the next on a session
-    (speculative_generate's `policies`): one per session, greedy and sampled requests apart; each
+    (generate's `policies`): one per session, greedy and sampled requests apart; each
     request's output is still plain decoding's."""
     from hybridrt.loader import load_model
     from hybridrt.server.metrics import Metrics

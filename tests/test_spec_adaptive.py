@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from hybridrt.generate import generate
 from hybridrt.sampling import SamplerConfig
 from hybridrt.speculative.adaptive import DraftLengthPolicy
 from hybridrt.speculative.draft_forced import ForcedSource
-from hybridrt.speculative.loop import SpecConfig, speculative_generate
+from hybridrt.speculative.loop import SpecConfig
 from hybridrt.speculative.sources import build_source
 from tests.test_spec_loop import GREEDY, N_GEN, plain, prompt, qwen3, qwen35, spec_run  # noqa: F401 (fixtures)
 
@@ -349,7 +350,7 @@ def test_a_chain_stops_before_a_row_that_could_not_pay():
 
 def test_the_source_asks_before_computing_a_chained_row(qwen35):
     """draft-mtp with a picker whose `worth` refuses row 1: every proposal stops after one draft."""
-    from hybridrt.speculative.loop import SpecConfig, speculative_generate
+    from hybridrt.speculative.loop import SpecConfig
     from tests.test_spec_loop import prompt as make_prompt
     spec = SpecConfig(n_max=3)
     session = qwen35.session(128, k_max=spec.k_max)
@@ -357,7 +358,7 @@ def test_the_source_asks_before_computing_a_chained_row(qwen35):
     asked = []
     src.picker.worth = lambda i: asked.append(i) or False
     ids = make_prompt(5)
-    out, stats = speculative_generate(qwen35, session, ids, 12, GREEDY, src, spec, stop_ids=set())
+    out, stats = generate(qwen35, session, ids, 12, GREEDY, src, spec, stop_ids=set())
     assert out == plain(qwen35, ids, n=12)
     # asked once a proposal (the last may have room for one draft only: the -n cap, nothing to ask)
     assert max(stats.spec.drafted) == 1 and set(asked) == {1}
@@ -453,7 +454,7 @@ def test_a_new_run_keeps_what_was_learned_and_drops_the_stretch():
 
 @pytest.mark.parametrize("gate", [True, False])
 def test_kept_policies_continue_into_the_next_sequence(qwen35, gate):
-    """speculative_generate(policies=kept): the first sequence fills `kept` with its source's policy;
+    """generate(policies=kept): the first sequence fills `kept` with its source's policy;
     the next one continues that same policy (its timings grow on), with the new source's picker
     asking it, and both outputs are plain decoding's."""
     kept = {}
@@ -463,7 +464,7 @@ def test_kept_policies_continue_into_the_next_sequence(qwen35, gate):
         spec = SpecConfig(n_max=3, adaptive=True, gate=gate)
         session = qwen35.session(256, k_max=spec.k_max)
         source = build_source("draft-mtp", session, GREEDY, spec, None)
-        out, _ = speculative_generate(qwen35, session, ids, N_GEN, GREEDY, source, spec, stop_ids=set(),
+        out, _ = generate(qwen35, session, ids, N_GEN, GREEDY, source, spec, stop_ids=set(),
                                       policies=kept)
         assert out == ref
         policy = kept[source.name]
@@ -477,7 +478,7 @@ def test_kept_policies_continue_into_the_next_sequence(qwen35, gate):
     other = SpecConfig(n_max=2, adaptive=True)          # another n_max: a policy of its own
     session = qwen35.session(256, k_max=other.k_max)
     source = build_source("draft-mtp", session, GREEDY, other, None)
-    speculative_generate(qwen35, session, prompt(7), 8, GREEDY, source, other, stop_ids=set(), policies=kept)
+    generate(qwen35, session, prompt(7), 8, GREEDY, source, other, stop_ids=set(), policies=kept)
     assert kept[source.name] is not first and kept[source.name].n_max == 2
 
 

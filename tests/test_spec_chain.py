@@ -11,7 +11,7 @@ from hybridrt.errors import UserError
 from hybridrt.generate import generate
 from hybridrt.sampling import SamplerConfig
 from hybridrt.speculative.draft_chain import DraftChain
-from hybridrt.speculative.loop import SpecConfig, speculative_generate
+from hybridrt.speculative.loop import SpecConfig
 from hybridrt.speculative.sources import build_source
 from hybridrt.speculative.spec_types import model_spec_type, spec_type_parts
 from tests.test_spec_loop import qwen3, qwen35  # noqa: F401  (the loaded tiny models, module fixtures)
@@ -33,7 +33,7 @@ def run(model, ids, spec_type, n_max, n=40, sampler=GREEDY, draft_model=None, **
     spec = SpecConfig(n_max=n_max, **kw)
     session = model.session(256, k_max=spec.k_max)
     source = build_source(spec_type, session, sampler, spec, draft_model)
-    return speculative_generate(model, session, ids, n, sampler, source, spec, stop_ids=set()) + (source,)
+    return generate(model, session, ids, n, sampler, source, spec, stop_ids=set()) + (source,)
 
 
 def plain(model, ids, n=40):

@@ -14,6 +14,7 @@ from hybridrt.sampling import SamplerConfig
 from hybridrt.session import PROMPT_CHUNK, Session
 from hybridrt.snapshot_ring import SnapshotRing
 from hybridrt.speculative import acceptance
+from hybridrt.speculative.draft import Draft, DraftSource
 from hybridrt.speculative.draft_forced import ForcedSource
 from hybridrt.speculative.loop import SpecConfig
 from hybridrt.speculative.sources import build_source
@@ -65,6 +66,35 @@ def forced(model, ids, ref, corrupt, inner=None, seed=1):
 
 def mtp(session, spec):
     return build_source("draft-mtp", session, GREEDY, spec)
+
+
+class Repeat(DraftSource):
+    """Only what DraftSource requires (a name, observe, catch_up, propose): the protocol's defaults
+    are the rest. Proposes the certain token again."""
+    name = "repeat"
+
+    def observe(self, start, tokens, hidden):
+        pass
+
+    def catch_up(self):
+        pass
+
+    def propose(self, certain, pos, n_max):
+        return Draft([certain] * n_max)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_the_loop_uses_only_what_the_source_protocol_declares(qwen3, adaptive):
+    """A source with the three required methods runs plain and adaptive speculation (length
+    policies, the drafter's choice, the gate's picker: all through DraftSource's members), alone
+    and in a chain behind a lookup; a member the loop read without declaring it fails here."""
+    from hybridrt.speculative.draft_chain import DraftChain
+    from hybridrt.speculative.draft_ngram import NgramSource
+
+    ids = prompt(3)
+    for source_of in (lambda session, spec: Repeat(), lambda session, spec: DraftChain([NgramSource(), Repeat()])):
+        out, stats, _, _ = spec_run(qwen3, ids, source_of, 3, adaptive=adaptive)
+        assert out == plain(qwen3, ids) and sum(stats.spec.drafted) > 0
 
 
 @pytest.mark.parametrize("n_max", [1, 2, 3, 4, 8])

@@ -10,7 +10,7 @@ from hybridrt.generate import generate
 from hybridrt.loader import load_model
 from hybridrt.sampling import SamplerConfig, filtered_probs
 from hybridrt.speculative import acceptance
-from hybridrt.speculative.loop import SpecConfig, speculative_generate
+from hybridrt.speculative.loop import SpecConfig
 from hybridrt.speculative.sources import build_source
 from tests.real_models import GEMMA3, SMOLLM2, require
 from tests.spec_helpers import ADVERSARIAL_PROMPT, ECHO_PROMPT, write_truncated_draft
@@ -42,7 +42,7 @@ class Case:
         spec = SpecConfig(n_max=n_max)
         session = self.model.session(512, k_max=spec.k_max)
         source = build_source(spec_type, session, sampler, spec, draft_model=draft)
-        return speculative_generate(self.model, session, self.prompt(name), N_GEN, sampler, source, spec)
+        return generate(self.model, session, self.prompt(name), N_GEN, sampler, source, spec)
 
 
 @pytest.fixture(scope="module")

@@ -25,10 +25,10 @@ from hybridrt.generate import generate
 from hybridrt.gguf_file import GGUFFile
 from hybridrt.loader import load_model
 from hybridrt.mtp_head import TrainedMTPHead, block_kind, head_attention_spec, write_head
-from hybridrt.models.qwen35 import MTPHead
+from hybridrt.models.qwen35 import NextNHead
 from hybridrt.sampling import SamplerConfig, dense_probs
 from hybridrt.speculative.acceptance import SampledAcceptor
-from hybridrt.speculative.loop import SpecConfig, speculative_generate
+from hybridrt.speculative.loop import SpecConfig
 from hybridrt.speculative.sources import build_source
 from hybridrt.train_mtp import train as train_module
 from hybridrt.train_mtp.config import TrainConfig
@@ -458,13 +458,13 @@ def test_greedy_parity_with_a_trained_head(which, n_max, request, tiny_llama, ti
     spec = SpecConfig(n_max=n_max)
     session = m.session(128, k_max=spec.k_max)
     source = build_source("draft-mtp", session, GREEDY, spec)
-    out, stats = speculative_generate(m, session, ids, 40, GREEDY, source, spec, stop_ids=set())
+    out, stats = generate(m, session, ids, 40, GREEDY, source, spec, stop_ids=set())
     assert out == ref
     assert sum(stats.spec.drafted) > 0 and len(source.draft_ids) == TINY.draft_vocab
 
 
 def test_qwen35_keeps_its_own_head_unless_given_one(tiny_qwen35_mtp, qwen35_head):
-    assert isinstance(load_model(tiny_qwen35_mtp).mtp, MTPHead)
+    assert isinstance(load_model(tiny_qwen35_mtp).mtp, NextNHead)
     assert isinstance(load_model(tiny_qwen35_mtp, mtp_head=qwen35_head).mtp, TrainedMTPHead)
 
 
@@ -624,7 +624,7 @@ def test_real_model_greedy_parity_with_trained_head(name):
         for n_max, adaptive in ((1, False), (3, False), (3, True)):
             spec = SpecConfig(n_max=n_max, adaptive=adaptive)
             session = m.session(256, k_max=spec.k_max)
-            out, stats = speculative_generate(m, session, ids, 32, GREEDY, build_source(spec_type, session, GREEDY, spec),
+            out, stats = generate(m, session, ids, 32, GREEDY, build_source(spec_type, session, GREEDY, spec),
                                               spec, stop_ids=set())
             assert out == ref
             if not adaptive:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -30,6 +31,35 @@ def _one_value(gguf: GGUFFile, key: str, default: int | None = None) -> int:
     return int(value)
 
 
+class MTPHead(Protocol):
+    """An MTP (NextN) head: drafts the token after next from (token t_j, the trunk's final hidden of
+    position j - 1), with a KV cache of its own kept in the session's state. Three play the role: a
+    qwen35 file's built-in block (`models.qwen35.NextNHead`), a trained head from `train-mtp`
+    (`mtp_head.TrainedMTPHead`), and the built-in one over a reduced vocabulary
+    (`speculative.draft_vocab.SequenceDraftHead`); `speculative.draft_mtp.MTPSource` drafts with
+    any of them. Logits row i is token draft_ids[i] (None: token i)."""
+    n_out: int                                  # logits rows a draft computes now
+    max_out: int                                # rows a logits buffer must hold (a growing vocabulary's most)
+    draft_ids: torch.Tensor | None = None       # token id of each row; None: the full vocabulary
+
+    def step(self, state, tokens: torch.Tensor, hidden: torch.Tensor, start_pos: int, logits: bool = True,
+             out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """tokens [n] at positions [start_pos, +n), each with the hidden of the position before it
+        (the trunk's, or the previous step's output for a chained draft); writes the head's KV
+        there. Returns (logits [n, n_out] or None, the head's output hidden [n, n_embd])."""
+
+    def draft(self, state, tokens: torch.Tensor, hidden: torch.Tensor, start_pos: int,
+              out: torch.Tensor) -> torch.Tensor:
+        """step(), the last token's logits into out [1, >= n_out]; returns its output hidden [1, n_embd]."""
+
+    def write_kv(self, state, tokens: torch.Tensor, hidden: torch.Tensor, start_pos: int) -> None:
+        """Only the KV rows step() writes for these tokens, the same values (a catch-up on committed
+        tokens, whose outputs nobody reads)."""
+
+    def head(self, normed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits rows [n, n_out] of output hiddens."""
+
+
 class Model:
     """A loaded architecture. Subclasses build their layers in `__init__` and implement
     `forward(state, tokens, start_pos) -> hidden` returning the final-normed hidden states."""
@@ -39,6 +69,7 @@ class Model:
     # set by the loader, never read here: who runs a step (hybridrt.executor) and the plan it follows
     executor = None
     plan = None
+    mtp: MTPHead | None = None   # the head draft-mtp drafts with: built in (qwen35), or --mtp-head's
 
     def __init__(self, gguf: GGUFFile, binder: WeightBinder):
         self.gguf, self.binder, self.device = gguf, binder, binder.device

@@ -26,7 +26,7 @@ from ..errors import UserError
 from ..gguf_file import GGUFFile
 from ..kv_cache import KVCache, cache_dtype
 from ..snapshot_ring import SnapshotRing
-from .base import Model
+from .base import Model, MTPHead
 from .common import AttentionSpec, ModelState, RopeSpec, attention_block, ffn_block, rope_scale
 
 
@@ -193,7 +193,7 @@ class Qwen35(Model):
             self.layers.append((mixer, self.ffn_half(binder, p)))
             self.is_attention.append((i + 1) % interval == 0)
         self.n_attention_layers, self.n_gdn_layers = n_attn, n_gdn
-        self.mtp = MTPHead(binder, self) if self.n_nextn else None
+        self.mtp = NextNHead(binder, self) if self.n_nextn else None
 
     def ffn_half(self, w: WeightBinder, prefix: str):
         """A block's FFN half, h + FFN(RMSNorm(h; post_attention_norm))."""
@@ -251,7 +251,7 @@ class Qwen3Next(Qwen35):
     tiled_heads = False
 
 
-class MTPHead:
+class NextNHead(MTPHead):
     """The NextN block at index n_layer: drafts the token after next from (token, trunk hidden).
 
     e = RMSNorm(embed(t); enorm), hn = RMSNorm(h; hnorm), x = eh_proj [e ; hn]; then a gated
@@ -275,7 +275,7 @@ class MTPHead:
             if w.has(f"{p}.nextn.shared_head_head.weight") else model.output
         self.embed = w.embedding(f"{p}.nextn.embed_tokens.weight") \
             if w.has(f"{p}.nextn.embed_tokens.weight") else model.tok_embd
-        self.n_out = model.n_vocab      # logits rows over the full vocabulary (no draft vocabulary)
+        self.n_out = self.max_out = model.n_vocab      # the full vocabulary (no draft vocabulary)
 
     def step(self, state: HybridState, tokens: torch.Tensor, hidden: torch.Tensor, start_pos: int,
              logits: bool = True, out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:

@@ -54,7 +54,14 @@ class RefusedDraft:
 
 
 class DraftSource(Protocol):
+    """What the generation loop (generate.py, loop.py) uses of a source, and nothing else. The
+    sources subclass it for the defaults below: a single source that always drafts and whose
+    drafts are not weighed (a lookup's); a model source sets `picker`, a lookup overrides
+    `has_match`, a chain `members` and `drafter`."""
     name: str
+    # where adaptive length installs its confidence gate (loop.length_policies): a model source's
+    # DraftPicker; None: the drafts carry no probability to weigh (a lookup's, forced ones)
+    picker: DraftPicker | None = None
 
     def observe(self, start: int, tokens: Sequence[int], hidden: torch.Tensor | None) -> None:
         """The target evaluated and kept `tokens` at positions [start, start + n); `hidden` holds
@@ -69,6 +76,21 @@ class DraftSource(Protocol):
 
     def propose(self, certain: int, pos: int, n_max: int) -> Draft:
         """Up to n_max tokens to follow `certain`, the token known to come at position `pos`."""
+
+    def has_match(self, certain: int) -> bool:
+        """Whether propose() could draft anything after `certain`: a chain asks before sizing the
+        step, so that a lookup without a match leaves the step to the next source."""
+        return True
+
+    def members(self) -> Sequence[DraftSource]:
+        """The sources that draft, each learning its own length policy (loop.length_policies): a
+        chain's, else the source itself."""
+        return (self,)
+
+    def drafter(self, certain: int) -> str:
+        """The name of the member that drafts after `certain` (given room): its length policy sizes
+        the step."""
+        return self.name
 
 
 def argmax_top1(logits_row: torch.Tensor) -> tuple[int, float]:

@@ -21,7 +21,7 @@ import torch
 from .draft import Draft, DraftSource
 
 
-class DraftChain:
+class DraftChain(DraftSource):
     def __init__(self, sources: Sequence[DraftSource]):
         if len(sources) < 2:
             raise ValueError("a draft chain needs at least two sources")
@@ -36,11 +36,17 @@ class DraftChain:
         for s in self.sources:
             s.catch_up()
 
+    def members(self) -> Sequence[DraftSource]:
+        return self.sources
+
+    def has_match(self, certain: int) -> bool:
+        return any(s.has_match(certain) for s in self.sources)
+
     def drafter(self, certain: int) -> str:
         """The source that drafts after `certain` (given room for a draft): the first lookup with a
         match, else the model source. The loop sizes the step with that source's length policy."""
         for s in self.sources:
-            if not hasattr(s, "has_match") or s.has_match(certain):
+            if s.has_match(certain):
                 return s.name
         return self.sources[-1].name
 

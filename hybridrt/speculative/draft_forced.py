@@ -16,7 +16,7 @@ import torch
 from .draft import Draft, DraftSource
 
 
-class ForcedSource:
+class ForcedSource(DraftSource):
     def __init__(self, inner: DraftSource | None, reference: Sequence[int], prompt_len: int, n_vocab: int,
                  corrupt: float = 0.0, seed: int = 0):
         """reference: the target's greedy output for this prompt (the tokens at positions

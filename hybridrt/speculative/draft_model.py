@@ -14,7 +14,7 @@ import torch
 
 from ..errors import UserError
 from ..models.base import Model
-from .draft import Draft, DraftPicker
+from .draft import Draft, DraftPicker, DraftSource
 
 EAGER_TOKENS = 64    # a prompt is evaluated as it is observed (counted as prompt time)
 
@@ -28,7 +28,7 @@ def check_same_vocab(target: Model, draft: Model) -> None:
                         f"({draft.n_vocab} vs {target.n_vocab} tokens or different token texts)")
 
 
-class DraftModelSource:
+class DraftModelSource(DraftSource):
     name = "draft-simple"
 
     def __init__(self, draft: Model, n_ctx: int, picker: DraftPicker, k_max: int, cache_type: str = "f32"):

@@ -24,34 +24,38 @@ from typing import Sequence
 
 import torch
 
+from placement.constants import PROMPT_CHUNK
+
 from ..errors import UserError
-from ..session import PROMPT_CHUNK, Session
-from .draft import Draft, DraftPicker
+from ..models.base import MTPHead
+from ..session import Session
+from .draft import Draft, DraftPicker, DraftSource
 from .draft_vocab import SequenceDraftHead, draft_head
 
 EAGER_TOKENS = 64    # observed tokens are written in batches this large (a prompt: as prompt time, with
                      # the rest of it written by the loop's prefill through catch_up)
 
 
-class MTPSource:
+class MTPSource(DraftSource):
     name = "draft-mtp"
 
     def __init__(self, session: Session, picker: DraftPicker, draft_vocab: int = 0):
-        if getattr(session.model, "mtp", None) is None:
+        if session.model.mtp is None:
             raise UserError(f"--spec-type draft-mtp: {session.model.arch} model has no MTP (nextn) head")
         mtp = draft_head(session.model, draft_vocab)        # model.mtp itself at draft_vocab 0
-        self.mtp, self.state, self.picker = mtp, session.state, picker
+        self.mtp: MTPHead = mtp
+        self.state, self.picker = session.state, picker
         self.synced = 1      # MTP KV positions [1, synced) were written from trunk hiddens
         self.tokens: list[int] = []                 # committed tokens at positions >= synced
         self.prev_hidden: list[torch.Tensor] = []   # trunk hidden of the position before each
         self.last_hidden: torch.Tensor | None = None    # trunk hidden of the last observed position
         self.vocab = mtp if isinstance(mtp, SequenceDraftHead) else None     # a draft vocabulary that grows
-        self.row = torch.empty(1, getattr(mtp, "max_out", mtp.n_out))
+        self.row = torch.empty(1, mtp.max_out)
 
     @property
     def draft_ids(self) -> torch.Tensor | None:
         """Token id of each logits row (None: the full vocabulary)."""
-        return getattr(self.mtp, "draft_ids", None)
+        return self.mtp.draft_ids
 
     def observe(self, start: int, tokens: Sequence[int], hidden: torch.Tensor | None) -> None:
         for j, token in enumerate(tokens):

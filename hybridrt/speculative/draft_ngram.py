@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from .draft import Draft
+from .draft import Draft, DraftSource
 
 
 class NgramIndex:
@@ -55,7 +55,7 @@ class NgramIndex:
         return []
 
 
-class NgramSource:
+class NgramSource(DraftSource):
     name = "ngram-simple"
 
     def __init__(self, n_max: int = 4, n_min: int = 2):

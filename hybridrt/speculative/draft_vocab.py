@@ -34,14 +34,15 @@ import torch
 
 from ..backends import CpuQuantLinear
 from ..errors import UserError
-from ..models.qwen35 import MTPHead
+from ..models.base import MTPHead
+from ..models.qwen35 import NextNHead
 from ..tokenizer import BYTE, NORMAL, USER_DEFINED
 
 FLAG = "--spec-draft-vocab"
 TEXT_TYPES = (NORMAL, USER_DEFINED, BYTE)
 # the chosen ids and their rows, per head and size: a server builds a source per request, and
 # 32k rows of the 27B's head are a 134 MB copy
-_CHOSEN_ROWS: "weakref.WeakKeyDictionary[MTPHead, dict[int, tuple]]" = weakref.WeakKeyDictionary()
+_CHOSEN_ROWS: "weakref.WeakKeyDictionary[NextNHead, dict[int, tuple]]" = weakref.WeakKeyDictionary()
 
 
 def check_draft_vocab(size: int, n_vocab: int) -> None:
@@ -116,7 +117,7 @@ def _into(rows, x: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(rows(x))
 
 
-class SequenceDraftHead:
+class SequenceDraftHead(MTPHead):
     """The built-in head drafting over one sequence's draft vocabulary: the V tokens chosen for the
     model (their rows shared by every sequence) and the sequence's own tokens outside them (its
     prompt and what it has committed, as MTPSource observes them; at most V more, first come). The
@@ -125,7 +126,7 @@ class SequenceDraftHead:
     sequence's own 88 % and 95 % (scripts/bench_draft_vocab.py). Logits row i is token
     draft_ids[i], as in a trained head with a draft vocabulary."""
 
-    def __init__(self, mtp, size: int, n_vocab: int):
+    def __init__(self, mtp: NextNHead, size: int, n_vocab: int):
         self.mtp, self.size = mtp, size
         self.static_ids, self.static = _static_rows(mtp, size, n_vocab)
         self.max_out = 2 * size
@@ -167,13 +168,13 @@ class SequenceDraftHead:
 
     def step(self, state, tokens: torch.Tensor, hidden: torch.Tensor, start_pos: int,
              logits: bool = True, out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """MTPHead.step with the logits of the draft vocabulary's rows."""
+        """NextNHead.step with the logits of the draft vocabulary's rows."""
         _, h = self.mtp.step(state, tokens, hidden, start_pos, logits=False)
         return (self.head(h, out=out) if logits else None), h
 
     def draft(self, state, tokens: torch.Tensor, hidden: torch.Tensor, start_pos: int,
               out: torch.Tensor) -> torch.Tensor:
-        """MTPHead.draft: the last token's logits into out [1, >= n_out]; its output hidden."""
+        """NextNHead.draft: the last token's logits into out [1, >= n_out]; its output hidden."""
         _, h = self.step(state, tokens, hidden, start_pos, logits=False)
         self.head(h[-1:], out=out)
         return h[-1:]
@@ -191,14 +192,14 @@ def _static_rows(mtp, size: int, n_vocab: int):
     return built[size]
 
 
-def draft_head(model, size: int):
+def draft_head(model, size: int) -> MTPHead:
     """What MTPSource drafts with: model.mtp at size 0 (or the model's vocabulary), else a
     SequenceDraftHead over `size` tokens and the sequence's own."""
     mtp = model.mtp
     check_draft_vocab(size, model.n_vocab)
     if size in (0, model.n_vocab):
         return mtp
-    if not isinstance(mtp, MTPHead):
+    if not isinstance(mtp, NextNHead):
         raise UserError(f"{FLAG} applies to a model's built-in MTP head; a trained head (--mtp-head) "
                         f"takes its draft vocabulary when trained (train-mtp --draft-vocab)")
     return SequenceDraftHead(mtp, size, model.n_vocab)

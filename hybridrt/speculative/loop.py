@@ -31,7 +31,7 @@ from .draft import Draft, DraftSource
 from .stats import SpecStats
 
 if TYPE_CHECKING:
-    from ..generate import GenerationStats, Output
+    from ..generate import Output
 
 # plain steps after which a source's deferred work is done apart from the next proposal (and not
 # counted as its cost): fewer go in one batch with it, as after a drafting step
@@ -73,7 +73,7 @@ def length_policies(source: DraftSource | None, spec: SpecConfig,
     if not spec.adaptive or source is None:
         return {}
     policies = {}
-    for s in getattr(source, "sources", [source]):
+    for s in source.members():
         policy = kept.get(s.name) if kept is not None else None
         if policy is not None and policy.n_max == spec.n_max:
             policy.new_run()
@@ -82,13 +82,10 @@ def length_policies(source: DraftSource | None, spec: SpecConfig,
             if kept is not None:
                 kept[s.name] = policy
         policies[s.name] = policy
-        picker = getattr(s, "picker", None)
-        policy.gating = picker is not None and spec.gate
+        policy.gating = s.picker is not None and spec.gate
         if policy.gating:
-            picker.gate, picker.worth = policy.keep_draft, policy.worth_row
+            s.picker.gate, s.picker.worth = policy.keep_draft, policy.worth_row
     return policies
-
-
 
 
 class Speculation:
@@ -118,8 +115,7 @@ class Speculation:
         session, source, spec, stats = self.session, self.source, self.spec, self.stats
         pos = session.n_past
         # a chain's drafter this step: its first source with something to propose (a lookup: a match)
-        policy = self.policies.get(source.drafter(certain) if hasattr(source, "drafter") else source.name) \
-            if self.policies else None
+        policy = self.policies.get(source.drafter(certain)) if self.policies else None
         chosen = policy.choose() if policy is not None else spec.n_max
         # drafts past the -n cap or the context could never be emitted
         room = min(chosen, session.n_ctx - pos - 1)
@@ -179,12 +175,3 @@ class Speculation:
         self.stats.other_s = max(0.0, decode_s - self.stats.draft_s - self.stats.verify_s)
         return self.stats
 
-
-def speculative_generate(model: Model, session: Session, prompt_ids: list[int], n_predict: int,
-                         sampler: SamplerConfig, source: DraftSource | None, spec: SpecConfig = SpecConfig(),
-                         **options) -> tuple[list[int], "GenerationStats"]:
-    """`generate.generate` with the draft source and its limits given in place: the same loop,
-    under the name scripts and the warm-up call it by (`options` as generate's)."""
-    from ..generate import generate     # generate.py imports this module: here, not at the top
-
-    return generate(model, session, prompt_ids, n_predict, sampler, source, spec, **options)

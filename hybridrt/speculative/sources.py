@@ -16,7 +16,7 @@ from .spec_types import spec_type_parts
 
 
 def default_spec_type(model: Model) -> str:
-    return "draft-mtp" if getattr(model, "mtp", None) is not None else "none"
+    return "draft-mtp" if model.mtp is not None else "none"
 
 
 def build_source(spec_type: str, session: Session, sampler: SamplerConfig, spec: SpecConfig,
