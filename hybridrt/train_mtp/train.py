@@ -372,9 +372,10 @@ def _progress():
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    # redirected to a file, rich assumes 80 columns and elides every field ("━━ 5… 0:… 0…"): give
-    # the log lines room instead
-    console = None if sys.stdout.isatty() else Console(width=160)
+    # on stderr: stdout is the result's (`train-mtp --json` prints one JSON object there). Redirected
+    # to a file, rich assumes 80 columns and elides every field ("━━ 5… 0:… 0…"): give the log
+    # lines room instead
+    console = Console(stderr=True) if sys.stderr.isatty() else Console(stderr=True, width=160)
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     TimeRemainingColumn(), TextColumn("{task.fields[info]}"), transient=False, console=console)
 
