@@ -67,7 +67,7 @@ def train_mtp(
     import torch
 
     from .loader import load_model
-    from .mtp_head import block_kind
+    from .mtp_head import head_target
     from .train_mtp.train import train_mtp as run_training
 
     cfg = TrainConfig(tokens=tokens, steps=steps, draft_vocab=draft_vocab, seed=seed, loss=loss, lr=lr,
@@ -79,7 +79,7 @@ def train_mtp(
     _reuse_freed_memory()
     m = load_model(model, threads=threads)
     torch.set_num_threads(threads or torch.get_num_threads() or 1)
-    block_kind(m.arch)      # an unsupported target is one error line before any work
+    head_target(m.arch)      # an unsupported target is one error line before any work
     r = run_training(m, out, cfg, quiet=as_json)
     summary = {"head": str(r.path), "heldout_acceptance": r.acceptance, "heldout_acceptance_n_max_1": r.acceptance_n_max_1,
                "heldout_acceptance_lookup_first": r.acceptance_lookup_first,

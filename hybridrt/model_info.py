@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 from .gguf_file import GGUFFile
 from .models import check_arch
+from .models.arch_spec import ATTENTION, ArchSpec
 
 
 @dataclass
@@ -44,13 +45,12 @@ def _file_type_name(value) -> str:
         return str(value)
 
 
-def layer_kinds(f: GGUFFile, n_layer: int) -> dict[str, int]:
-    """Count attention vs gated-delta-net layers for hybrids (qwen35, qwen35moe, qwen3next)."""
-    interval = f.get("full_attention_interval")
-    if interval is None:
+def layer_kinds(f: GGUFFile, spec: ArchSpec, n_layer: int) -> dict[str, int]:
+    """Count attention vs gated-delta-net layers (the architecture's layer pattern)."""
+    kinds = spec.mixer_kinds(n_layer, f.get)
+    if not spec.recurrent:
         return {"attention": n_layer}
-    interval = int(interval)
-    n_attn = sum(1 for i in range(n_layer) if (i + 1) % interval == 0)
+    n_attn = kinds.count(ATTENTION)
     return {"gated_delta_net": n_layer - n_attn, "attention": n_attn}
 
 
@@ -65,7 +65,7 @@ def moe_facts(f: GGUFFile) -> dict[str, int]:
 
 
 def read_model_info(f: GGUFFile, with_tensors: bool = False) -> ModelInfo:
-    check_arch(f.arch, f.path)
+    spec = check_arch(f.arch, f.path)
     block_count = int(f.get("block_count", 0))
     nextn = int(f.get("nextn_predict_layers", 0))
     tokens = f.metadata.get("tokenizer.ggml.tokens")
@@ -90,7 +90,7 @@ def read_model_info(f: GGUFFile, with_tensors: bool = False) -> ModelInfo:
         tokenizer_pre=str(f.metadata.get("tokenizer.ggml.pre", "")),
         bytes_per_type=dict(bytes_per_type.most_common()),
         tensors_per_type=dict(count_per_type.most_common()),
-        layer_kinds=layer_kinds(f, block_count - nextn),
+        layer_kinds=layer_kinds(f, spec, block_count - nextn),
         experts=moe_facts(f),
         tensors=[{"name": t.name, "type": t.type_name, "shape": list(t.shape), "bytes": t.nbytes}
                  for t in f.tensors.values()] if with_tensors else [],

@@ -3,9 +3,10 @@
 Roles come from the tensor names every supported architecture shares (llama.cpp's naming): the
 token embedding, `output.weight`, `blk.N.ffn_*` (a dense FFN, or a MoE layer's routed experts
 `ffn_*_exps`, flagged `expert`; its router and shared expert are `moe_shared`, trunk-side),
-`*norm.weight`, and the mixer tensors of each layer; a layer is a gated-delta-net layer when it has
-`ssm_*` tensors. Blocks at index >= n_layer are NextN (MTP) blocks. Widths come from the tensor
-shapes where they can, so a profile matches the file even when metadata is sparse.
+`*norm.weight`, and the mixer tensors of each layer, whose kind (attention or gated delta net) is
+the architecture's layer pattern (`ArchSpec.mixer_kinds`, as the model files build them). Blocks at
+index >= n_layer are NextN (MTP) blocks. Widths come from the tensor shapes where they can, so a
+profile matches the file even when metadata is sparse.
 """
 from __future__ import annotations
 
@@ -17,8 +18,7 @@ from placement import AttentionShape, GDNShape, LayerProfile, ModelProfile, Tens
 
 from .errors import UserError
 from .gguf_file import GGUFFile
-
-PLANNABLE_ARCHS = ("llama", "qwen3", "gemma3", "qwen35", "qwen35moe", "qwen3next")
+from .models.arch_spec import ARCH_SPECS, GDN
 
 
 def _per_layer(value, layer: int, default=None):
@@ -76,9 +76,11 @@ def _ffn_width(shapes: dict[str, tuple[int, ...]], n_used: int) -> int:
 
 def profile_from_gguf(f: GGUFFile) -> ModelProfile:
     arch = f.arch
-    if arch not in PLANNABLE_ARCHS:
+    spec = ARCH_SPECS.get(arch)
+    if spec is None or not spec.plannable:
+        plannable = [name for name, s in ARCH_SPECS.items() if s.plannable]
         raise UserError(f"{f.path}: cannot plan architecture '{arch or '(none)'}' "
-                        f"(supported: {', '.join(PLANNABLE_ARCHS)})")
+                        f"(supported: {', '.join(plannable)})")
     if "token_embd.weight" not in f.tensors:
         raise UserError(f"{f.path}: no token_embd.weight tensor")
     block_count = int(f.get("block_count", 0))
@@ -94,8 +96,7 @@ def profile_from_gguf(f: GGUFFile) -> ModelProfile:
             if layer >= block_count:
                 raise UserError(f"{f.path}: tensor {name} is beyond block_count {block_count}")
             by_layer.setdefault(layer, {})[part] = t.shape
-    kinds = {i: "gdn" if any(p.startswith("ssm_") for p in by_layer.get(i, {})) else "attention"
-             for i in range(block_count)}
+    kinds = dict(enumerate(spec.mixer_kinds(n_layer, f.get)))
     tied = "output.weight" not in f.tensors
     moe = {i for i, parts in by_layer.items() if any(_is_expert(p) for p in parts)}
     n_embd, n_vocab = f.tensors["token_embd.weight"].shape[:2]
@@ -112,7 +113,7 @@ def profile_from_gguf(f: GGUFFile) -> ModelProfile:
                               head_dim_k=dk, head_dim_v=_per_layer(value_len, i, dk))
 
     def gdn(i: int) -> GDNShape:
-        shapes = by_layer[i]
+        shapes = by_layer.get(i, {})
         conv = shapes.get("ssm_conv1d.weight")
         if conv is None:
             raise UserError(f"{f.path}: GDN layer {i} has no ssm_conv1d.weight")
@@ -121,7 +122,7 @@ def profile_from_gguf(f: GGUFFile) -> ModelProfile:
         return GDNShape(n_v_heads=n_v_heads, head_dim=head_dim, conv_channels=conv[1], conv_kernel=conv[0])
 
     def layer_profile(i: int) -> LayerProfile:
-        if kinds[i] == "gdn":
+        if kinds[i] == GDN:
             return LayerProfile("gdn", gdn=gdn(i))
         return LayerProfile("attention", attention=attention(i))
 
@@ -136,7 +137,7 @@ def profile_from_gguf(f: GGUFFile) -> ModelProfile:
     n_used = int(f.get("expert_used_count", 0) or 0)
     mtp_parts = set().union(*(by_layer.get(i, {}) for i in range(n_layer, block_count))) if n_mtp else set()
     notes = []
-    if arch == "gemma3":
+    if spec.pattern == "sliding_window":
         notes.append("sliding-window layers keep the full context in the KV cache (as the runtime does)")
     return ModelProfile(
         name=os.path.basename(f.path),

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,49 +30,33 @@ from .backends import WeightBinder
 from .errors import UserError
 from .gguf_file import GGUFError, GGUFFile
 from .kv_cache import KVCache
+from .models.arch_spec import ARCH_SPECS, ArchSpec
 from .models.base import MTPHead
-from .models.common import Attention, AttentionSpec, ModelState, attention_block, ffn_block
+from .models.common import AttentionSpec, ModelState, attention_block, ffn_block
 
 HEAD_ARCH = "mtp_head"
 PREFIX = "mtp"
-SUPPORTED_TARGETS = ("llama", "qwen3", "gemma3", "qwen35")
 HEAD_STATE_KEY = "mtp_head_state"    # ModelState.extra entry holding the head's own state (its KV cache)
 
 
-@dataclass(frozen=True)
-class BlockKind:
-    """What kind of transformer block the head carries: the target's own."""
-    act: str                # "silu" or "gelu_tanh"
-    sandwich: bool          # gemma3: RMSNorm after the attention and after the FFN output
-    ffn_norm: str           # the pre-FFN norm's tensor name in the target (qwen35: post_attention_norm)
-
-
-def block_kind(arch: str) -> BlockKind:
-    if arch == "gemma3":
-        return BlockKind(act="gelu_tanh", sandwich=True, ffn_norm="ffn_norm")
-    if arch == "qwen35":
-        return BlockKind(act="silu", sandwich=False, ffn_norm="post_attention_norm")
-    if arch in ("llama", "qwen3"):
-        return BlockKind(act="silu", sandwich=False, ffn_norm="ffn_norm")
-    raise UserError(f"train-mtp / --mtp-head: {arch} targets are not supported "
-                    f"(one of: {', '.join(SUPPORTED_TARGETS)})")
-
-
-def layer_attention(layer) -> Attention | None:
-    """A layer's Attention: every architecture's layers are (mixer half, FFN half), an attention half
-    being an AttentionBlock or the binder's fused stand-in, each holding `.attn` (a qwen35 Gated
-    DeltaNet half has none)."""
-    half = getattr(layer[0], "attn", None)
-    return half if isinstance(half, Attention) else None
+def head_target(arch: str) -> ArchSpec:
+    """The target's ArchSpec, whose block the head carries (activation, norms: the target's own),
+    if train-mtp can make a head for it (ArchSpec.mtp_target)."""
+    spec = ARCH_SPECS.get(arch)
+    if spec is None or not spec.mtp_target:
+        supported = [name for name, s in ARCH_SPECS.items() if s.mtp_target]
+        raise UserError(f"train-mtp / --mtp-head: {arch} targets are not supported "
+                        f"(one of: {', '.join(supported)})")
+    return spec
 
 
 def head_attention_spec(model) -> tuple[int, AttentionSpec]:
     """The index and attention spec of the target's last full-context attention layer: the layer the
     head's block copies its shape (and its initial weights) from."""
     for i in reversed(range(len(model.layers))):
-        mixer = layer_attention(model.layers[i])
-        if mixer is not None and mixer.spec.window == 0:
-            return i, dataclasses.replace(mixer.spec, first_pos=1)
+        attn = model.layers[i].attention
+        if attn is not None and attn.spec.window == 0:
+            return i, dataclasses.replace(attn.spec, first_pos=1)
     raise UserError(f"{model.arch}: no full-attention layer to build an MTP head from")
 
 
@@ -88,7 +71,7 @@ class TrainedMTPHead(MTPHead):
     """The loaded head: `step` writes its KV and returns its output hidden, `head` its logits over
     the draft vocabulary (`draft_ids[i]` is row i's token; None: the full vocabulary)."""
 
-    def __init__(self, w: WeightBinder, model, kind: BlockKind, spec: AttentionSpec,
+    def __init__(self, w: WeightBinder, model, kind: ArchSpec, spec: AttentionSpec,
                  draft_ids: torch.Tensor | None):
         p = PREFIX
         self.model, self.kind, self.eps = model, kind, model.eps
@@ -97,8 +80,8 @@ class TrainedMTPHead(MTPHead):
         self.eh_proj = w.linear(f"{p}.eh_proj.weight")
         # the block's two halves as the target's layers run them: one fused call each on a CPU
         # trunk (the binder's choice), else torch ops
-        self.attn_half = attention_block(w, p, spec, 0, "post_attention_norm" if kind.sandwich else None)
-        self.ffn_half = ffn_block(w, p, kind.act, model.eps, "post_ffw_norm" if kind.sandwich else None)
+        self.attn_half = attention_block(w, p, spec, 0, kind.attn_post_norm)
+        self.ffn_half = ffn_block(w, p, kind.act, model.eps, kind.ffn_post_norm)
         self.head_norm = w.dense(f"{p}.head_norm.weight")
         self.norm = w.norm_kernel()     # a draft's three norms are most of its small ops' time
         self.output = w.linear(f"{p}.head.weight")
@@ -106,7 +89,7 @@ class TrainedMTPHead(MTPHead):
         self.n_out = self.max_out = self.output.n_out
         # the whole step as one compiled call where every part above runs fused (None otherwise);
         # gemma3 scales its embedding rows (embed_scale), the other targets do not
-        self.fused = w.mtp_step(model.tok_embd, getattr(model, "embed_scale", 1.0), self.enorm, self.hnorm,
+        self.fused = w.mtp_step(model.tok_embd, model.embed_scale, self.enorm, self.hnorm,
                                 self.eh_proj, self.attn_half, self.ffn_half, self.head_norm, self.output, self.eps)
 
     def _head_state(self, state: ModelState) -> ModelState:
@@ -236,7 +219,7 @@ def load_mtp_head(model, path: str | Path, tensor_devices: dict[str, str] | None
             got = f"{have[key][:12]}..." if key == "fingerprint" else have[key]
             raise UserError(f"--mtp-head {path} was trained for another target: its {key} is {what}, "
                             f"the model's is {got}")
-    kind = block_kind(model.arch)
+    kind = head_target(model.arch)
     _, spec = head_attention_spec(model)
     ids = f.metadata.get(f"{HEAD_ARCH}.draft_vocab")
     draft_ids = torch.from_numpy(np.asarray(ids, dtype=np.int64).copy()) if ids is not None else None

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_kernels.norms import rms_norm  # noqa: E402
 from hybridrt.loader import load_model  # noqa: E402
-from hybridrt.mtp_head import block_kind  # noqa: E402
+from hybridrt.mtp_head import head_target  # noqa: E402
 from hybridrt.train_mtp import train as T  # noqa: E402
 from hybridrt.train_mtp.config import LOSSES, TrainConfig  # noqa: E402
 from hybridrt.train_mtp.torch_model import MTPHeadModule, TorchTeacher, initial_head_tensors, visible  # noqa: E402
@@ -98,7 +98,7 @@ def start_block(model, head: MTPHeadModule, layer: int, tokens: list[int], draft
     """The block's tensors and eh_proj as initial_head_tensors makes them from target layer `layer`
     (at that layer's residual scale) instead of the last full-attention layer; same shapes: a
     target whose layers all have one attention spec."""
-    start = initial_head_tensors(model, draft_ids, block_kind(model.arch), T.residual_scale(model, tokens, layer),
+    start = initial_head_tensors(model, draft_ids, head_target(model.arch), T.residual_scale(model, tokens, layer),
                                  layer=layer)
     for name in head.block.w:
         head.block.w[name].data.copy_(start[name])
@@ -160,7 +160,7 @@ def main() -> None:
     freeze(head, [x for x in args.freeze.split(",") if x])
     aux = [int(x) for x in args.aux_layers.split(",") if x]
     if aux:
-        teacher = TorchTeacher(m, block_kind(m.arch), T.MAX_SEQ, dtype=torch.bfloat16 if T.BF16 else torch.float32)
+        teacher = TorchTeacher(m, head_target(m.arch), T.MAX_SEQ, dtype=torch.bfloat16 if T.BF16 else torch.float32)
         for s in train + heldout:
             s.hidden = torch.cat([s.hidden] + [r.float() for r in residuals(teacher, s.tokens, aux)], -1)
         del teacher

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     path = Path(args.model) if args.model else build_file(args.experts, args.used, args.n_embd, args.ff)
     model = load_model(path)
-    ffn = model.layers[args.layer][1].ffn         # the FFN half's MoE
+    ffn = model.layers[args.layer].ffn.ffn         # the FFN half's MoE
     experts = ffn.experts
     n_expert, n_used = len(experts.experts), ffn.n_used
     per_expert = experts.experts[0].nbytes

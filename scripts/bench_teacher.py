@@ -17,7 +17,7 @@ import time
 import torch
 
 from hybridrt.loader import load_model
-from hybridrt.mtp_head import block_kind
+from hybridrt.mtp_head import head_target
 from hybridrt.train_mtp import torch_model
 from hybridrt.train_mtp.prompts import TRAIN_PROMPTS
 from hybridrt.train_mtp.train import BF16, MAX_SEQ, prompt_ids, text_plan
@@ -34,7 +34,7 @@ def main() -> None:
     args = ap.parse_args()
     m = load_model(args.model, threads=args.threads)
     torch.set_num_threads(args.threads)         # as train-mtp's CLI does after loading
-    teacher = torch_model.TorchTeacher(m, block_kind(m.arch), MAX_SEQ,
+    teacher = torch_model.TorchTeacher(m, head_target(m.arch), MAX_SEQ,
                                        dtype=torch.bfloat16 if BF16 else torch.float32)
     b = teacher.batch_size()
     n = b * args.calls

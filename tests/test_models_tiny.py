@@ -80,10 +80,11 @@ def test_decode_steps_match_float64_reference(tiny_file, arch, mix):
 
     path = tiny_file(arch, mix)
     model = load_model(path, exact_activations=True)
-    fused = [isinstance(a, FusedAttentionBlock) and isinstance(f, FusedFfnBlock) for a, f in model.layers]
+    fused = [isinstance(layer.mixer, FusedAttentionBlock) and isinstance(layer.ffn, FusedFfnBlock) for layer in model.layers]
     assert all(fused) if FUSED_DEFAULT else not any(fused)
     # the torch layers (the 40-token forward) attend with kv_attention on the fused trunk
-    torch_blocks = [a.block if isinstance(a, FusedAttentionBlock) else a for a, _ in model.layers]
+    torch_blocks = [layer.mixer.block if isinstance(layer.mixer, FusedAttentionBlock) else layer.mixer
+                    for layer in model.layers]
     assert all(b.attn.attend is (attend_on_cpu if FUSED_DEFAULT else attend) for b in torch_blocks)
     tokens = tokens_for(model, N_POS, seed=10 * ARCHS.index(arch) + (mix == "q8_0"))
     s = model.session(64, k_max=8)
@@ -133,7 +134,7 @@ def test_residual_pass_goes_to_attention_and_ffn_down(tiny_file):
     path = tiny_file("llama", "q8_0")
     for on in (True, False):
         model = load_model(path, act_residual=on)
-        attn, ffn = model.layers[0]
+        attn, ffn = model.layers[0].mixer, model.layers[0].ffn
         paths = [op[3] for op in (*attn.qkv, attn.wo, ffn.gate, ffn.up, ffn.down)]
         assert paths == ([2, 2, 2, 2, 1, 1, 2] if on else [1] * 7)
         assert not model.output.residual
@@ -161,7 +162,7 @@ def test_the_bound_sees_a_sliding_window_off_by_one(tiny_file):
     model = load_model(path)
     tokens = tokens_for(model, N_POS, seed=3)
     ref = reference_for(path).forward(tokens)
-    local = [block.attn for block, _ in model.layers if block.attn.spec.window]
+    local = [layer.attention for layer in model.layers if layer.attention.spec.window]
     assert local
     for attn in local:
         attn.spec = dataclasses.replace(attn.spec, window=attn.spec.window + 1)
@@ -224,7 +225,7 @@ def test_f16_and_q8_0_caches_take_the_fused_kernels(tiny_file, arch, cache, monk
 
     path = tiny_file(arch, "q8_0")
     fused = load_model(path, exact_activations=True)
-    if cache == "q8_0" and fused.layers[0][0].attn.spec.head_dim % 32:
+    if cache == "q8_0" and fused.layers[0].attention.spec.head_dim % 32:
         pytest.skip(f"{arch}'s tiny file has a head size q8_0 blocks do not divide")
     monkeypatch.setattr(backends, "FUSED_DEFAULT", False)
     torch_trunk = load_model(path, exact_activations=True)

@@ -45,7 +45,7 @@ def budget_for(path, request: PlacementRequest, whole_layers: int, extra_granule
 
 def ffn_of(model, layer: int):
     """The bound FFN of a layer: every layer is (mixer half, FFN half)."""
-    return model.layers[layer][1].ffn
+    return model.layers[layer].ffn.ffn
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_smollm2_binds_exactly_what_the_plan_says(smollm2_placed):
             assert ffn.host_half.ffn.gate.n_out == 1536 - plan.ffn_split.gpu_units
         else:
             assert isinstance(ffn, HostFFN) and isinstance(ffn.ffn, CpuGluFFN)
-    attn = m.layers[0][0].attn
+    attn = m.layers[0].attention
     assert isinstance(attn.wqkv, QuantLinear) and isinstance(m.output, QuantLinear)
     line = placement_line(plan, "cpu")
     assert "offloaded 13/30 FFN layers + 1024/1536 units of layer 13" in line
@@ -127,9 +127,9 @@ def test_tiny_qwen35_mtp_placed_speculative_parity(tiny_qwen35_mtp):
     assert isinstance(ffn_of(placed, 3), SplitFFN) and isinstance(ffn_of(placed, 5), HostFFN)
     assert isinstance(placed.mtp.eh_proj, DeviceLinear)          # draft weights are reserved first
     plain = load_model(tiny_qwen35_mtp)
-    gdn = next(half.mixer for half, _ in placed.layers if hasattr(half, "mixer"))
+    gdn = next(layer.mixer.mixer for layer in placed.layers if layer.kind == "gdn")
     assert len(gdn.in_rows) == 4 and not gdn.w_rest                # the device trunk's GDN inputs, stacked
-    mmap_gdn = next(half.mixer for half, _ in plain.layers if hasattr(half, "mixer"))
+    mmap_gdn = next(layer.mixer.mixer for layer in plain.layers if layer.kind == "gdn")
     assert mmap_gdn.w_in is None and len(mmap_gdn.w_rest) == 4     # in the mmap: no stacked copy
     prompt = [1, 5, 9, 2, 7, 3, 8, 4]
     ref, _ = generate(plain, plain.session(256, "f32"), prompt, 24, GREEDY, stop_ids=set())

@@ -94,7 +94,7 @@ def test_q4_k_m_gives_ffn_down_exps_q6_k_by_block(moe_q4):
 def test_logits_match_float64_reference(tmp_path, case, kw, exact_activations):
     path = build(tmp_path, case, **kw)
     model = load_model(path)
-    assert isinstance(model, Qwen35Moe) and all(isinstance(layer[1].ffn, MoEFFN) for layer in model.layers)
+    assert isinstance(model, Qwen35Moe) and all(isinstance(layer.ffn.ffn, MoEFFN) for layer in model.layers)
     got = model.session(128).eval(TOKENS).numpy()
     ref = RefQwen35(path).forward(TOKENS)
     assert rel_err(got, ref) <= 1e-4
@@ -123,7 +123,7 @@ def test_moe_block_matches_float64_reference(fixture, request, exact_activations
     model, ref = load_model(path), RefQwen35(path)
     x = np.random.default_rng(1).standard_normal((8, model.n_embd)).astype(np.float32)
     for layer in (0, 3):
-        got = model.layers[layer][1].ffn(torch.from_numpy(x)).numpy()
+        got = model.layers[layer].ffn.ffn(torch.from_numpy(x)).numpy()
         assert rel_err(got, ref._moe_ffn(f"blk.{layer}", x.astype(np.float64))) <= 1e-5
 
 
@@ -162,7 +162,7 @@ def test_token_bits_do_not_depend_on_the_batch(fixture, request):
     rng = np.random.default_rng(5)
     x = torch.from_numpy(rng.standard_normal((24, model.n_embd)).astype(np.float32))
     for layer in (0, 3):
-        ffn = model.layers[layer][1].ffn
+        ffn = model.layers[layer].ffn.ffn
         alone = torch.cat([ffn(x[i:i + 1]) for i in range(24)])
         for k in range(1, 9):
             for _ in range(3):
@@ -185,7 +185,7 @@ def test_each_touched_expert_runs_once_per_batch(moe_q4):
     read per step are (touched experts) x (bytes per expert), below one token at a time's
     sum over tokens of n_used experts each."""
     model = load_model(moe_q4)
-    ffn = model.layers[0][1].ffn
+    ffn = model.layers[0].ffn.ffn
     counter = CountingExperts(ffn.experts)
     per_expert = ffn.experts.experts[0].nbytes
     x = torch.from_numpy(np.random.default_rng(9).standard_normal((8, model.n_embd)).astype(np.float32))
@@ -229,7 +229,7 @@ def test_bench_moe_verify_runs(tmp_path, capsys):
 # ------------------------------------------------------------------ the fused MoE FFN half
 
 def _fused_halves(model):
-    halves = [ffn for _, ffn in model.layers]
+    halves = [layer.ffn for layer in model.layers]
     assert all(isinstance(f, FusedMoEBlock) for f in halves)     # a plain CPU trunk fuses every MoE half
     return halves
 

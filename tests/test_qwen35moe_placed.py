@@ -59,7 +59,7 @@ def test_binds_exactly_what_the_plan_says(files):
     assert m.plan.ffn_gpu_layers == [0, 1, 2] and m.plan.ffn_split is None
     device_types = (DeviceLinear, QuantLinear)
     for layer in range(8):
-        ffn = m.layers[layer][1].ffn
+        ffn = m.layers[layer].ffn.ffn
         assert isinstance(ffn.router, device_types) and isinstance(ffn.shared_gate, device_types)
         assert isinstance(ffn.shared, GluFFN)
         if layer < 3:

@@ -24,7 +24,7 @@ from hybridrt.errors import UserError
 from hybridrt.generate import generate
 from hybridrt.gguf_file import GGUFFile
 from hybridrt.loader import load_model
-from hybridrt.mtp_head import TrainedMTPHead, block_kind, head_attention_spec, write_head
+from hybridrt.mtp_head import TrainedMTPHead, head_attention_spec, head_target, write_head
 from hybridrt.models.qwen35 import NextNHead
 from hybridrt.sampling import SamplerConfig, dense_probs
 from hybridrt.speculative.acceptance import SampledAcceptor
@@ -65,7 +65,7 @@ def test_torch_teacher_matches_hybridrt(arch, tmp_path):
     (against hybridrt's float32 cache the gap is 2e-3)."""
     path = make_model.write_model(tmp_path / f"{arch}.gguf", arch, seed=1)
     m = load_model(path, exact_activations=True)
-    teacher = TorchTeacher(m, block_kind(arch), 64)
+    teacher = TorchTeacher(m, head_target(arch), 64)
     g = torch.Generator().manual_seed(0)
     a, b = torch.randint(3, 200, (9,), generator=g).tolist(), torch.randint(3, 200, (5,), generator=g).tolist()
     ref = {}
@@ -91,7 +91,7 @@ def test_bfloat16_teacher_decodes_near_hybridrt(tiny_llama):
     decode attention in cpu_kernels.attention_batch): its continuation's hiddens stay within
     bfloat16 rounding of hybridrt's float32 forward over the same tokens."""
     m = load_model(tiny_llama, exact_activations=True)
-    teacher = TorchTeacher(m, block_kind("llama"), 64, dtype=torch.bfloat16)
+    teacher = TorchTeacher(m, head_target("llama"), 64, dtype=torch.bfloat16)
     assert teacher.new_caches(1)[0]["k"].dtype == torch.float16
     prompt = [5, 9, 17, 33, 2]
     (cont, hidden), = teacher.generate([prompt], 12, [1.0], torch.Generator().manual_seed(3), set())
@@ -105,7 +105,7 @@ def test_teacher_generate_returns_hybridrt_hiddens_and_turns_greedy(tiny_llama):
     """generate's hiddens are hybridrt's final-normed hiddens of prompt + continuation, and after
     greedy_after sampled tokens every token is the target's argmax."""
     m = load_model(tiny_llama, exact_activations=True)
-    teacher = TorchTeacher(m, block_kind("llama"), 64)
+    teacher = TorchTeacher(m, head_target("llama"), 64)
     prompts = [[5, 9, 17, 33, 2], [40, 41]]
     out = teacher.generate(prompts, 10, [1.0, 0.0], torch.Generator().manual_seed(2), set(), greedy_after=[4, 0])
     for (ids, switch), (cont, hidden) in zip(zip(prompts, [4, 0]), out):
@@ -123,10 +123,10 @@ def test_teacher_prefills_repeated_prompts_once_and_reuses_its_buffers(tiny_llam
     larger batch writes what a fresh teacher writes."""
     m = load_model(tiny_llama, exact_activations=True)
     a, b = [5, 9, 17, 33, 2], [40, 41]
-    used = TorchTeacher(m, block_kind("llama"), 64)
+    used = TorchTeacher(m, head_target("llama"), 64)
     used.generate([[7, 8, 9, 10, 11, 12, 13], a, b, [3, 4]], 12, [1.0] * 4, torch.Generator().manual_seed(5), set())
     repeated = used.generate([a, b, a, b, a], 10, [0.0] * 5, torch.Generator().manual_seed(2), set())
-    fresh = TorchTeacher(m, block_kind("llama"), 64).generate([a, b], 10, [0.0] * 2, torch.Generator().manual_seed(2), set())
+    fresh = TorchTeacher(m, head_target("llama"), 64).generate([a, b], 10, [0.0] * 2, torch.Generator().manual_seed(2), set())
     for i, (cont, hidden) in enumerate(repeated):
         want_cont, want_hidden = fresh[i % 2]
         assert cont == want_cont
@@ -137,7 +137,7 @@ def test_teacher_drops_finished_sequences_from_its_batch(tiny_llama):
     """Sequences that end early leave the batch (their slots refilled from the live ones above the
     new size): every continuation and hidden stays what a batch keeping them writes."""
     m = load_model(tiny_llama, exact_activations=True)
-    teacher = TorchTeacher(m, block_kind("llama"), 64)
+    teacher = TorchTeacher(m, head_target("llama"), 64)
     prompts = [[5, 9, 17], [40, 41], [7, 8, 9, 10], [3, 4], [60, 2, 9], [11], [5, 9, 17], [40, 41]]
     # hot temperatures: the tiny random model, sampled at 1, mostly repeats its last token
     temps, switch = [8.0, 8.0, 0.0, 8.0, 6.0, 8.0, 8.0, 6.0], [14, 6, 0, 14, 3, 14, 14, 9]
@@ -174,7 +174,7 @@ def test_teacher_restricted_output_picks_among_the_kept_ids(tiny_llama):
     m = load_model(tiny_llama, exact_activations=True)
     prompts = [[5, 9, 17, 33, 2], [40, 41], [7, 8, 9]]
     gen = lambda: torch.Generator().manual_seed(3)      # noqa: E731
-    teacher = TorchTeacher(m, block_kind("llama"), 64)
+    teacher = TorchTeacher(m, head_target("llama"), 64)
     full = teacher.generate(prompts, 12, [0.0, 1.5, 0.0], gen(), set(), greedy_after=[0, 12, 0], top_k=8)
     ranked = teacher.ranked.clone()
     assert 8 <= int(ranked.sum()) < m.n_vocab
@@ -195,10 +195,10 @@ def test_teacher_restricted_output_picks_among_the_kept_ids(tiny_llama):
             assert masked.argmax(-1).tolist() == cont
     assert [c for c, _ in out] != [c for c, _ in full]
     # restrict_after: the first steps over every id, the rest over what those ranked
-    fresh = TorchTeacher(m, block_kind("llama"), 64)
+    fresh = TorchTeacher(m, head_target("llama"), 64)
     first = fresh.generate(prompts, 4, [0.0, 1.5, 0.0], gen(), set(), greedy_after=[0, 12, 0], top_k=8)
     ranked4 = fresh.ranked.clone()
-    later = TorchTeacher(m, block_kind("llama"), 64)
+    later = TorchTeacher(m, head_target("llama"), 64)
     both = later.generate(prompts, 12, [0.0, 1.5, 0.0], gen(), set(), greedy_after=[0, 12, 0], top_k=8,
                           restrict_after=4)
     assert torch.equal(later.rows, ranked4.nonzero()[:, 0])
@@ -211,7 +211,7 @@ def test_a_wide_head_ffn_starts_as_the_sum_of_the_target_layers_ffns(arch, tmp_p
     """--head-ffn-layers 2: the block's FFN is the last two layers' FFNs side by side, each one's own
     pre-FFN norm folded in, so on any input it computes their sum (before gemma3's post-FFN norm)."""
     m = load_model(make_model.write_model(tmp_path / f"{arch}.gguf", arch, mix="f32", seed=2), exact_activations=True)
-    kind = block_kind(arch)
+    kind = head_target(arch)
     layer, _ = head_attention_spec(m)
     assert layer >= 1
     x = torch.randn(5, m.n_embd, generator=torch.Generator().manual_seed(0)) * 3
@@ -250,7 +250,7 @@ def test_head_round_trip_and_runtime_matches_torch(tiny_llama, tmp_path):
     f = GGUFFile(tmp_path / "h.gguf")
     tensors = {n[len("mtp."):-len(".weight")]: torch.from_numpy(np.array(f.tensor_f32(n))) for n in f.tensors}
     _, spec = head_attention_spec(m)
-    module = MTPHeadModule(tensors, spec, block_kind("llama"), m.eps, 64)
+    module = MTPHeadModule(tensors, spec, head_target("llama"), m.eps, 64)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(3, 200, (6,), generator=g)
     hidden = torch.randn(6, m.n_embd, generator=g)
@@ -279,7 +279,7 @@ def test_a_q4_1_head_drafts_what_its_own_weights_give(llama_head, tiny_llama, tm
     m = load_model(tiny_llama, exact_activations=True, mtp_head=tmp_path / "q41.gguf")
     deq = {n[len("mtp."):-len(".weight")]: torch.from_numpy(as_f32(q, n)) for n in q.tensors}
     _, spec = head_attention_spec(m)
-    module = MTPHeadModule(deq, spec, block_kind("llama"), m.eps, 64)
+    module = MTPHeadModule(deq, spec, head_target("llama"), m.eps, 64)
     g = torch.Generator().manual_seed(2)
     tokens, hidden = torch.randint(3, 200, (5,), generator=g), torch.randn(5, m.n_embd, generator=g)
     logits, _ = m.mtp.step(m.session(64).state, tokens, hidden, 1)

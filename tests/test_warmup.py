@@ -136,12 +136,12 @@ def test_warmup_with_a_trained_head_leaves_nothing_for_the_first_draft(tmp_path)
     import torch
 
     from hybridrt.loader import load_model
-    from hybridrt.mtp_head import block_kind, write_head
+    from hybridrt.mtp_head import head_target, write_head
     from hybridrt.train_mtp.torch_model import initial_head_tensors
 
     model = load_model(require(SMOLLM2))
     draft_ids = torch.arange(256)
-    tensors = {name: t.numpy() for name, t in initial_head_tensors(model, draft_ids, block_kind(model.arch)).items()}
+    tensors = {name: t.numpy() for name, t in initial_head_tensors(model, draft_ids, head_target(model.arch)).items()}
     head = write_head(tmp_path / "head.gguf", {f"mtp.{n}.weight": a for n, a in tensors.items()}, model.gguf,
                       model.n_vocab, draft_ids.numpy())
     cache = tmp_path / "cache"

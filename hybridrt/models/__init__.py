@@ -1,30 +1,21 @@
-"""One file per architecture. `ARCHITECTURES` names what hybridrt runs; classes load lazily so that
-`hybridrt info` and `hybridrt plan` never import torch."""
+"""One file per architecture, and the table of what each is (`arch_spec.ARCH_SPECS`, torch-free).
+Classes load lazily, by the table's "module:Class", so that `hybridrt info` and `hybridrt plan`
+never import torch."""
 from __future__ import annotations
 
-from ..errors import UserError
-
-# arch name (general.architecture) -> "module:Class"
-ARCHITECTURES: dict[str, str] = {
-    "llama": "hybridrt.models.llama:Llama",
-    "qwen3": "hybridrt.models.llama:Qwen3",
-    "gemma3": "hybridrt.models.gemma3:Gemma3",
-    "qwen35": "hybridrt.models.qwen35:Qwen35",
-    "qwen35moe": "hybridrt.models.qwen35:Qwen35Moe",
-    "qwen3next": "hybridrt.models.qwen35:Qwen3Next",
-}
+from .arch_spec import ARCH_SPECS, ArchSpec, arch_spec
 
 
-def check_arch(arch: str, path: str = "") -> None:
-    if arch not in ARCHITECTURES:
-        where = f"{path}: " if path else ""
-        raise UserError(f"{where}unsupported architecture '{arch or '(none)'}' "
-                        f"(supported: {', '.join(ARCHITECTURES)})")
+def check_arch(arch: str, path: str = "") -> ArchSpec:
+    """The architecture's ArchSpec; a UserError naming the supported ones if it has none."""
+    return arch_spec(arch, path)
 
 
 def model_class(arch: str):
     import importlib
 
-    check_arch(arch)
-    module, cls = ARCHITECTURES[arch].split(":")
+    module, cls = arch_spec(arch).model.split(":")
     return getattr(importlib.import_module(module), cls)
+
+
+__all__ = ["ARCH_SPECS", "ArchSpec", "arch_spec", "check_arch", "model_class"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from typing import Protocol
 
 import numpy as np
@@ -12,7 +13,8 @@ from ..errors import UserError
 from ..gguf_file import GGUFFile
 from ..kv_cache import KVCache, cache_dtype, kv_cache_type
 from ..session import Session
-from .common import ModelState
+from .arch_spec import ArchSpec
+from .common import Layer, ModelState
 
 
 def _one_value(gguf: GGUFFile, key: str, default: int | None = None) -> int:
@@ -61,10 +63,12 @@ class MTPHead(Protocol):
 
 
 class Model:
-    """A loaded architecture. Subclasses build their layers in `__init__` and implement
-    `forward(state, tokens, start_pos) -> hidden` returning the final-normed hidden states."""
+    """A loaded architecture. Subclasses point `spec` at their arch_spec.ARCH_SPECS entry, build
+    `layers` in `__init__` and implement `forward(state, tokens, start_pos) -> hidden` returning the
+    final-normed hidden states."""
 
-    arch = ""
+    spec: ArchSpec
+    layers: list[Layer]
     n_attention_layers: int      # KV cache layers
     # set by the loader, never read here: who runs a step (hybridrt.executor) and the plan it follows
     executor = None
@@ -83,6 +87,7 @@ class Model:
         self.head_dim = _one_value(gguf, "attention.key_length", self.n_embd // self.n_head)
         self.head_dim_v = _one_value(gguf, "attention.value_length", self.head_dim)
         self.tok_embd = binder.embedding("token_embd.weight")
+        self.embed_scale = math.sqrt(self.n_embd) if self.spec.scaled_embedding else 1.0
         self.output_norm = binder.dense("output_norm.weight")
         # one compiled call on a plain CPU trunk: torch's seven ops took ~75 us of a SmolLM2 step
         # (~5 ms) right after the layers had streamed their weights through the caches, this ~22
@@ -90,6 +95,10 @@ class Model:
         head = "output.weight" if binder.has("output.weight") else "token_embd.weight"
         self.output = binder.linear(head)
         self.n_vocab = self.output.n_out
+
+    @property
+    def arch(self) -> str:
+        return self.spec.name
 
     # --- text and sessions -----------------------------------------------------------------
     @functools.cached_property
@@ -126,7 +135,8 @@ class Model:
 
     # --- compute -----------------------------------------------------------------------------
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.tok_embd(tokens)
+        e = self.tok_embd(tokens)
+        return e * self.embed_scale if self.spec.scaled_embedding else e
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.norm(h, self.output_norm, self.eps)
@@ -135,7 +145,13 @@ class Model:
         return self.output(hidden, out=out)
 
     def forward(self, state: ModelState, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
-        raise NotImplementedError
+        """Attention-only trunks (a recurrent one overrides it): each half is h + f(norm(h)), its
+        norm and residual included."""
+        pos_list = list(range(start_pos, start_pos + tokens.shape[0]))
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer.ffn(layer.mixer(h, state, pos_list))
+        return self.final_norm(h)
 
     # --- description for the planner / bench ---------------------------------------------------
     @property

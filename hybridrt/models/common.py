@@ -1,5 +1,5 @@
-"""Blocks shared by the architectures: the attention layer, hyper-parameters read from GGUF, and the
-per-session state every model keeps (KV cache, rotary tables)."""
+"""Blocks shared by the architectures: the attention layer, a trunk layer (`Layer`), hyper-parameters
+read from GGUF, and the per-session state every model keeps (KV cache, rotary tables)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -14,6 +14,7 @@ from ..backends import WeightBinder
 from ..errors import UserError
 from ..gguf_file import GGUFFile
 from ..kv_cache import KVCache
+from .arch_spec import ATTENTION
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,23 @@ class Attention:
         if self.spec.qk_norm:
             k = rms_norm(k, self.k_norm, self.spec.eps)
         state.kv.write(self.cache_index, pos_list[0], apply_rotary(k, rows), v)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One trunk layer as the binder runs it: its mixer half and its FFN half, each
+    h + [post_norm](f(norm(h))) with its norm and residual inside. `kind` (arch_spec.ATTENTION or
+    GDN) says what the mixer is: an attention half (AttentionBlock, or the binder's fused stand-in,
+    either holding `.attn`) called with the batch's positions, or a Gated DeltaNet half
+    (models.qwen35.GDNBlock or its stand-in) called with whether to capture snapshots."""
+    kind: str
+    mixer: object
+    ffn: object
+
+    @property
+    def attention(self) -> Attention | None:
+        """The mixer's Attention (its spec: window, rotary, heads), None for a Gated DeltaNet layer."""
+        return self.mixer.attn if self.kind == ATTENTION else None
 
 
 class AttentionBlock:

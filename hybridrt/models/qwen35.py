@@ -26,8 +26,9 @@ from ..errors import UserError
 from ..gguf_file import GGUFFile
 from ..kv_cache import KVCache, cache_dtype
 from ..snapshot_ring import SnapshotRing
+from .arch_spec import ARCH_SPECS, ATTENTION
 from .base import Model, MTPHead
-from .common import AttentionSpec, ModelState, RopeSpec, attention_block, ffn_block, rope_scale
+from .common import AttentionSpec, Layer, ModelState, RopeSpec, attention_block, ffn_block, rope_scale
 
 
 @dataclass
@@ -161,44 +162,41 @@ class MoEFFN:
 
 
 class Qwen35(Model):
-    arch = "qwen35"
-    tiled_heads = True
+    spec = ARCH_SPECS["qwen35"]
 
     def __init__(self, gguf: GGUFFile, binder: WeightBinder):
         super().__init__(gguf, binder)
-        g = gguf.get
+        g, a = gguf.get, self.spec
         self.n_nextn = int(g("nextn_predict_layers", 0) or 0)
-        interval = int(g("full_attention_interval", 4))
         rope = RopeSpec(n_rot=int(g("rope.dimension_count", self.head_dim)),
-                        base=float(g("rope.freq_base", 1e7)), neox=True, scale=rope_scale(gguf))
+                        base=float(g("rope.freq_base", a.rope_base)), neox=a.rope_neox, scale=rope_scale(gguf))
         self.attn_spec = AttentionSpec(n_head=self.n_head, n_kv=self.n_kv, head_dim=self.head_dim,
                                        head_dim_v=self.head_dim_v, scale=1.0 / math.sqrt(self.head_dim),
-                                       eps=self.eps, rope=rope, qk_norm=True, gated=True)
+                                       eps=self.eps, rope=rope, qk_norm=a.qk_norm, gated=a.gated_attention)
         d_state = int(g("ssm.state_size"))
         self.gdn_spec = GDNSpec(n_k_heads=int(g("ssm.group_count")), n_v_heads=int(g("ssm.time_step_rank")),
                                 head_dim=d_state, conv_kernel=int(g("ssm.conv_kernel")), eps=self.eps,
-                                tiled_heads=self.tiled_heads)
+                                tiled_heads=a.gdn_tiled_heads)
         split_ba = binder.has("blk.0.ssm_ba.weight")
         self.n_expert_used = int(g("expert_used_count", 0) or 0)
-        # each layer: (mixer half, FFN half) as the binder runs them; the mixer half is an attention
-        # block where is_attention says, else a Gated DeltaNet block
-        self.layers, self.is_attention, n_attn, n_gdn = [], [], 0, 0
-        for i in range(self.n_layer):
+        # the mixer half is an attention block or a Gated DeltaNet block, as the layer pattern says;
+        # each kind indexes its own caches (KV rows, recurrent states)
+        self.layers, n_attn, n_gdn = [], 0, 0
+        for i, kind in enumerate(a.mixer_kinds(self.n_layer, g)):
             p = f"blk.{i}"
-            if (i + 1) % interval == 0:
+            if kind == ATTENTION:
                 mixer, n_attn = attention_block(binder, p, self.attn_spec, cache_index=n_attn), n_attn + 1
             else:
                 mixer = binder.gdn_block(GDNBlock(binder, p, self.gdn_spec, n_gdn, split_ba))
                 n_gdn += 1
-            self.layers.append((mixer, self.ffn_half(binder, p)))
-            self.is_attention.append((i + 1) % interval == 0)
+            self.layers.append(Layer(kind, mixer, self.ffn_half(binder, p)))
         self.n_attention_layers, self.n_gdn_layers = n_attn, n_gdn
         self.mtp = NextNHead(binder, self) if self.n_nextn else None
 
     def ffn_half(self, w: WeightBinder, prefix: str):
         """A block's FFN half, h + FFN(RMSNorm(h; post_attention_norm))."""
         moe = MoEFFN(w, prefix, self.n_expert_used) if w.has(f"{prefix}.ffn_gate_inp.weight") else None
-        return ffn_block(w, prefix, "silu", self.eps, norm="post_attention_norm", ffn=moe)
+        return ffn_block(w, prefix, self.spec.act, self.eps, norm=self.spec.ffn_norm, ffn=moe)
 
     # --- state ----------------------------------------------------------------------------------
     def new_state(self, n_ctx: int, cache_type: str = "f32", k_max: int = 4) -> HybridState:
@@ -236,19 +234,18 @@ class Qwen35(Model):
         pos_list = list(range(start_pos, start_pos + n))
         capture = state.ring.begin(start_pos, n)
         h = self.embed(tokens)
-        for (mixer, ffn), is_attention in zip(self.layers, self.is_attention):
-            h = mixer(h, state, pos_list if is_attention else capture)
-            h = ffn(h)
+        for layer in self.layers:
+            h = layer.mixer(h, state, pos_list if layer.kind == ATTENTION else capture)
+            h = layer.ffn(h)
         return self.final_norm(h)
 
 
 class Qwen35Moe(Qwen35):
-    arch = "qwen35moe"
+    spec = ARCH_SPECS["qwen35moe"]
 
 
 class Qwen3Next(Qwen35):
-    arch = "qwen3next"
-    tiled_heads = False
+    spec = ARCH_SPECS["qwen3next"]
 
 
 class NextNHead(MTPHead):

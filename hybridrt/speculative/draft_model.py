@@ -32,7 +32,7 @@ class DraftModelSource(DraftSource):
     name = "draft-simple"
 
     def __init__(self, draft: Model, n_ctx: int, picker: DraftPicker, k_max: int, cache_type: str = "f32"):
-        if hasattr(draft, "n_gdn_layers"):
+        if draft.spec.recurrent:
             # a recurrent state can only roll back inside its last batch, and drafting runs one
             # forward per token
             raise UserError(f"draft model {draft.gguf.path}: {draft.arch} has recurrent layers; "

@@ -1,6 +1,6 @@
 """The trainable MTP head and the batched teacher, in plain torch (float32, autograd, CPU).
 
-One `TorchBlock` implements a transformer block of the target's kind (llama / qwen3 / gemma3 /
+One `TorchBlock` implements a transformer block of the target's kind (its ArchSpec; llama / qwen3 / gemma3 /
 qwen35's gated attention) over a batch of sequences: it is the head's block while training, and
 every layer of `TorchTeacher`, the target run on many sequences at once to write the training text
 (hybridrt's own decoding runs one sequence at a time, ~10x slower per token for this). The same
@@ -21,7 +21,8 @@ from gpu_kernels.norms import rms_norm
 from gpu_kernels.rotary import RotaryRows, apply_rotary, rotary_table
 
 from ..models.common import AttentionSpec
-from ..mtp_head import BlockKind, head_attention_spec, layer_attention
+from ..models.arch_spec import ArchSpec
+from ..mtp_head import head_attention_spec
 from ..sampling import top_k_rows
 
 ATTN = ("attn_q", "attn_k", "attn_v", "attn_output")
@@ -39,14 +40,14 @@ def read_f32(gguf, name: str) -> torch.Tensor:
     return torch.from_numpy(values.reshape(tuple(reversed(info.shape))).copy())
 
 
-def block_tensor_names(kind: BlockKind, spec: AttentionSpec) -> dict[str, str]:
+def block_tensor_names(kind: ArchSpec, spec: AttentionSpec) -> dict[str, str]:
     """The head's block tensor (its own name) -> the target layer's tensor suffix it starts from."""
     names = {n: n for n in ATTN + FFN + ("attn_norm",)}
     names["ffn_norm"] = kind.ffn_norm
     if spec.qk_norm:
         names.update(attn_q_norm="attn_q_norm", attn_k_norm="attn_k_norm")
-    if kind.sandwich:
-        names.update(post_attention_norm="post_attention_norm", post_ffw_norm="post_ffw_norm")
+    if kind.post_norms:
+        names.update({kind.attn_post_norm: kind.attn_post_norm, kind.ffn_post_norm: kind.ffn_post_norm})
     return names
 
 
@@ -69,7 +70,7 @@ def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 class TorchBlock(nn.Module):
-    def __init__(self, weights: dict[str, torch.Tensor], spec: AttentionSpec, kind: BlockKind, eps: float):
+    def __init__(self, weights: dict[str, torch.Tensor], spec: AttentionSpec, kind: ArchSpec, eps: float):
         super().__init__()
         self.spec, self.kind, self.eps = spec, kind, eps
         self.w = nn.ParameterDict({k: nn.Parameter(v.clone()) for k, v in weights.items()})
@@ -112,12 +113,12 @@ class TorchBlock(nn.Module):
     def forward(self, x: torch.Tensor, rot: RotaryRows, mask: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
         w, eps, kind = self.w, self.eps, self.kind
         a = self.attention(rms_norm(x, w["attn_norm"], eps), rot, mask, cache)
-        x = x + (rms_norm(a, w["post_attention_norm"], eps) if kind.sandwich else a)
+        x = x + (rms_norm(a, w[kind.attn_post_norm], eps) if kind.post_norms else a)
         h = rms_norm(x, w["ffn_norm"], eps)
         g = _mm(h, w["ffn_gate"])
         g = F.silu(g) if kind.act == "silu" else F.gelu(g, approximate="tanh")
         f = _mm(g * _mm(h, w["ffn_up"]), w["ffn_down"])
-        return x + (rms_norm(f, w["post_ffw_norm"], eps) if kind.sandwich else f)
+        return x + (rms_norm(f, w[kind.ffn_post_norm], eps) if kind.post_norms else f)
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor, window: int) -> torch.Tensor:
@@ -147,7 +148,7 @@ class MTPHeadModule(nn.Module):
     vocabulary. `forward(emb, hidden, pos, k_valid)`: emb = the target's embedding of token j,
     hidden = the target's final hidden of j - 1; returns draft logits [b, t, V]."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], spec: AttentionSpec, kind: BlockKind, eps: float, n_ctx: int):
+    def __init__(self, tensors: dict[str, torch.Tensor], spec: AttentionSpec, kind: ArchSpec, eps: float, n_ctx: int):
         super().__init__()
         self.eps = eps
         self.enorm = nn.Parameter(tensors["enorm"].clone())
@@ -176,7 +177,7 @@ class MTPHeadModule(nn.Module):
         return {f"mtp.{k}.weight": v.detach().float().numpy() for k, v in out.items()}
 
 
-def initial_head_tensors(model, draft_ids: torch.Tensor, kind: BlockKind, scale: float = 1.0,
+def initial_head_tensors(model, draft_ids: torch.Tensor, kind: ArchSpec, scale: float = 1.0,
                          ffn_layers: int = 1, layer: int | None = None) -> dict[str, torch.Tensor]:
     """Start from the target: the block from its last full-attention layer, the head norm from its
     output norm, the head from its output rows of the draft vocabulary, enorm = hnorm = 1 and
@@ -235,16 +236,14 @@ def _attend_cached(q: torch.Tensor, cache: dict, visible: torch.Tensor, scale: f
 
 
 class TorchTeacher:
-    """The target (llama / qwen3 / gemma3) in torch, decoding a batch of prompts at once with a
+    """The target (an architecture whose ArchSpec.torch_teacher is set: llama / qwen3 / gemma3) in torch, decoding a batch of prompts at once with a
     preallocated KV cache; prompts are left-padded, each sequence keeping its own positions.
     `dtype`: the matrices' storage and matmul dtype; bfloat16 writes training text ~5x faster than
     float32 on the AMX Xeon. The residual stream and the norms stay float32 either way, the KV cache
     is float16 (KV_DTYPE; a bfloat16 cache moved the hiddens the head learns from further from
     hybridrt's: 3-4 points less held-out acceptance for Gemma 3's head, 8d98cb3; docs/history.md, 2026-11-25)."""
 
-    SUPPORTED = ("llama", "qwen3", "gemma3")
-
-    def __init__(self, model, kind: BlockKind, n_ctx: int, dtype: torch.dtype = torch.float32):
+    def __init__(self, model, kind: ArchSpec, n_ctx: int, dtype: torch.dtype = torch.float32):
         g = model.gguf
         self.model, self.n_ctx, self.dtype = model, n_ctx, dtype
         self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []     # new_caches' buffers, kept across calls
@@ -256,11 +255,11 @@ class TorchTeacher:
         # every id ranked in a step's top-k since the teacher was made (restrict_output's default)
         self.ranked = torch.zeros(self.output.shape[0], dtype=torch.bool)
         self._logits = torch.empty(0, self.output.shape[0], dtype=dtype)   # generate's logits buffer, likewise
-        self.embed_scale = float(getattr(model, "embed_scale", 1.0))
+        self.embed_scale = float(model.embed_scale)
         self.output_norm = read_f32(g, "output_norm.weight")
         self.blocks, self.rotary = [], {}
         for i, layer in enumerate(model.layers):
-            spec = layer_attention(layer).spec
+            spec = layer.attention.spec
             names = block_tensor_names(kind, spec)
             weights = {m: read_f32(g, f"blk.{i}.{t}.weight") for m, t in names.items()}
             weights = {m: w.to(dtype) if w.ndim == 2 else w for m, w in weights.items()}

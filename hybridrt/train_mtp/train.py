@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from ..mtp_head import block_kind, head_attention_spec, target_fingerprint, write_head
+from ..mtp_head import head_attention_spec, head_target, target_fingerprint, write_head
 from ..sampling import SamplerConfig
 from ..speculative.draft_ngram import NgramIndex
 from .config import TrainConfig
@@ -195,7 +195,7 @@ def batch_inputs(model, seqs: list[Sequence]):
 def new_head(model, train: list[Sequence], cfg: TrainConfig) -> tuple[MTPHeadModule, torch.Tensor | None, torch.Tensor, float]:
     """The head training starts from (initial_head_tensors), its draft vocabulary (None: the full
     one), the target's output rows of that vocabulary, and the residual scale the block starts at."""
-    kind = block_kind(model.arch)
+    kind = head_target(model.arch)
     scale = residual_scale(model, train[0].tokens.tolist())
     draft_ids = pick_draft_vocab(train, model.n_vocab, cfg.draft_vocab)
     _, spec = head_attention_spec(model)
@@ -386,8 +386,8 @@ def residual_scale(model, tokens: list[int], layer: int | None = None) -> float:
     gemma3, whose residual (RMS ~1280) is a few huge channels: starting there gave KL ~250 and 6 %
     after 100 steps. 1.0 where there is no torch teacher (qwen35). `layer`: the layer the block
     copies (default: initial_head_tensors')."""
-    kind = block_kind(model.arch)
-    if model.arch not in TorchTeacher.SUPPORTED or kind.sandwich:
+    kind = head_target(model.arch)
+    if not kind.torch_teacher or kind.post_norms:
         return 1.0
     layer = head_attention_spec(model)[0] if layer is None else layer
     return TorchTeacher(model, kind, MAX_SEQ).residual_rms(tokens, layer)
@@ -408,8 +408,8 @@ def prepare_data(model, cfg: TrainConfig, cache: Path, progress) -> tuple[list[S
         if len(ids) + max(cfg.gen_len, cfg.heldout_len) + 1 > MAX_SEQ:
             raise UserError(f"train-mtp: a built-in prompt plus its continuation exceeds {MAX_SEQ} tokens")
     teacher = None
-    if model.arch in TorchTeacher.SUPPORTED:
-        teacher = TorchTeacher(model, block_kind(model.arch), MAX_SEQ, dtype=torch.bfloat16 if BF16 else torch.float32)
+    if model.spec.torch_teacher:
+        teacher = TorchTeacher(model, head_target(model.arch), MAX_SEQ, dtype=torch.bfloat16 if BF16 else torch.float32)
     new = write_text(model, teacher, train_ids, temps, greedy_after, cfg.gen_len, cfg.seed, progress,
                      "training text", restrict=not cfg.full_teacher_vocab)
     del teacher
