@@ -10,7 +10,7 @@ from .speed import FfnSplit, SpeedEstimate, expected_tokens_per_step
 
 __all__ = [
     "AttentionShape", "CACHE_TYPES", "DEFAULT_GPU_BW", "FfnSplit", "GDNShape", "GiB", "LayerProfile", "Line", "MiB",
-    "ModelProfile", "OP_OFFLOAD_MIN_BATCH", "PROMPT_CHUNK", "Plan", "PlanError", "PlanOptions", "ROLES", "SPEC_TYPES", "SpeedEstimate", "TensorEntry",
-    "cache_row_bytes", "expected_tokens_per_step", "gpu_peak_bandwidth", "layer_ranges",
-    "measure_cpu_bandwidth", "plan", "scratch_bytes", "split_granule",
+    "ModelProfile", "OP_OFFLOAD_MIN_BATCH", "PROMPT_CHUNK", "Plan", "PlanError", "PlanOptions", "ROLES", "SPEC_TYPES",
+    "SpeedEstimate", "TensorEntry", "cache_row_bytes", "expected_tokens_per_step", "gpu_peak_bandwidth",
+    "layer_ranges", "measure_cpu_bandwidth", "plan", "scratch_bytes", "split_granule",
 ]
