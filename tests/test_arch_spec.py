@@ -20,8 +20,9 @@ from hybridrt.mtp_head import head_target
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-# a test-only architecture: qwen3 under another name, its entry and its model class
-TOY = dataclasses.replace(ARCH_SPECS["qwen3"], name="toyq3", model="tests.test_arch_spec:ToyQwen3")
+# a test-only architecture: qwen3 under another name, its entry and its model class (this module,
+# under the name pytest imported it by, so the loader finds this very class)
+TOY = dataclasses.replace(ARCH_SPECS["qwen3"], name="toyq3", model=f"{__name__}:ToyQwen3")
 
 
 class ToyQwen3(Llama):

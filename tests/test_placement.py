@@ -349,14 +349,15 @@ def test_dequant_tile_matches_gpu_kernels():
 
 def test_the_planner_and_the_runtime_share_one_statement_of_their_constants():
     """placement.constants is the one place: the runtime's names are the same objects, not copies."""
-    import hybridrt.cli_options as cli_options
-    import hybridrt.executor as executor
-    import hybridrt.generate as generate
-    import hybridrt.kv_cache as kv_cache
-    import hybridrt.session as session
-    import hybridrt.speculative.spec_types as spec_types
-    import placement.plan as plan
+    import importlib
+
     from placement import constants
+
+    # (import_module: `placement.plan` and `hybridrt.generate` are also the names of functions)
+    cli_options, executor, generate, kv_cache, session, spec_types, plan = (
+        importlib.import_module(m) for m in ("hybridrt.cli_options", "hybridrt.executor", "hybridrt.generate",
+                                             "hybridrt.kv_cache", "hybridrt.session", "hybridrt.speculative.spec_types",
+                                             "placement.plan"))
 
     assert session.PROMPT_CHUNK is generate.PROMPT_CHUNK is plan.PROMPT_CHUNK is constants.PROMPT_CHUNK
     assert executor.OP_OFFLOAD_MIN_BATCH is plan.OP_OFFLOAD_MIN_BATCH is constants.OP_OFFLOAD_MIN_BATCH
