@@ -87,6 +87,50 @@ def compile_notice(stream: TextIO | None = None) -> Iterator:
         yield notice
 
 
+# A warm-up forward reads every weight once: nothing next to SmolLM2's step, but a second on the
+# 27B, whose warm-up of eleven forwards was 19.6 s of a 20.9 s warm start (BENCHMARKS.md, "Mission
+# size"). Kernels compile and load per signature (types, not sizes or layers), so past this many
+# bytes a step, a CPU trunk warms up on one layer of each kind and tensor-type mix (sampled_trunk):
+# the same kernels get their first call at a few percent of the cost. Below it the warm-up runs the
+# whole model, as the run will, and times its verify sizes for adaptive length (verify_costs).
+SAMPLED_WARMUP_BYTES = 1 << 30
+
+
+def layer_signature(model: "Model", i: int) -> tuple:
+    """What decides which kernels layer i calls: its kind, its halves' backends, the attention
+    spec (a sliding window or another rotary base is another specialization) and the type of each
+    of its tensors (a Q4_K_M file mixes Q4_K and Q6_K from layer to layer)."""
+    layer = model.layers[i]
+    attention = layer.attention
+    prefix = f"blk.{i}."
+    types = sorted((name[len(prefix):], t.qtype) for name, t in model.gguf.tensors.items()
+                   if name.startswith(prefix))
+    return (layer.kind, type(layer.mixer).__name__, type(layer.ffn).__name__,
+            repr(attention.spec) if attention is not None else None, tuple(types))
+
+
+def sampled_trunk(model: "Model") -> "Model":
+    """`model` with only the first layer of each signature (layer_signature) in its trunk, for a
+    warm-up: a shallow copy sharing every weight, backend, head and the executor, whose sessions
+    are the whole model's (each layer keeps its own KV / recurrent state slot), so its forwards call
+    every kernel the whole trunk calls. Its outputs mean nothing; only the calls count. The model
+    itself when it is small (SAMPLED_WARMUP_BYTES) or follows a plan (device layers specialize on
+    their split sizes, and a plan's executor schedules whole layer lists)."""
+    import copy
+
+    if model.plan is not None or model.weight_bytes_per_token < SAMPLED_WARMUP_BYTES:
+        return model
+    seen, layers = set(), []
+    for i, layer in enumerate(model.layers):
+        sig = layer_signature(model, i)
+        if sig not in seen:
+            seen.add(sig)
+            layers.append(layer)
+    view = copy.copy(model)
+    view.layers = layers
+    return view
+
+
 def compile_kernels(model: "Model") -> None:
     """Batches of 1, 4, 8, 16 and 40 tokens: compiles (or loads) every kernel the model uses, for
     decode and verify (register groups, or the fused layer halves of a CPU trunk, which take
@@ -99,6 +143,7 @@ def compile_kernels(model: "Model") -> None:
     default), f16 (`run`'s and `serve`'s) and q8_0 (-ctk / -ctv q8_0) where the head size allows."""
     from .errors import UserError
 
+    model = sampled_trunk(model)
     token = model.tokenizer.bos_id if model.tokenizer.bos_id is not None else 0
     for cache_type in ("f32", "f16", "q8_0"):
         try:
@@ -195,7 +240,8 @@ def warm_up(model: "Model", spec_type: str, spec, sampler, cache_type: str, draf
     --spec-draft-n-max, so its first step verifies the largest batch the run can. For an adaptive
     run it then times each verify size (verify_costs) and returns length policies that start from
     those timings (`generate(policies=...)`), rather than from a prior. draft_vocab: the
-    run's (build_source): a reduced-vocabulary view of the MTP head is built here, not in the run."""
+    run's (build_source): a reduced-vocabulary view of the MTP head is built here, not in the run.
+    A big CPU trunk warms up on sampled_trunk's layers and times nothing."""
     import dataclasses
 
     from .generate import generate
@@ -203,6 +249,8 @@ def warm_up(model: "Model", spec_type: str, spec, sampler, cache_type: str, draf
     from .speculative.sources import build_source
     from .speculative.spec_types import spec_type_parts
 
+    full = model
+    model = sampled_trunk(model)
     lo = min(1000, model.n_vocab // 4)
     prompt = [lo, lo + 1]
     room = len(prompt) + WARMUP_TOKENS + spec.k_max + COST_REPS * spec.k_max + 2
@@ -220,6 +268,10 @@ def warm_up(model: "Model", spec_type: str, spec, sampler, cache_type: str, draf
         compile_head(model)         # the head's other batch sizes and a catch-up's KV rows
     generate(model, session, prompt, WARMUP_TOKENS, sampler, source, fixed, stop_ids=set())
     if not spec.adaptive or session.n_past + (COST_REPS + 1) * spec.k_max > session.n_ctx:
+        return None
+    if model is not full:
+        # a sample's verify times are not the run's: its policies learn them from its own steps
+        # (their first timing of each size is skipped as a kernel's first call)
         return None
     times = verify_costs(model, session, spec.k_max, lo)
     policies: dict = {}
