@@ -10,8 +10,8 @@ from typing import Optional
 
 import typer
 
-from .cli_options import (ADAPTIVE, CPU_BW, DRAFT_N_MAX, GROUP, JSON, MODEL, MODEL_DRAFT, MTP_HEAD, THREADS, KVFlags,
-                          LoadFlags, flag_groups)
+from .cli_options import (ADAPTIVE, CPU_BW, DRAFT_N_MAX, DRAFT_VOCAB, GROUP, JSON, MODEL, MODEL_DRAFT, MTP_HEAD,
+                          THREADS, KVFlags, LoadFlags, flag_groups)
 from .errors import UserError
 
 
@@ -67,6 +67,7 @@ class SpecBenchResult:
     speedup: float
     identical: bool           # greedy: the speculative tokens equal the plain ones
     spec: dict
+    draft_vocab: int = 0         # draft-mtp's draft vocabulary (0: the whole head)
     measured_tps: float = 0.0    # = spec_tps
     predicted_tps: float | None = None
     prediction: str = ""
@@ -97,8 +98,9 @@ def placement_summary(plan) -> dict | None:
 
 def bench_speculative(m, prompt_ids: list[int], n_gen: int, reps: int, spec_type: str, n_max: int,
                       draft_model=None, force: str = "none", prompt_name: str = "",
-                      adaptive: bool = False, cache_type: str | None = None) -> SpecBenchResult:
-    """Plain greedy decoding and speculative decoding of the same prompt, best of reps each."""
+                      adaptive: bool = False, cache_type: str | None = None, draft_vocab: int = 0) -> SpecBenchResult:
+    """Plain greedy decoding and speculative decoding of the same prompt, best of reps each.
+    draft_vocab: draft-mtp's reduced draft vocabulary (build_source; 0: the whole head)."""
     from .generate import generate
     from .sampling import SamplerConfig
     from .speculative.draft_forced import ForcedSource
@@ -118,7 +120,8 @@ def bench_speculative(m, prompt_ids: list[int], n_gen: int, reps: int, spec_type
     identical = True
     for _ in range(reps):
         session = m.session(n_ctx, cache_type, k_max=spec.k_max)
-        source = build_source(spec_type, session, greedy, spec, draft_model, cache_type=cache_type or "f32")
+        source = build_source(spec_type, session, greedy, spec, draft_model, cache_type=cache_type or "f32",
+                              draft_vocab=draft_vocab)
         if force != "none":
             source = ForcedSource(source, ref, len(prompt_ids), m.n_vocab, corrupt=1.0 if force == "reject" else 0.0)
         out, stats = generate(m, session, prompt_ids, n_gen, greedy, source, spec, stop_ids=set(),
@@ -129,7 +132,7 @@ def bench_speculative(m, prompt_ids: list[int], n_gen: int, reps: int, spec_type
     return SpecBenchResult(model=m.gguf.path, spec_type=spec_type, n_max=n_max, prompt=prompt_name, force=force,
                            n_prompt=len(prompt_ids), n_gen=n_gen, plain_tps=best_plain, spec_tps=best_spec,
                            speedup=best_spec / best_plain if best_plain else 0.0, identical=identical,
-                           spec=spec_stats.to_dict())
+                           spec=spec_stats.to_dict(), draft_vocab=draft_vocab)
 
 
 @flag_groups
@@ -142,6 +145,7 @@ def bench(
     as_json: bool = JSON,
     spec_type: Optional[str] = typer.Option(None, "--spec-type", help="Compare plain and speculative decoding: draft-mtp, draft-simple, ngram-simple, or a chain such as ngram-simple,draft-mtp (none: the plain bench)."),
     draft_n_max: int = DRAFT_N_MAX,
+    draft_vocab: int = DRAFT_VOCAB,
     model_draft: Optional[str] = MODEL_DRAFT,
     prompt_file: Optional[Path] = typer.Option(None, "-f", "--file", help="Speculative bench: prompt text file."),
     spec_prompt: str = typer.Option("echo", "--spec-prompt", help="Speculative bench built-in prompt: echo (lookup pays) or adversarial (it cannot); 'random' uses -p random tokens."),
@@ -160,13 +164,14 @@ def bench(
 
     from placement import measure_cpu_bandwidth
 
-    from .cli_options import check_ctx_size, check_spec_flags
+    from .cli_options import check_ctx_size, check_draft_vocab_flag, check_spec_flags
 
     for flag, value in (("-p", n_prompt), ("-n", n_gen), ("-r", reps)):
         if value < 1:
             raise UserError(f"{flag} {value}: must be >= 1")
     device = load.check()
     check_spec_flags(draft_n_max)
+    check_draft_vocab_flag(draft_vocab)
     check_ctx_size(ctx_size)
     cbw = cpu_bw * 1e9 if cpu_bw else measure_cpu_bandwidth()
     cache_type = kv.cache_type      # what `run` decodes on
@@ -176,7 +181,7 @@ def bench(
     try:
         if spec_type not in (None, "none"):        # none: the plain bench, as `run --spec-type none` decodes
             _bench_spec(m, spec_type, draft_n_max, model_draft, prompt_file, spec_prompt, spec_force, n_prompt,
-                        n_gen, reps, as_json, cbw, adaptive, cache_type)
+                        n_gen, reps, as_json, cbw, adaptive, cache_type, draft_vocab)
         else:
             _bench_plain(m, n_prompt, n_gen, reps, as_json, cbw, numba.get_num_threads(), cache_type)
     finally:
@@ -219,7 +224,7 @@ def _bench_plain(m, n_prompt: int, n_gen: int, reps: int, as_json: bool, cpu_bw:
 
 
 def _bench_spec(m, spec_type, n_max, model_draft, prompt_file, spec_prompt, force, n_prompt, n_gen, reps, as_json,
-                cpu_bw, adaptive, cache_type):
+                cpu_bw, adaptive, cache_type, draft_vocab=0):
     import torch
 
     from .cli_options import adaptive_default
@@ -250,7 +255,8 @@ def _bench_spec(m, spec_type, n_max, model_draft, prompt_file, spec_prompt, forc
         # a SmolLM2 head at 0.75x plain (27 % of the time drafting) where it decodes at ~1.1x
         compile_head(m)
     r = bench_speculative(m, ids, n_gen, reps, spec_type, n_max, draft, force, name,
-                          adaptive=adaptive_default(spec_type) if adaptive is None else adaptive, cache_type=cache_type)
+                          adaptive=adaptive_default(spec_type) if adaptive is None else adaptive, cache_type=cache_type,
+                          draft_vocab=draft_vocab)
     r.measured_tps = r.spec_tps
     r.predicted_tps, r.prediction = predicted_speed(m, cpu_bw, speculative=True)
     r.placement = placement_summary(m.plan)

@@ -158,8 +158,7 @@ class SpecFlags:
         """The values alone, before anything loads (SpecConfig checks n_min against n_max, p_min;
         the model's vocabulary bounds --spec-draft-vocab from above once it is loaded)."""
         check_spec_flags(self.draft_n_max, self.ngram_n)
-        if self.draft_vocab < 0:
-            raise UserError(f"--spec-draft-vocab must be >= 0 (0: the whole vocabulary), got {self.draft_vocab}")
+        check_draft_vocab_flag(self.draft_vocab)
         self.config("none")
 
     def source_type(self, model: "Model", planned: str | None = None) -> str:
@@ -227,6 +226,12 @@ def check_spec_flags(draft_n_max: int, ngram_n: int = 4) -> None:
     if ngram_n < NGRAM_N_MIN:
         raise UserError(f"--spec-ngram-size-n must be >= {NGRAM_N_MIN} (n-grams are tried from it down to "
                         f"{NGRAM_N_MIN}), got {ngram_n}")
+
+
+def check_draft_vocab_flag(draft_vocab: int) -> None:
+    """--spec-draft-vocab alone, before anything loads (the vocabulary bounds it once loaded)."""
+    if draft_vocab < 0:
+        raise UserError(f"--spec-draft-vocab must be >= 0 (0: the whole vocabulary), got {draft_vocab}")
 
 
 def adaptive_default(spec_type: str) -> bool:

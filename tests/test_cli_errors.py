@@ -134,6 +134,7 @@ BAD_VALUES = [
     ("run --spec-type ngram-simple --spec-ngram-size-n 1", "--spec-ngram-size-n"),
     ("run --spec-draft-n-min 10 --spec-draft-n-max 3", "--spec-draft-n-min 10"),
     ("run --spec-draft-vocab -1", "--spec-draft-vocab must be >= 0"),
+    ("bench --spec-type draft-mtp --spec-draft-vocab -1", "--spec-draft-vocab must be >= 0"),
     ("run --spec-type ngram-simple --spec-draft-vocab 64", "needs --spec-type draft-mtp"),
     ("run --spec-type draft-mtp --spec-draft-vocab 64", "no MTP (nextn) head"),
     ("run --trace {tmp}/no/such/t.json", "no such directory"), ("run --trace {tmp}", "is a directory"),

@@ -177,3 +177,19 @@ def test_run_takes_the_draft_vocab_and_prints_plain_decodings_text(tiny_qwen35_m
     too_big = run_cli("--spec-type", "draft-mtp", "--spec-draft-vocab", "100000")
     assert too_big.returncode == 2 and len(too_big.stderr.strip().splitlines()) == 1, too_big.stderr
     assert "--spec-draft-vocab 100000" in too_big.stderr
+
+
+def test_bench_takes_the_draft_vocab(tiny_qwen35_mtp):
+    """`hybridrt bench --spec-type draft-mtp --spec-draft-vocab V`: the speculative run drafts over V
+    tokens (its JSON says which V) and its greedy output equals plain decoding's."""
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", "from hybridrt.cli import main; main()", "bench", "-m",
+                        str(tiny_qwen35_mtp), "--spec-type", "draft-mtp", "--spec-draft-n-max", "2",
+                        "--spec-draft-vocab", "64", "-n", "12", "-r", "1", "-t", "1", "--cpu-bw", "10", "--json"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["draft_vocab"] == 64 and out["identical"] and out["spec"]["steps"] > 0
