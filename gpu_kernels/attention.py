@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from placement.constants import CACHE_TYPES
+
 from .triton_attention import attention_rows_triton
 from .triton_attention import fits as triton_attention_fits
 
@@ -24,7 +26,7 @@ ROWWISE_MAX = 32   # batches up to this many tokens take the bit-stable row-by-r
 # materializes the scores, their softmax and the GQA-widened K and V: for a 512-token chunk at the
 # end of a 32k context that is ~5 GB the plan never reserved. Longer prompts' rows go in blocks.
 SDPA_SCORES_MAX = 1 << 24
-Q8_0_BLOCK, Q8_0_BYTES = 32, 34     # ggml's block_q8_0: f16 scale + 32 int8
+Q8_0_BLOCK, Q8_0_BYTES = CACHE_TYPES["q8_0"]     # ggml's block_q8_0: f16 scale + 32 int8
 
 
 def q8_0_quantize(x: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ import math
 import torch
 
 from cpu_kernels.formats import QUANT_TYPES, type_name
+from placement.constants import DEQUANT_TILE_ELEMS
 
 from .attention import ROWWISE_MAX
 from .quant import QUANTIZED_TYPES, dequantize_torch, row_bytes
@@ -33,8 +34,7 @@ from .triton_support import have_triton, require_triton
 
 KERNELS = ("auto", "triton", "torch")
 
-TILE_ELEMS = 1 << 22    # weights per dequantized tile: 8 MiB in float16, ~820 rows of a 5120-wide matrix
-# (large enough to keep a GPU GEMV busy, small enough that the planner's budget barely notices it)
+TILE_ELEMS = DEQUANT_TILE_ELEMS     # weights per dequantized tile (the plan reserves one)
 
 
 def tile_rows_of(n_in: int, n_out: int, tile_rows: int | None = None) -> int:

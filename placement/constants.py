@@ -21,3 +21,8 @@ OP_OFFLOAD_MIN_BATCH = 64
 # KV cache element types: (elements per block, bytes per block). q8_0 is ggml's: 32 int8 + an f16
 # scale. The float types are stored as the torch dtype of the same name (hybridrt.kv_cache).
 CACHE_TYPES: dict[str, tuple[int, int]] = {"f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34)}
+
+# Weights a device matrix dequantizes at a time for a prompt GEMM (gpu_kernels.qlinear): 8 MiB in
+# float16, ~820 rows of a 5120-wide matrix: enough to keep a GPU busy, small enough that the plan's
+# budget, which reserves one tile and its float32 working copy, barely notices it.
+DEQUANT_TILE_ELEMS = 1 << 22

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
 
-from .constants import CACHE_TYPES, OP_OFFLOAD_MIN_BATCH, PROMPT_CHUNK, SPEC_TYPES
+from .constants import CACHE_TYPES, DEQUANT_TILE_ELEMS, OP_OFFLOAD_MIN_BATCH, PROMPT_CHUNK, SPEC_TYPES
 from .options import GiB, MiB, PlanOptions
 from .profile import F32, ModelProfile
 from .speed import FfnSplit, SpeedEstimate, estimate_speed
@@ -140,9 +140,6 @@ def _mib(n: int) -> str:
     return f"{n / MiB:,.1f} MiB"
 
 
-# gpu_kernels.qlinear.TILE_ELEMS, restated because placement imports no torch code
-# (tests/test_placement.py checks that the two agree)
-DEQUANT_TILE_ELEMS = 1 << 22
 
 
 def scratch_bytes(profile: ModelProfile, k: int, n_ctx: int) -> int:

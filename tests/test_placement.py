@@ -340,13 +340,6 @@ def test_cpu_bandwidth_probe_is_quick():
     assert time.process_time() - t0 < 2.0
 
 
-def test_dequant_tile_matches_gpu_kernels():
-    from gpu_kernels.qlinear import TILE_ELEMS
-    from placement.plan import DEQUANT_TILE_ELEMS
-
-    assert DEQUANT_TILE_ELEMS == TILE_ELEMS
-
-
 def test_the_planner_and_the_runtime_share_one_statement_of_their_constants():
     """placement.constants is the one place: the runtime's names are the same objects, not copies."""
     import importlib
@@ -365,6 +358,11 @@ def test_the_planner_and_the_runtime_share_one_statement_of_their_constants():
     assert kv_cache.CACHE_TYPES is plan.CACHE_TYPES is constants.CACHE_TYPES
     assert set(kv_cache.CACHE_DTYPES) | {"q8_0"} == set(constants.CACHE_TYPES)
     assert cli_options.KV_TYPES == "f16, f32, bf16, q8_0"       # -ctk's help: the default first
+    # the device kernels' too (torch-importing modules, where triton may be absent: only constants read)
+    from gpu_kernels import attention, qlinear
+
+    assert qlinear.TILE_ELEMS is plan.DEQUANT_TILE_ELEMS is constants.DEQUANT_TILE_ELEMS
+    assert (attention.Q8_0_BLOCK, attention.Q8_0_BYTES) == constants.CACHE_TYPES["q8_0"]
 
 
 def test_scratch_holds_a_prompt_chunk_of_activations():
