@@ -27,7 +27,6 @@ V each, as -ctk / -ctv; kv_attention's "KV cache rows"); the backend keeps the t
 from __future__ import annotations
 
 import math
-import os
 import warnings
 
 import numpy as np
@@ -46,10 +45,6 @@ from .kv_attention import attend, cache_store
 from .matvec_simd import TILE_ROWS
 from .quantize_act import PAD_LEGACY, QK_K, QK_LEGACY, RESIDUAL_MAX_TOKENS, _quantize_rows, _quantize_rows_residual
 from .simd_int import CACHE
-
-# Whether a CPU trunk binds these kernels (hybridrt.backends.WeightBinder): HYBRIDRT_FUSED_LAYERS=0
-# keeps the torch trunk ops, e.g. to run a test session both ways
-FUSED_DEFAULT = os.environ.get("HYBRIDRT_FUSED_LAYERS", "1") not in ("", "0")
 
 ROWS_PER_UNIT = 16          # a unit of parallel work: 16 output rows of one matrix
 GROUPS_PER_THREAD = 4       # work items per thread, so a slow core does not hold up the region

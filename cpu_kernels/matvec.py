@@ -20,11 +20,11 @@ and IQ types); otherwise the default is matvec_int's integer dot products on int
 """
 from __future__ import annotations
 
-import os
-
 import numba
 import numpy as np
 from numba import njit, prange
+
+from hybridrt.runtime_config import ENV
 
 from . import matvec_float, matvec_kquants, matvec_legacy
 from .formats import CHUNK_DECODER, format_of
@@ -162,9 +162,10 @@ def check_operands(w: np.ndarray, qtype: int, x: np.ndarray, out: np.ndarray | N
     return w, fmt.block_elems, x, out
 
 
-# The process-wide default of `exact` (HYBRIDRT_EXACT_ACTIVATIONS=1: float activations everywhere,
-# e.g. for a whole test session compared with a float64 reference).
-EXACT_DEFAULT = os.environ.get("HYBRIDRT_EXACT_ACTIVATIONS", "") not in ("", "0")
+# The default of `exact` where a caller passes None (HYBRIDRT_EXACT_ACTIVATIONS=1: float activations
+# everywhere, e.g. for a whole test session compared with a float64 reference); a loaded model's
+# backends pass their RuntimeConfig's choice.
+EXACT_DEFAULT = ENV.exact
 
 
 def kernel_summary(exact: bool | None = None, residual: bool = False) -> str:

@@ -30,7 +30,6 @@ code) and HYBRIDRT_AMX is not 0; otherwise matvec_int's own kernels run, with th
 from __future__ import annotations
 
 import ctypes
-import os
 
 import numba
 import numpy as np
@@ -38,6 +37,8 @@ from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
+
+from hybridrt.runtime_config import ENV
 
 from .formats import QUANT_TYPES, type_tag
 from .int_blocks import SPECS, _k_scales_mins16
@@ -73,7 +74,7 @@ def _offset_in_mins(qtype_count: int) -> bool:
 
 def _amx_refusal() -> str | None:
     """None when this process can run the tile kernels, else why not."""
-    if os.environ.get("HYBRIDRT_AMX", "1") in ("", "0"):
+    if not ENV.amx:
         return "HYBRIDRT_AMX=0"
     if ISA != "avx512vnni" or ISA_FORCED:
         return f"integer lowering {ISA}{' (forced)' if ISA_FORCED else ''}, not avx512vnni"

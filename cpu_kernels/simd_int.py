@@ -22,11 +22,11 @@ HYBRIDRT_INT_ISA=avx2|portable|... forces a lowering (for tests); it must be one
 """
 from __future__ import annotations
 
-import os
-
 import numba
 from llvmlite import binding as llvm
 from llvmlite import ir
+
+from hybridrt.runtime_config import ENV
 
 from .matvec_simd import BlockIR, _load_vec, _splat
 
@@ -75,7 +75,7 @@ def runnable_isas() -> list[str]:
 
 
 def _selected_isa() -> tuple[str, bool]:
-    forced = os.environ.get("HYBRIDRT_INT_ISA", "")
+    forced = ENV.int_isa
     if not forced:
         return host_isa(), False
     if forced not in ISAS:

@@ -9,8 +9,10 @@ import functools
 import importlib.util
 import os
 
+from hybridrt.runtime_config import ENV
+
 # HYBRIDRT_DIRECT_LAUNCH=0 keeps every launch on Triton's JIT path (for an A/B of checked_runner)
-DIRECT_LAUNCH = os.environ.get("HYBRIDRT_DIRECT_LAUNCH", "1").strip() != "0"
+DIRECT_LAUNCH = ENV.direct_launch
 
 INSTALL_HINT = "pip install 'hybridrt[gpu]' (or pip install triton)"
 

@@ -206,7 +206,7 @@ def _bench_plain(m, n_prompt: int, n_gen: int, reps: int, as_json: bool, cpu_bw:
                          pp_tps=pp, tg_tps=tg, weight_bytes_per_token=m.weight_bytes_per_token,
                          weight_gbps=m.weight_bytes_per_token * tg / 1e9, measured_tps=tg,
                          predicted_tps=predicted, prediction=source, placement=placement_summary(m.plan),
-                         cpu_kernels=kernel_summary(m.binder.exact, m.binder.act_residual))
+                         cpu_kernels=kernel_summary(m.binder.config.exact, m.binder.config.act_residual))
     if as_json:
         print(json.dumps(asdict(result), indent=2))
         return

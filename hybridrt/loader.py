@@ -14,6 +14,7 @@ from .models import check_arch, model_class
 from .models.base import Model
 from .place import PlacementRequest, draft_devices, parse_size, plan_for, split_of, tensor_devices as plan_devices
 from .registry import resolve_model
+from .runtime_config import Mode, resolve_config
 from .thread_governor import ThreadGovernor, busy_elsewhere
 from .trace import Tracer
 
@@ -37,14 +38,14 @@ def set_threads(n: int | None, trunk_on_cpu: bool = True) -> None:
         torch.set_num_threads(n)
 
 
-def _governor(threads: int | None, dev: torch.device, plan) -> ThreadGovernor | None:
+def _governor(threads: int | None, mode: Mode) -> ThreadGovernor | None:
     """A CPU trunk without -t adapts its thread count to what other processes leave free
     (thread_governor.py); a placed model's CPU work runs on the executor's worker thread, whose
     count stays as set."""
     import numba
 
     n = numba.get_num_threads()
-    if threads or dev.type != "cpu" or plan is not None or n < 2:
+    if threads or mode not in (Mode.CPU_FUSED, Mode.CPU_TORCH) or n < 2:
         return None
     return ThreadGovernor(n, busy=busy_elsewhere)
 
@@ -66,7 +67,8 @@ def load_model(model: str | os.PathLike | None = None, device: str = "cpu",
                tensor_devices: dict[str, str] | None = None, threads: int | None = None,
                placement: PlacementRequest | None = None, vram: int | str | None = None,
                trace: Tracer | bool | None = None, exact_activations: bool | None = None,
-               mtp_head: str | os.PathLike | None = None, act_residual: bool | None = None) -> Model:
+               mtp_head: str | os.PathLike | None = None, act_residual: bool | None = None,
+               fused_layers: bool | None = None) -> Model:
     """Load a GGUF model.
 
     With `placement` (or just `vram`: a byte count or a size like "12GiB"), the planner decides
@@ -81,11 +83,16 @@ def load_model(model: str | os.PathLike | None = None, device: str = "cpu",
     `trace`: a Tracer (or True for a new one) that records device work, CPU FFN layers and transfers.
     `exact_activations`: True runs the mmap'd matrices on float32 activations (the exact path the
     float64 reference tests use), False on int8 activations with integer dot products (llama.cpp's
-    numerics, several times faster); None: the process default (HYBRIDRT_EXACT_ACTIVATIONS).
+    numerics, several times faster); None: as HYBRIDRT_EXACT_ACTIVATIONS says (off).
     `act_residual`: on int8 activations, whether the attention and FFN-down matrices also take a
     second int8 pass on the first one's rounding (backends.residual_activations; near-float32
-    accuracy for ~2 activation rows per token on those matrices); None: the process default
-    (HYBRIDRT_ACT_RESIDUAL, on). False is llama.cpp's numerics exactly.
+    accuracy for ~2 activation rows per token on those matrices); None: as HYBRIDRT_ACT_RESIDUAL
+    says (on). False is llama.cpp's numerics exactly.
+    `fused_layers`: on a CPU trunk without a plan, each layer half as one fused Numba call where
+    its matrices are all in the mmap (True), or the torch trunk ops (False); None: as
+    HYBRIDRT_FUSED_LAYERS says (on).
+    These, the execution mode (from `device` and whether a plan executes) and the process-wide
+    switches are resolved here once into `model.binder.config` (runtime_config.RuntimeConfig).
     `mtp_head`: a head file from `hybridrt train-mtp`, bound as `model.mtp` (replacing a built-in
     one) for `--spec-type draft-mtp`; a head trained for another target is a UserError."""
     dev = torch.device(device)
@@ -93,7 +100,9 @@ def load_model(model: str | os.PathLike | None = None, device: str = "cpu",
         raise UserError("--device cuda: no CUDA device is available (use --device cpu)")
     if dev.type == "cuda":
         use_cuda_device(dev)
-    set_threads(threads, trunk_on_cpu=dev.type == "cpu")
+    config = resolve_config(dev.type, planned=placement is not None or vram is not None, exact=exact_activations,
+                            act_residual=act_residual, fused_layers=fused_layers)
+    set_threads(threads, trunk_on_cpu=config.mode.trunk_on_cpu)
     path = resolve_model(model)
     gguf = GGUFFile(path)
     check_arch(gguf.arch, gguf.path)
@@ -104,11 +113,10 @@ def load_model(model: str | os.PathLike | None = None, device: str = "cpu",
     if placement is not None:
         plan = plan_for(str(path), placement, dev, int(gguf.get("context_length", 4096)))
         tensor_devices, split = plan_devices(plan), split_of(plan)
-    executor = Executor(dev, tracer, governor=_governor(threads, dev, plan))
-    dtype = torch.float32 if dev.type == "cpu" else torch.float16
+    executor = Executor(dev, tracer, governor=_governor(threads, config.mode))
+    dtype = torch.float32 if config.mode.trunk_on_cpu else torch.float16
     binder = WeightBinder(gguf, dev, tensor_devices, device_dtype=dtype,
-                          executor=executor if plan is not None else None, split=split,
-                          exact=exact_activations, act_residual=act_residual,
+                          executor=executor if config.mode.planned else None, split=split, config=config,
                           op_offload=plan is not None and plan.line("op_offload").gpu_bytes > 0)
     m = model_class(gguf.arch)(gguf, binder)
     m.executor, m.plan = executor, plan
@@ -124,9 +132,11 @@ def load_draft_model(target: Model, draft: str | os.PathLike) -> Model:
     where the target's plan reserved them, on the target's activation numerics, and at the thread
     count the target's governor last set (one thread launches both models' steps: two governors
     would each reset the count before their own steps and time each other's choices)."""
+    numerics = target.binder.config
     d = load_model(draft, device=target.device,
                    tensor_devices=draft_devices(target.plan, str(resolve_model(draft))),
-                   exact_activations=target.binder.exact, act_residual=target.binder.act_residual)
+                   exact_activations=numerics.exact, act_residual=numerics.act_residual,
+                   fused_layers=numerics.fused_layers)
     d.executor.governor = None
     return d
 

@@ -230,8 +230,9 @@ def load_mtp_head(model, path: str | Path, tensor_devices: dict[str, str] | None
     # draft's rounding only changes which tokens it proposes, never what is committed (verify
     # decides), and the second pass was ~20 % of a draft (SmolLM2: 1.135x against 1.115x at N = 1,
     # acceptance alike, BENCHMARKS.md session 37)
-    binder = WeightBinder(f, model.device, tensor_devices, device_dtype=model.binder.device_dtype,
-                          exact=model.binder.exact, act_residual=False,
+    # it binds outside the target's plan: its matrices run in place, never through the executor
+    config = dataclasses.replace(model.binder.config.without_plan(), act_residual=False)
+    binder = WeightBinder(f, model.device, tensor_devices, device_dtype=model.binder.device_dtype, config=config,
                           fused_qtypes=model.binder.layer_qtypes() + head_types)
     head = TrainedMTPHead(binder, model, kind, spec, draft_ids)
     want_rows = len(draft_ids) if draft_ids is not None else model.n_vocab

@@ -33,11 +33,13 @@ def _dispatchers() -> list:
     load-time dequantization, the fused layer halves of a CPU trunk, and sampling's top-k."""
     from cpu_kernels import blocks, ffn, layer_fused, matvec, matvec_int, matvec_tiled, top_k
 
-    fused = [layer_fused.attention_block, layer_fused.ffn_block] if layer_fused.FUSED_DEFAULT else []
+    from .runtime_config import ENV
+
+    fused = [layer_fused.attention_block, layer_fused.ffn_block] if ENV.fused_layers else []
     sampling = [top_k.top_k_bits]
     # the path quantized matrices take by default: integer kernels on int8 activations, or the float
     # ones with HYBRIDRT_EXACT_ACTIVATIONS (kernels the run never calls would read as cold forever)
-    if matvec.EXACT_DEFAULT:
+    if ENV.exact:
         return [matvec._matvec_kernel, ffn._gate_up_kernel, blocks.decode_rows] + fused + sampling
     # (with fused layer halves, batches of 1-3 tokens never reach ffn's row kernel: the FFN half
     # takes every batch up to ROWWISE_MAX tokens)

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-import hybridrt.backends as backends
+import hybridrt.backends.cpu as cpu_backends
 from cpu_kernels import gdn_block, layer_fused, moe_block
 from hybridrt.loader import load_model
 
@@ -46,13 +46,12 @@ def main() -> None:
     layer_fused.ffn_block = timed("FFN half", layer_fused.ffn_block)
     gdn_block.gdn_block = timed("GDN half", gdn_block.gdn_block)
     moe_block.moe_block = timed("MoE half", moe_block.moe_block)
-    backends.matvec = timed("matvec", backends.matvec)
-    backends.ffn_glu = timed("ffn_glu", backends.ffn_glu)
+    cpu_backends.matvec = timed("matvec", cpu_backends.matvec)
+    cpu_backends.ffn_glu = timed("ffn_glu", cpu_backends.ffn_glu)
 
     runs = {}
     for fused in (True, False):
-        backends.FUSED_DEFAULT = fused
-        runs["fused" if fused else "torch trunk"] = load_model(args.model, threads=args.threads)
+        runs["fused" if fused else "torch trunk"] = load_model(args.model, threads=args.threads, fused_layers=fused)
     m = runs["fused"]
     buf = torch.empty(1, m.n_vocab)
     best = {}

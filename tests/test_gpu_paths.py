@@ -145,7 +145,7 @@ def test_bench_loads_the_draft_where_run_does(monkeypatch, tiny_llama):
     with pytest.raises(Loaded):
         cli_bench._bench_spec(m, "draft-simple", 3, str(tiny_llama), None, "random", "none", 8, 4, 1, True, 1e9,
                               None, "f32")
-    assert seen["device"] == m.device and seen["tensor_devices"] is None and seen["exact_activations"] == m.binder.exact
+    assert seen["device"] == m.device and seen["tensor_devices"] is None and seen["exact_activations"] == m.binder.config.exact
 
 
 def test_launch_bench_runs_with_stubbed_launches():

@@ -168,7 +168,7 @@ def test_attend_on_cpu_matches_torch_attend(cache, n_new, start, window, first):
     import torch
 
     from gpu_kernels.attention import attend
-    from hybridrt.backends import _fused_cache_view, attend_on_cpu
+    from hybridrt.backends.fused import _fused_cache_view, attend_on_cpu
 
     n_head, n_kv, d = 6, 2, 64
     torch.manual_seed(n_new + start)

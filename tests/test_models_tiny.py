@@ -74,18 +74,18 @@ def test_decode_steps_match_float64_reference(tiny_file, arch, mix):
     """The same positions as above in decode and verify steps (<= 32 tokens: the fused CPU layer
     kernels, where one forward of 40 tokens takes the torch path; with HYBRIDRT_FUSED_LAYERS=0
     the torch trunk) on the exact path."""
-    from cpu_kernels.layer_fused import FUSED_DEFAULT
     from gpu_kernels.attention import attend
     from hybridrt.backends import FusedAttentionBlock, FusedFfnBlock, attend_on_cpu
 
     path = tiny_file(arch, mix)
     model = load_model(path, exact_activations=True)
+    fused_trunk = model.binder.config.mode.fused      # HYBRIDRT_FUSED_LAYERS=0: the torch trunk
     fused = [isinstance(layer.mixer, FusedAttentionBlock) and isinstance(layer.ffn, FusedFfnBlock) for layer in model.layers]
-    assert all(fused) if FUSED_DEFAULT else not any(fused)
+    assert all(fused) if fused_trunk else not any(fused)
     # the torch layers (the 40-token forward) attend with kv_attention on the fused trunk
     torch_blocks = [layer.mixer.block if isinstance(layer.mixer, FusedAttentionBlock) else layer.mixer
                     for layer in model.layers]
-    assert all(b.attn.attend is (attend_on_cpu if FUSED_DEFAULT else attend) for b in torch_blocks)
+    assert all(b.attn.attend is (attend_on_cpu if fused_trunk else attend) for b in torch_blocks)
     tokens = tokens_for(model, N_POS, seed=10 * ARCHS.index(arch) + (mix == "q8_0"))
     s = model.session(64, k_max=8)
     got = np.concatenate([s.eval(tokens[i:j]).numpy() for i, j in ((0, 7), (7, 8), (8, 16), (16, 19),
@@ -96,7 +96,7 @@ def test_decode_steps_match_float64_reference(tiny_file, arch, mix):
 
 
 @pytest.mark.parametrize("arch", FUSED_ARCHS + ("qwen35",))
-def test_iq4_files_on_the_integer_kernels(tiny_file, arch, monkeypatch):
+def test_iq4_files_on_the_integer_kernels(tiny_file, arch):
     """An iq4_xs file (IQ4_XS matrices, IQ4_NL where rows are not 256-multiples) on the default
     int8 path, teacher-forced as a prompt (one int8 pass), in decode / verify steps (the residual
     pass on attention and FFN-down inputs) and on the torch trunk: within the 5e-2 quantized files
@@ -114,8 +114,7 @@ def test_iq4_files_on_the_integer_kernels(tiny_file, arch, monkeypatch):
     batches = np.concatenate([s.eval(tokens[:RESIDUAL_MAX_TOKENS]).numpy(), s.eval(tokens[RESIDUAL_MAX_TOKENS:]).numpy()])
     assert np.array_equal(steps, batches), f"{arch}: a token's logits depend on its batch"
     whole = model.session(64).eval(tokens).numpy()
-    monkeypatch.setattr(backends, "FUSED_DEFAULT", False)
-    trunk = load_model(path).session(64)
+    trunk = load_model(path, fused_layers=False).session(64)
     on_trunk = np.concatenate([trunk.eval(tokens[i:j]).numpy() for i, j in ((0, 6), (6, 7), (7, 40))])
     for how, got in (("a prompt", whole), ("steps", steps), ("torch trunk", on_trunk)):
         err = rel_err(got, ref)
@@ -215,20 +214,17 @@ def test_qwen3next_tiny_has_packed_beta_alpha_and_experts(tiny_file):
 
 @pytest.mark.parametrize("cache", ["f16", "q8_0"])
 @pytest.mark.parametrize("arch", FUSED_ARCHS)
-def test_f16_and_q8_0_caches_take_the_fused_kernels(tiny_file, arch, cache, monkeypatch):
+def test_f16_and_q8_0_caches_take_the_fused_kernels(tiny_file, arch, cache):
     """`run` and `serve` default to a float16 KV cache (llama.cpp's default), and -ctk / -ctv q8_0
     is common: decode and verify steps on either take the fused layer kernels too (they ran
     ~1.6-2.4x slower on the torch trunk), and agree with the torch trunk on the same cache to its
     rounding (a 1e-7 difference in a key can move its stored value by an ulp or a q8_0 level;
     measured f16 1.3e-6 .. 3.3e-5, q8_0 2.5e-7; a broken conversion is O(1))."""
-    from hybridrt import backends
-
     path = tiny_file(arch, "q8_0")
     fused = load_model(path, exact_activations=True)
     if cache == "q8_0" and fused.layers[0].attention.spec.head_dim % 32:
         pytest.skip(f"{arch}'s tiny file has a head size q8_0 blocks do not divide")
-    monkeypatch.setattr(backends, "FUSED_DEFAULT", False)
-    torch_trunk = load_model(path, exact_activations=True)
+    torch_trunk = load_model(path, exact_activations=True, fused_layers=False)
     tokens = tokens_for(fused, N_POS, seed=5)
     steps = ((0, 7), (7, 8), (8, 16), (16, 19), (19, 20), (20, 28), (28, 40))
     logits, views = [], []

@@ -10,8 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from hybridrt.backends import StreamedFFN, staged_bytes
-from hybridrt.executor import OP_OFFLOAD_MIN_BATCH, HostFFN, SplitFFN
+from hybridrt.backends import OP_OFFLOAD_MIN_BATCH, HostFFN, SplitFFN, StreamedFFN, staged_bytes
 from hybridrt.generate import generate
 from hybridrt.loader import load_model
 from hybridrt.model_profile import load_profile

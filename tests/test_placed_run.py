@@ -11,8 +11,7 @@ import json
 import pytest
 import torch
 
-from hybridrt.backends import CpuGluFFN, DeviceLinear, GluFFN
-from hybridrt.executor import HostFFN, SplitFFN
+from hybridrt.backends import CpuGluFFN, DeviceLinear, GluFFN, HostFFN, SplitFFN
 from hybridrt.generate import generate
 from hybridrt.loader import load_model
 from hybridrt.model_profile import load_profile

@@ -347,13 +347,13 @@ def test_the_planner_and_the_runtime_share_one_statement_of_their_constants():
     from placement import constants
 
     # (import_module: `placement.plan` and `hybridrt.generate` are also the names of functions)
-    cli_options, executor, generate, kv_cache, session, spec_types, plan = (
-        importlib.import_module(m) for m in ("hybridrt.cli_options", "hybridrt.executor", "hybridrt.generate",
+    cli_options, crossing, generate, kv_cache, session, spec_types, plan = (
+        importlib.import_module(m) for m in ("hybridrt.cli_options", "hybridrt.backends.crossing", "hybridrt.generate",
                                              "hybridrt.kv_cache", "hybridrt.session", "hybridrt.speculative.spec_types",
                                              "placement.plan"))
 
     assert session.PROMPT_CHUNK is generate.PROMPT_CHUNK is plan.PROMPT_CHUNK is constants.PROMPT_CHUNK
-    assert executor.OP_OFFLOAD_MIN_BATCH is plan.OP_OFFLOAD_MIN_BATCH is constants.OP_OFFLOAD_MIN_BATCH
+    assert crossing.OP_OFFLOAD_MIN_BATCH is plan.OP_OFFLOAD_MIN_BATCH is constants.OP_OFFLOAD_MIN_BATCH
     assert spec_types.SPEC_TYPES is plan.SPEC_TYPES is constants.SPEC_TYPES
     assert kv_cache.CACHE_TYPES is plan.CACHE_TYPES is constants.CACHE_TYPES
     assert set(kv_cache.CACHE_DTYPES) | {"q8_0"} == set(constants.CACHE_TYPES)

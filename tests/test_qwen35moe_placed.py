@@ -18,8 +18,7 @@ import pytest
 import torch
 
 import make_model
-from hybridrt.backends import DeviceLinear, GluFFN, RoutedExperts
-from hybridrt.executor import HostExperts
+from hybridrt.backends import DeviceLinear, GluFFN, HostExperts, RoutedExperts
 from hybridrt.generate import generate
 from hybridrt.loader import load_model
 from hybridrt.model_profile import load_profile

@@ -244,8 +244,9 @@ def test_head_round_trip_and_runtime_matches_torch(tiny_llama, tmp_path):
     n_ff = m.gguf.tensors["blk.0.ffn_gate.weight"].shape[1]
     assert GGUFFile(tmp_path / "h.gguf").tensors["mtp.ffn_gate.weight"].shape[1] == 2 * n_ff
     # on a CPU trunk the head's block runs as the target's layers do: one fused call per half
-    from hybridrt.backends import FUSED_DEFAULT, FusedAttentionBlock, FusedFfnBlock
-    assert isinstance(head.attn_half, FusedAttentionBlock) == isinstance(head.ffn_half, FusedFfnBlock) == FUSED_DEFAULT
+    from hybridrt.backends import FusedAttentionBlock, FusedFfnBlock
+    fused_trunk = m.binder.config.mode.fused
+    assert isinstance(head.attn_half, FusedAttentionBlock) == isinstance(head.ffn_half, FusedFfnBlock) == fused_trunk
     # the torch module rebuilt from the file's tensors
     f = GGUFFile(tmp_path / "h.gguf")
     tensors = {n[len("mtp."):-len(".weight")]: torch.from_numpy(np.array(f.tensor_f32(n))) for n in f.tensors}
@@ -295,10 +296,9 @@ def test_a_trained_heads_activations_take_one_int8_pass(llama_head, tiny_llama):
     pass was ~20 % of a draft. The target keeps its own numerics."""
     m = load_model(tiny_llama, act_residual=True, mtp_head=llama_head)
     head = m.mtp
-    assert m.binder.act_residual
+    assert m.binder.config.act_residual
     assert not head.eh_proj.residual and not head.output.residual
-    from hybridrt.backends import FUSED_DEFAULT
-    if FUSED_DEFAULT:       # the fused halves' operands: path 1 (one pass) for every matrix
+    if m.binder.config.mode.fused:       # the fused halves' operands: path 1 (one pass) for every matrix
         paths = [w[3] for w in head.attn_half.qkv] + [head.attn_half.wo[3], head.ffn_half.down[3]]
         assert paths == [1] * 5
     # a head bound with the target's own setting would have taken the second pass on those
@@ -730,7 +730,6 @@ def test_a_fused_draft_is_the_heads_own_calls_bit_for_bit(arch, request, tmp_pat
     logits row, the output hidden and the KV it writes are step()'s and head()'s, bit for bit, for a
     draft (1 token), a proposal after plain steps (3) and a prompt-sized batch (40: the separate calls).
     gemma3: its scaled embedding rows, sandwich norms and GELU."""
-    from hybridrt.backends import FUSED_DEFAULT
     from hybridrt.mtp_head import HEAD_STATE_KEY
     if arch == "llama":
         path, head = request.getfixturevalue("tiny_llama"), request.getfixturevalue("llama_head")
@@ -738,7 +737,8 @@ def test_a_fused_draft_is_the_heads_own_calls_bit_for_bit(arch, request, tmp_pat
         path = make_model.write_model(tmp_path / "gemma3.gguf", "gemma3", seed=2)
         head = _train(path, tmp_path / "gemma3.mtp.gguf").path
     m = load_model(path, mtp_head=head)
-    assert (m.mtp.fused is not None) == FUSED_DEFAULT
+    fused_trunk = m.binder.config.mode.fused
+    assert (m.mtp.fused is not None) == fused_trunk
     g = torch.Generator().manual_seed(7)
     for n in (1, 3, 40):
         tokens = torch.randint(3, 200, (n,), generator=g)
@@ -746,7 +746,7 @@ def test_a_fused_draft_is_the_heads_own_calls_bit_for_bit(arch, request, tmp_pat
         ref, new = m.session(64), m.session(64)
         logits, h = m.mtp.step(ref.state, tokens, hidden, 5)
         out = torch.full((1, m.mtp.n_out), float("nan"))
-        if FUSED_DEFAULT:
+        if fused_trunk:
             ran = m.mtp.fused(m.mtp._head_state(new.state), tokens, hidden, 5, out) is not None
             assert ran == (n <= 3)
             new = m.session(64)
