@@ -15,7 +15,7 @@ Bit identity across the batch (as layer_fused): every value head and every token
 operations in the same order whether it comes alone or in a verify batch, and a head is computed
 by one thread, so a token's result does not depend on k or on the thread count. The state is
 updated in place; in a verify batch (`capture`) the conv input history and the state after each
-token but the last go to the snapshot ring's slices (hybridrt.snapshot_ring), as the torch path
+token but the last go to the snapshot ring's slices (hybridrt.runtime.snapshot_ring), as the torch path
 writes them.
 """
 from __future__ import annotations

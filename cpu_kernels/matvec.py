@@ -24,7 +24,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from hybridrt.runtime_config import ENV
+from hybridrt.runtime.config import ENV
 
 from . import matvec_float, matvec_kquants, matvec_legacy
 from .formats import CHUNK_DECODER, format_of

@@ -38,7 +38,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from hybridrt.runtime_config import ENV
+from hybridrt.runtime.config import ENV
 
 from .formats import QUANT_TYPES, type_tag
 from .int_blocks import SPECS, _k_scales_mins16

@@ -497,7 +497,7 @@ def tiled_min_k(qtype: int) -> int:
 # rows 4 at a time (bench_matvec.py --lanes-from 1 against 999, 69a6fa9, 3317039), lanes /
 # quads: K-quants 1.09-1.63 at 8 tokens, 0.76-0.91 at 12, 0.48-0.87 at 16-32; legacy types
 # (Q4_0, Q5_0, Q8_0) 0.93-1.10 at 8, 0.66-0.74 at 10, 0.64-0.74 at 12.
-# hybridrt.warmup's batches (1, 4, 8, 16, 40 tokens) compile both layouts for either kind.
+# hybridrt.runtime.warmup's batches (1, 4, 8, 16, 40 tokens) compile both layouts for either kind.
 LANES_MIN_K = {"k": 12, "pair": 10}
 
 

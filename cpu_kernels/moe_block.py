@@ -17,7 +17,7 @@ routed to it), and everything a token's row gets is computed from that row alone
 are bit-stable across the batch (block_dots, tile_products, row-by-row quantization), so a token's
 result does not depend on which other tokens share the batch or how many threads run. A token adds
 its experts' outputs in ascending expert order from zero, then the shared expert's, as
-hybridrt.backends.RoutedExperts and models.qwen35.MoEFFN do.
+hybridrt.runtime.backends.RoutedExperts and models.qwen35.MoEFFN do.
 """
 from __future__ import annotations
 

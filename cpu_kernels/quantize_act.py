@@ -24,7 +24,7 @@ can always take two blocks at a time.
 Residual rows (`with_residual_rows`): one int8 pass carries ~2^-8 relative error per value, and over
 a whole model that is llama.cpp's distance from the float32 forward (mean KL ~2-3e-3 on SmolLM2 /
 Gemma 3). A second pass on what the first one rounded off, x = d1 q1 + d2 q2, leaves ~2^-16: the
-matrices given it (hybridrt.backends.residual_activations) multiply 2k activation rows, [x; x - d1
+matrices given it (hybridrt.runtime.backends.residual_activations) multiply 2k activation rows, [x; x - d1
 q1], through the same integer kernels, and a token's output is the sum of its two rows' outputs,
 still independent of k. Only batches of up to RESIDUAL_MAX_TOKENS rows take it: decode and verify
 steps read weights from memory and pay ~8 % a step for it; a prompt batch is compute-bound, where

@@ -26,7 +26,7 @@ import numba
 from llvmlite import binding as llvm
 from llvmlite import ir
 
-from hybridrt.runtime_config import ENV
+from hybridrt.runtime.config import ENV
 
 from .matvec_simd import BlockIR, _load_vec, _splat
 

@@ -1,4 +1,4 @@
-"""The k largest values of each logits row: sampling's top-k (hybridrt.sampling.top_k_rows: one
+"""The k largest values of each logits row: sampling's top-k (hybridrt.decoding.sampling.top_k_rows: one
 row a sampled token, 262,144 wide for Gemma 3) and the train-mtp teacher's (256 rows a step).
 
 torch.topk took 43-56 ms a teacher step for Gemma 3 (256 x 262144 bfloat16 logits, 2 threads), about

@@ -5,7 +5,7 @@ alone or inside a k-token verify batch. A batched kernel picks different blockin
 so small batches (decode and verify) go row by row: every row runs the same ops on the same shapes
 as a lone decode step would. Long batches (prompt processing) use one masked SDPA call.
 
-A cache is a float tensor [n_ctx, n_kv, d] or q8_0 blocks (`hybridrt.kv_cache.Q8Rows`: an object
+A cache is a float tensor [n_ctx, n_kv, d] or q8_0 blocks (`hybridrt.runtime.kv_cache.Q8Rows`: an object
 with `.shape` and uint8 `.blocks` [n_ctx, n_kv, d / 32, 34]). One call reads every key/value row
 it needs as float32 once (a cast, or a q8_0 dequantization: both elementwise, so a row's floats do
 not depend on how many rows are read with it) and each query row then slices its own range.
@@ -92,7 +92,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positi
     # [1, heads, T, d] views of the rows: torch's SDPA takes a fused kernel (flash, memory-efficient)
     # only for 4-d operands, on CUDA and on the CPU; 3-d ones run the math path (on 2 CPU threads
     # 13.7 vs 6.5 ms for a 512-token Gemma 3 layer, docs/history.md, "Prompt attention on
-    # kv_attention"). A CPU trunk attends in kv_attention (hybridrt.backends.attend_on_cpu); this
+    # kv_attention"). A CPU trunk attends in kv_attention (hybridrt.runtime.backends.attend_on_cpu); this
     # path serves the device, bf16 caches and the torch-only trunk (HYBRIDRT_FUSED_LAYERS=0).
     keys = all_keys[None].transpose(1, 2)
     vals = all_vals[None].transpose(1, 2)

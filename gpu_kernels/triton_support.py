@@ -9,7 +9,7 @@ import functools
 import importlib.util
 import os
 
-from hybridrt.runtime_config import ENV
+from hybridrt.runtime.config import ENV
 
 # HYBRIDRT_DIRECT_LAUNCH=0 keeps every launch on Triton's JIT path (for an A/B of checked_runner)
 DIRECT_LAUNCH = ENV.direct_launch

@@ -3,7 +3,7 @@
 The Python API:
 
     from hybridrt import SamplerConfig, SpecConfig, build_source, load_model
-    from hybridrt.generate import generate
+    from hybridrt.decoding.generate import generate
 
     m = load_model("smollm2-135m")                      # a path or a known name
     ids = m.tokenize("The capital of France is")
@@ -15,16 +15,16 @@ The Python API:
 
 Each name is imported on first use, so that `hybridrt info` and `hybridrt plan` start without
 loading torch. `generate` is imported from its module: the package's attribute of that name is the
-module `hybridrt.generate` as soon as anything has imported it.
+module `hybridrt.decoding.generate` as soon as anything has imported it.
 """
 __version__ = "0.1.0"
 
 # name -> the module that defines it
 _API = {
-    "load_model": ".loader",
-    "SamplerConfig": ".sampling",
-    "SpecConfig": ".speculative.loop",
-    "build_source": ".speculative.sources",
+    "load_model": ".runtime.loader",
+    "SamplerConfig": ".decoding.sampling",
+    "SpecConfig": ".decoding.speculative.loop",
+    "build_source": ".decoding.speculative.sources",
 }
 __all__ = list(_API)
 

@@ -5,7 +5,7 @@ imports them from here, so a value the plan reserves memory for is the value the
 from __future__ import annotations
 
 # `--spec-type` values (llama.cpp's source names). A comma-separated list mixes a lookup with a model
-# source (hybridrt.speculative.draft_chain); the planner sizes a plan for its model source.
+# source (hybridrt.decoding.speculative.draft_chain); the planner sizes a plan for its model source.
 SPEC_TYPES = ("none", "draft-mtp", "draft-simple", "ngram-simple")
 MODEL_TYPES = ("draft-mtp", "draft-simple")     # at most one per chain; the others are lookups, tried first
 
@@ -19,7 +19,7 @@ PROMPT_CHUNK = 512
 OP_OFFLOAD_MIN_BATCH = 64
 
 # KV cache element types: (elements per block, bytes per block). q8_0 is ggml's: 32 int8 + an f16
-# scale. The float types are stored as the torch dtype of the same name (hybridrt.kv_cache).
+# scale. The float types are stored as the torch dtype of the same name (hybridrt.runtime.kv_cache).
 CACHE_TYPES: dict[str, tuple[int, int]] = {"f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34)}
 
 # Weights a device matrix dequantizes at a time for a prompt GEMM (gpu_kernels.qlinear): 8 MiB in

@@ -34,8 +34,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_kernels.norms import rms_norm  # noqa: E402
-from hybridrt.loader import load_model  # noqa: E402
-from hybridrt.mtp_head import head_target  # noqa: E402
+from hybridrt.runtime.loader import load_model  # noqa: E402
+from hybridrt.models.mtp_head import head_target  # noqa: E402
 from hybridrt.train_mtp import train as T  # noqa: E402
 from hybridrt.train_mtp.config import LOSSES, TrainConfig  # noqa: E402
 from hybridrt.train_mtp.torch_model import MTPHeadModule, TorchTeacher, initial_head_tensors, visible  # noqa: E402

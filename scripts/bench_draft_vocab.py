@@ -30,13 +30,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hybridrt.generate import generate  # noqa: E402
-from hybridrt.loader import load_model  # noqa: E402
-from hybridrt.registry import resolve_model  # noqa: E402
-from hybridrt.sampling import SamplerConfig  # noqa: E402
-from hybridrt.speculative.draft_vocab import choose_draft_vocab, draft_head  # noqa: E402
-from hybridrt.speculative.loop import SpecConfig  # noqa: E402
-from hybridrt.speculative.sources import build_source  # noqa: E402
+from hybridrt.decoding.generate import generate  # noqa: E402
+from hybridrt.runtime.loader import load_model  # noqa: E402
+from hybridrt.files.registry import resolve_model  # noqa: E402
+from hybridrt.decoding.sampling import SamplerConfig  # noqa: E402
+from hybridrt.decoding.speculative.draft_vocab import choose_draft_vocab, draft_head  # noqa: E402
+from hybridrt.decoding.speculative.loop import SpecConfig  # noqa: E402
+from hybridrt.decoding.speculative.sources import build_source  # noqa: E402
 from hybridrt.train_mtp.prompts import HELDOUT_PROMPTS  # noqa: E402
 from hybridrt.train_mtp.train import prompt_ids  # noqa: E402
 

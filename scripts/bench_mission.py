@@ -72,8 +72,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 import bench_vs_llamacpp as vs  # noqa: E402
 from hybridrt.errors import UserError  # noqa: E402
-from hybridrt.gguf_file import GGUFError, GGUFFile  # noqa: E402
-from hybridrt.registry import cache_dir, resolve_model  # noqa: E402
+from hybridrt.files.gguf_file import GGUFError, GGUFFile  # noqa: E402
+from hybridrt.files.registry import cache_dir, resolve_model  # noqa: E402
 
 SECTIONS = ("decode", "tk", "pp", "start", "spec")
 DEFAULT_SECTIONS = "decode,tk,pp,start"
@@ -81,7 +81,7 @@ LOAD_MARK = "@bench_mission loaded"
 # `hybridrt run` with load_model wrapped: one stderr line with the epoch seconds it returned at
 RUN_DRIVER = f"""
 import sys, time
-import hybridrt.loader as loader
+import hybridrt.runtime.loader as loader
 load = loader.load_model
 def timed_load(*args, **kwargs):
     loader.load_model = load        # the model's load only, not a draft model's
@@ -89,7 +89,7 @@ def timed_load(*args, **kwargs):
     print("{LOAD_MARK}", time.time(), file=sys.stderr, flush=True)
     return model
 loader.load_model = timed_load
-from hybridrt.cli import main
+from hybridrt.cli.app import main
 main()
 """
 
@@ -285,7 +285,7 @@ def tk_session(model, ids: list[int], k_max: int, rounds: int, cache_type: str =
 def tk_round(model, session, k_max: int) -> dict[int, float]:
     """Seconds of one verify forward of k = 1 .. k_max tokens (logits for all), each rolled back to
     its first token (warmup.verify_costs, one round): the session ends k_max tokens longer."""
-    from hybridrt.warmup import verify_costs
+    from hybridrt.runtime.warmup import verify_costs
 
     times = verify_costs(model, session, k_max, tk_token(model.n_vocab), budget_s=0.0)
     return {k: t[0] for k, t in times.items()}
@@ -366,7 +366,7 @@ def timed_process(cmd: list[str], env: dict | None = None) -> dict:
 
 
 def hybridrt_start(path: Path, threads: int, extra: list[str], cache: str | None) -> dict:
-    from hybridrt.warmup import MESSAGE
+    from hybridrt.runtime.warmup import MESSAGE
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     if cache is not None:
@@ -414,11 +414,11 @@ def spec_run(model, ids: list[int], ref: list[int], n_gen: int, n_max: int, alph
              cache_type: str = "f16", draft_vocab: int = 0):
     """One draft-mtp generation at fixed n_max, each draft token replaced by the target's own greedy
     one (`ref`) with probability alpha, by a wrong one otherwise: (tokens, GenerationStats)."""
-    from hybridrt.generate import generate
-    from hybridrt.sampling import SamplerConfig
-    from hybridrt.speculative.draft_forced import ForcedSource
-    from hybridrt.speculative.loop import SpecConfig
-    from hybridrt.speculative.sources import build_source
+    from hybridrt.decoding.generate import generate
+    from hybridrt.decoding.sampling import SamplerConfig
+    from hybridrt.decoding.speculative.draft_forced import ForcedSource
+    from hybridrt.decoding.speculative.loop import SpecConfig
+    from hybridrt.decoding.speculative.sources import build_source
 
     greedy, spec = SamplerConfig(temp=0.0), SpecConfig(n_max=n_max)
     session = model.session(len(ids) + n_gen + n_max + 8, cache_type, k_max=spec.k_max)
@@ -429,10 +429,10 @@ def spec_run(model, ids: list[int], ref: list[int], n_gen: int, n_max: int, alph
 
 
 def section_spec(args, model, path: Path, results: dict) -> dict:
-    from hybridrt.generate import generate
-    from hybridrt.sampling import SamplerConfig
-    from hybridrt.speculative.loop import SpecConfig
-    from hybridrt.warmup import warm_up
+    from hybridrt.decoding.generate import generate
+    from hybridrt.decoding.sampling import SamplerConfig
+    from hybridrt.decoding.speculative.loop import SpecConfig
+    from hybridrt.runtime.warmup import warm_up
 
     ids = model.tokenize(vs.PROMPT)
     if "hybridrt" not in results:
@@ -475,7 +475,7 @@ RUNNERS = {"decode": section_decode, "tk": section_tk, "pp": section_pp, "start"
 
 def load(args, path: Path):
     """The model the in-process sections measure (None when only `start` runs: it spawns its own)."""
-    from hybridrt.loader import load_model
+    from hybridrt.runtime.loader import load_model
 
     if not set(args.section_list) - {"start"}:
         return None

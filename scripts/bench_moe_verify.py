@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     import numba
     import torch
 
-    from hybridrt.loader import load_model
+    from hybridrt.runtime.loader import load_model
 
     if args.threads:
         numba.set_num_threads(args.threads)

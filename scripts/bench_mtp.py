@@ -25,17 +25,17 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hybridrt.generate import generate  # noqa: E402
-from hybridrt.loader import load_model  # noqa: E402
-from hybridrt.registry import resolve_model  # noqa: E402
-from hybridrt.sampling import SamplerConfig  # noqa: E402
-from hybridrt.speculative.bench_prompts import ADVERSARIAL_PROMPT  # noqa: E402
-from hybridrt.speculative.loop import SpecConfig  # noqa: E402
-from hybridrt.speculative.sources import build_source  # noqa: E402
+from hybridrt.decoding.generate import generate  # noqa: E402
+from hybridrt.runtime.loader import load_model  # noqa: E402
+from hybridrt.files.registry import resolve_model  # noqa: E402
+from hybridrt.decoding.sampling import SamplerConfig  # noqa: E402
+from hybridrt.decoding.speculative.bench_prompts import ADVERSARIAL_PROMPT  # noqa: E402
+from hybridrt.decoding.speculative.loop import SpecConfig  # noqa: E402
+from hybridrt.decoding.speculative.sources import build_source  # noqa: E402
 from hybridrt.train_mtp.config import TrainConfig  # noqa: E402
 from hybridrt.train_mtp.prompts import HELDOUT_PROMPTS  # noqa: E402
 from hybridrt.train_mtp.train import prompt_ids  # noqa: E402
-from hybridrt.warmup import warm_up  # noqa: E402
+from hybridrt.runtime.warmup import warm_up  # noqa: E402
 
 HEADS = Path.home() / ".cache" / "hybridrt" / "heads"
 GREEDY = SamplerConfig(temp=0.0)
@@ -46,7 +46,7 @@ def head_for(model: str, args) -> Path:
     if path.exists() and not args.retrain:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-c", "from hybridrt.cli import main; main()", "train-mtp", "-m", model, "-o", str(path),
+    cmd = [sys.executable, "-c", "from hybridrt.cli.app import main; main()", "train-mtp", "-m", model, "-o", str(path),
            "--tokens", str(args.tokens), "--steps", str(args.steps), "--draft-vocab", str(args.draft_vocab),
            "--json"] + (["-t", str(args.threads)] if args.threads else [])
     t0, c0 = time.perf_counter(), time.process_time()

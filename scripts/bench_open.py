@@ -10,8 +10,8 @@ import json
 import statistics
 import time
 
-from hybridrt.gguf_file import GGUFFile
-from hybridrt.registry import resolve_model
+from hybridrt.files.gguf_file import GGUFFile
+from hybridrt.files.registry import resolve_model
 
 
 def time_open(path, reps: int) -> float:

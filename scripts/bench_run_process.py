@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hybridrt.errors import UserError  # noqa: E402
-from hybridrt.gguf_file import GGUFError, GGUFFile  # noqa: E402
-from hybridrt.registry import resolve_model  # noqa: E402
+from hybridrt.files.gguf_file import GGUFError, GGUFFile  # noqa: E402
+from hybridrt.files.registry import resolve_model  # noqa: E402
 from hybridrt.train_mtp.prompts import HELDOUT_PROMPTS  # noqa: E402
 
 DECODE = re.compile(r"decode: (\d+) tokens in (\d+) ms")
@@ -42,7 +42,7 @@ def run_once(args, prompt, mode: str, chat_template: bool) -> float:
     # chat prompts in the model's template, raw where it has none: the text train-mtp and bench_mtp
     # judge the head on (train.prompt_ids; run -cnv would fall back to ChatML)
     chat = prompt.kind == "chat" and chat_template
-    cmd = [sys.executable, "-c", "from hybridrt.cli import main; main()", "run", "-m", args.model,
+    cmd = [sys.executable, "-c", "from hybridrt.cli.app import main; main()", "run", "-m", args.model,
            "--mtp-head", args.head, "-p", prompt.text, "-n", str(args.n_gen), "--temp", "0", "--ignore-eos",
            "--no-display-prompt", "-t", str(args.threads), *(["-cnv"] if chat else []),
            *mode_args(mode), *args.extra]

@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from hybridrt.loader import load_model
-from hybridrt.mtp_head import head_target
+from hybridrt.runtime.loader import load_model
+from hybridrt.models.mtp_head import head_target
 from hybridrt.train_mtp import torch_model
 from hybridrt.train_mtp.prompts import TRAIN_PROMPTS
 from hybridrt.train_mtp.train import BF16, MAX_SEQ, prompt_ids, text_plan

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from hybridrt.generate import generate, prefill
-from hybridrt.loader import load_model
-from hybridrt.registry import cache_dir, resolve_model
-from hybridrt.sampling import SamplerConfig
+from hybridrt.decoding.generate import generate, prefill
+from hybridrt.runtime.loader import load_model
+from hybridrt.files.registry import cache_dir, resolve_model
+from hybridrt.decoding.sampling import SamplerConfig
 
 PROMPT = "The history of the city of Paris begins"
 

@@ -40,7 +40,7 @@ export PYTHONUNBUFFERED=1
 export OUTDIR
 FAILED=()
 
-hybridrt_cli() { python3 -c "from hybridrt.cli import main; main()" "$@"; }
+hybridrt_cli() { python3 -c "from hybridrt.cli.app import main; main()" "$@"; }
 
 selected() { [ -z "${GPU_CHECK_STEPS:-}" ] || [[ " $GPU_CHECK_STEPS " == *" $1 "* ]]; }
 
@@ -83,7 +83,7 @@ import sys
 from pathlib import Path
 sys.path.insert(0, "scripts")
 import make_model
-from hybridrt.registry import model_path
+from hybridrt.files.registry import model_path
 out = Path(sys.argv[1])
 shapes = {
     "smollm2-135m": ("llama", "q8_0", dict(n_embd=576, n_layer=30, n_ff=1536, n_head=9, n_head_kv=3,

@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from hybridrt.model_profile import load_profile
-from hybridrt.place import PlacementRequest, plan_for
+from hybridrt.files.model_profile import load_profile
+from hybridrt.runtime.place import PlacementRequest, plan_for
 
 
 def main() -> None:

@@ -15,10 +15,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_mtp import GREEDY, prompts  # noqa: E402
-from hybridrt.generate import generate  # noqa: E402
-from hybridrt.loader import load_model  # noqa: E402
-from hybridrt.speculative.loop import SpecConfig  # noqa: E402
-from hybridrt.speculative.sources import build_source  # noqa: E402
+from hybridrt.decoding.generate import generate  # noqa: E402
+from hybridrt.runtime.loader import load_model  # noqa: E402
+from hybridrt.decoding.speculative.loop import SpecConfig  # noqa: E402
+from hybridrt.decoding.speculative.sources import build_source  # noqa: E402
 
 
 def main() -> None:

@@ -15,9 +15,9 @@ import time
 
 import torch
 
-import hybridrt.backends.cpu as cpu_backends
+import hybridrt.runtime.backends.cpu as cpu_backends
 from cpu_kernels import gdn_block, layer_fused, moe_block
-from hybridrt.loader import load_model
+from hybridrt.runtime.loader import load_model
 
 
 def main() -> None:

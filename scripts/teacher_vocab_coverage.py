@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hybridrt.loader import load_model  # noqa: E402
+from hybridrt.runtime.loader import load_model  # noqa: E402
 from hybridrt.train_mtp.torch_model import read_f32  # noqa: E402
 
 

@@ -7,7 +7,7 @@ import torch
 def random_kv_caches(cache: str, n_ctx: int, n_kv: int, d: int):
     """Random keys and values ([n_ctx, n_kv, d], standard normal, from torch's current seed) stored
     as `cache` ("f32", "f16", "bf16" tensors or "q8_0" Q8Rows): the (keys, values) pair attend reads."""
-    from hybridrt.kv_cache import Q8Rows
+    from hybridrt.runtime.kv_cache import Q8Rows
 
     keys, vals = torch.randn(n_ctx, n_kv, d), torch.randn(n_ctx, n_kv, d)
     if cache == "q8_0":

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridrt.registry import model_path
+from hybridrt.files.registry import model_path
 
 SMOLLM2 = model_path("smollm2-135m")
 GEMMA3 = model_path("gemma3-270m")

@@ -7,7 +7,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from hybridrt.speculative.bench_prompts import ADVERSARIAL_PROMPT, ECHO_PROMPT  # noqa: F401
+from hybridrt.decoding.speculative.bench_prompts import ADVERSARIAL_PROMPT, ECHO_PROMPT  # noqa: F401
 
 
 def write_truncated_draft(src: str | Path, dst: str | Path, n_layers: int) -> Path:

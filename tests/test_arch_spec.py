@@ -11,12 +11,12 @@ import pytest
 
 import make_model
 from hybridrt.errors import UserError
-from hybridrt.gguf_file import GGUFFile
-from hybridrt.model_info import read_model_info
-from hybridrt.model_profile import load_profile
+from hybridrt.files.gguf_file import GGUFFile
+from hybridrt.files.model_info import read_model_info
+from hybridrt.files.model_profile import load_profile
 from hybridrt.models import ARCH_SPECS, ArchSpec, model_class
 from hybridrt.models.llama import Llama
-from hybridrt.mtp_head import head_target
+from hybridrt.models.mtp_head import head_target
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -83,7 +83,7 @@ def test_every_reader_reads_every_architecture(tmp_path, arch):
 
 
 def test_an_architecture_missing_from_the_table_fails_loudly(toy_file):
-    from hybridrt.loader import load_model
+    from hybridrt.runtime.loader import load_model
 
     supported = ", ".join(ARCH_SPECS)
     for read in (load_model, lambda p: read_model_info(GGUFFile(p))):
@@ -99,9 +99,9 @@ def test_an_architecture_missing_from_the_table_fails_loudly(toy_file):
 def test_a_test_only_architecture_is_one_entry_and_its_model_class(monkeypatch, toy_file, tiny_qwen3):
     """With TOY in the table (and ToyQwen3 above), the relabelled file loads, decodes qwen3's greedy
     tokens, plans, and is a train-mtp target."""
-    from hybridrt.generate import generate
-    from hybridrt.loader import load_model
-    from hybridrt.sampling import SamplerConfig
+    from hybridrt.decoding.generate import generate
+    from hybridrt.runtime.loader import load_model
+    from hybridrt.decoding.sampling import SamplerConfig
 
     monkeypatch.setitem(ARCH_SPECS, "toyq3", TOY)
     toy, qwen3 = load_model(toy_file), load_model(tiny_qwen3)

@@ -8,12 +8,12 @@ import itertools
 import pytest
 import torch
 
-from hybridrt.backends import binder as binder_module
-from hybridrt.backends import (AttentionHalf, CpuGluFFN, CpuQuantLinear, FfnHalf, FFNBackend, FusedAttentionBlock,
+from hybridrt.runtime.backends import binder as binder_module
+from hybridrt.runtime.backends import (AttentionHalf, CpuGluFFN, CpuQuantLinear, FfnHalf, FFNBackend, FusedAttentionBlock,
                                FusedFfnBlock, LinearBackend, Placement, Role, WeightBinder)
-from hybridrt.backends.binder import RULE_ROWS, RULES, can_meet, rule_for, rule_table
-from hybridrt.gguf_file import GGUFFile
-from hybridrt.runtime_config import Mode, resolve_config
+from hybridrt.runtime.backends.binder import RULE_ROWS, RULES, can_meet, rule_for, rule_table
+from hybridrt.files.gguf_file import GGUFFile
+from hybridrt.runtime.config import Mode, resolve_config
 
 
 def test_every_case_the_binder_meets_has_a_rule():
@@ -58,7 +58,7 @@ def test_a_binder_has_an_executor_exactly_in_a_plans_modes(tiny_llama):
 @pytest.mark.parametrize("fused", [True, False])
 def test_bound_parts_play_their_roles(tiny_llama, fused):
     """What a CPU trunk binds, by the table, fused or on the torch trunk, conforms to the protocols."""
-    from hybridrt.loader import load_model
+    from hybridrt.runtime.loader import load_model
 
     m = load_model(tiny_llama, fused_layers=fused)
     assert m.binder.config.mode is (Mode.CPU_FUSED if fused else Mode.CPU_TORCH)

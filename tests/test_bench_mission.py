@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import bench_mission  # scripts/ is on sys.path (conftest)
-from hybridrt.loader import load_model
+from hybridrt.runtime.loader import load_model
 
 
 def test_defaults():

@@ -9,13 +9,13 @@ import time
 import make_model
 import pytest
 
-from hybridrt import registry
+from hybridrt.files import registry
 from hybridrt.errors import UserError
 from tests.real_models import SMOLLM2, require
 
 
 def cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-c", "from hybridrt.cli import main; main()", *args],
+    return subprocess.run([sys.executable, "-c", "from hybridrt.cli.app import main; main()", *args],
                           capture_output=True, text=True, timeout=timeout)
 
 

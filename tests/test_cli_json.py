@@ -32,7 +32,7 @@ def pip_download(cmd, **kwargs):
     return subprocess.CompletedProcess(cmd, 0, "", "")
 
 subprocess.run = pip_download
-from hybridrt.cli import main
+from hybridrt.cli.app import main
 main()
 """
 

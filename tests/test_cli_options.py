@@ -10,9 +10,9 @@ from typing import Optional
 import typer
 from typer.testing import CliRunner
 
-from hybridrt import cli_options
-from hybridrt.cli import app
-from hybridrt.cli_options import GROUP, MODEL, KVFlags, SpecFlags, flag_groups
+from hybridrt.cli import options as cli_options
+from hybridrt.cli.app import app
+from hybridrt.cli.options import GROUP, MODEL, KVFlags, SpecFlags, flag_groups
 
 # Flags that mean something else in one command, so are that command's own declaration: (flag, command)
 OWN_MEANING = {

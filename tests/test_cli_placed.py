@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from hybridrt.place import PlacementRequest
+from hybridrt.runtime.place import PlacementRequest
 from tests.real_models import SMOLLM2, require
 from tests.test_cli_errors import assert_one_line_error, run_cli
 from tests.test_placed_run import budget_for
@@ -68,7 +68,7 @@ def test_bad_run_flags_are_one_line(args, fragment):
 def test_triton_missing_is_one_line(monkeypatch, capsys):
     """When a kernel needs Triton and it is not installed, main() prints how to install it."""
     import gpu_kernels.triton_support as ts
-    from hybridrt import cli
+    from hybridrt.cli import app as cli
 
     monkeypatch.setattr(ts, "have_triton", lambda: False)
 
@@ -111,8 +111,8 @@ def test_bench_spec_type_none_is_the_plain_bench(tiny_qwen35_mtp):
 def test_bench_decodes_on_the_cache_run_uses(tiny_qwen3, monkeypatch):
     """`bench` times the KV cache `run` decodes on (-ctk / -ctv, f16 by default as llama.cpp), not
     the Python API's f32 default; a bad type is one error line."""
-    from hybridrt.cli_bench import bench_plain
-    from hybridrt.loader import load_model
+    from hybridrt.cli.bench import bench_plain
+    from hybridrt.runtime.loader import load_model
 
     m = load_model(tiny_qwen3)
     made = []

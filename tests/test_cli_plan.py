@@ -9,7 +9,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from hybridrt.cli_plan import parse_size, plan
+from hybridrt.cli.plan import parse_size, plan
 from hybridrt.errors import UserError
 from tests.real_models import GEMMA3, SMOLLM2, require
 
@@ -69,7 +69,7 @@ def test_json_schema_and_totals():
 
 
 def test_auto_without_a_gpu_plans_for_12_gib(monkeypatch):
-    monkeypatch.setattr("hybridrt.cli_plan.detect_gpu", lambda: None)
+    monkeypatch.setattr("hybridrt.cli.plan.detect_gpu", lambda: None)
     r = invoke("-m", require(SMOLLM2), "--json", *FIXED_BW)
     assert r.exit_code == 0, r.output
     assert "no GPU found: planning for 12 GiB" in r.stderr
@@ -77,7 +77,7 @@ def test_auto_without_a_gpu_plans_for_12_gib(monkeypatch):
 
 
 def test_an_error_is_the_only_line_even_without_a_gpu(monkeypatch):
-    monkeypatch.setattr("hybridrt.cli_plan.detect_gpu", lambda: None)
+    monkeypatch.setattr("hybridrt.cli.plan.detect_gpu", lambda: None)
     r = invoke("-m", require(SMOLLM2), "--spec-type", "ngram-simple", "--spec-draft-n-max", "0", *FIXED_BW)
     assert isinstance(r.exception, UserError) and r.stderr == ""
 
@@ -143,7 +143,7 @@ def test_draft_model_with_md():
     d = json.loads(r.stdout)
     lines = {line["key"]: line for line in d["lines"]}
     assert d["options"]["spec_type"] == "draft-simple" and d["options"]["draft"] == SMOLLM2.name
-    from hybridrt.gguf_file import GGUFFile
+    from hybridrt.files.gguf_file import GGUFFile
 
     assert lines["draft_weights"]["gpu_bytes"] == sum(t.nbytes for t in GGUFFile(SMOLLM2).tensors.values())
     assert lines["draft_kv"]["gpu_bytes"] == 2048 * 30 * 3 * 64 * 2 * 2
@@ -151,9 +151,9 @@ def test_draft_model_with_md():
 
 
 def test_auto_with_a_gpu_uses_its_free_memory_and_bandwidth(monkeypatch):
-    from hybridrt.cli_plan import GPUInfo
+    from hybridrt.cli.plan import GPUInfo
 
-    monkeypatch.setattr("hybridrt.cli_plan.detect_gpu", lambda: GPUInfo("Fake GPU", 200 << 20, 1 << 30, 300e9))
+    monkeypatch.setattr("hybridrt.cli.plan.detect_gpu", lambda: GPUInfo("Fake GPU", 200 << 20, 1 << 30, 300e9))
     r = invoke("-m", require(SMOLLM2), "--margin", "64MiB", "-c", "1024", "--cpu-bw", "20", "--json")
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)

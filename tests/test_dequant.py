@@ -114,7 +114,7 @@ def test_bad_inputs():
 
 def _sample_tensors(path, per_type, max_rows):
     """(name, qtype, n_cols, raw) for the first `per_type` tensors of each type, first rows only."""
-    from hybridrt.gguf_file import GGUFFile
+    from hybridrt.files.gguf_file import GGUFFile
 
     f = GGUFFile(path)
     seen: dict[int, int] = {}

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from hybridrt.generate import generate
-from hybridrt.loader import load_model
-from hybridrt.sampling import SamplerConfig
-from hybridrt.speculative.loop import SpecConfig
-from hybridrt.speculative.sources import build_source
+from hybridrt.decoding.generate import generate
+from hybridrt.runtime.loader import load_model
+from hybridrt.decoding.sampling import SamplerConfig
+from hybridrt.decoding.speculative.loop import SpecConfig
+from hybridrt.decoding.speculative.sources import build_source
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7]
 
@@ -35,7 +35,7 @@ def test_the_python_api_decodes_plainly_and_speculatively(tiny_qwen3):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     from hybridrt import SamplerConfig, SpecConfig, build_source, load_model
-    from hybridrt.generate import generate
+    from hybridrt.decoding.generate import generate
 
     m = load_model(tiny_qwen3)
     ids = PROMPT * 3

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFValueType
 
-from hybridrt.gguf_file import GGUFFile
+from hybridrt.files.gguf_file import GGUFFile
 from tests.real_models import GEMMA3, SMOLLM2, require
 
 

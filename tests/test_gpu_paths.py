@@ -113,7 +113,7 @@ def test_prompt_attention_in_query_blocks_is_the_one_call(monkeypatch, cache, n_
 def test_use_cuda_device_makes_cuda_n_current(monkeypatch):
     """Triton launches and CUDA events act on the current device: cuda:N becomes it; an index past
     the machine's devices is one UserError line."""
-    from hybridrt import loader
+    from hybridrt.runtime import loader
     from hybridrt.errors import UserError
 
     chosen = []
@@ -129,7 +129,8 @@ def test_use_cuda_device_makes_cuda_n_current(monkeypatch):
 def test_bench_loads_the_draft_where_run_does(monkeypatch, tiny_llama):
     """`bench -md` binds the draft model on the trunk's device as `run` does (it was always loaded
     on the CPU: beside a GPU target, a setup other than the planned one)."""
-    from hybridrt import cli_bench, loader
+    from hybridrt.cli import bench as cli_bench
+    from hybridrt.runtime import loader
 
     m = loader.load_model(tiny_llama)
     seen = {}

@@ -9,7 +9,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from cpu_kernels.quantize import quantize
 from gpu_kernels.quant import QUANTIZED_TYPES, SUPPORTED_TYPES, block_shape, dequantize_torch, row_bytes
-from hybridrt.gguf_file import GGUFFile
+from hybridrt.files.gguf_file import GGUFFile
 from tests.real_models import GEMMA3, SMOLLM2, require
 
 ALL = [T(q) for q in SUPPORTED_TYPES]

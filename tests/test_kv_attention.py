@@ -162,13 +162,13 @@ def test_exp_is_within_two_ulp_and_lanes_agree():
 @pytest.mark.parametrize("cache", ["f32", "f16", "q8_0", "bf16"])
 @pytest.mark.parametrize("n_new,start,window,first", [(40, 0, 0, 0), (70, 5, 32, 0), (3, 60, 0, 1)])
 def test_attend_on_cpu_matches_torch_attend(cache, n_new, start, window, first):
-    """The CPU trunk's attention (hybridrt.backends.attend_on_cpu: kv_attention for f32 / f16 /
+    """The CPU trunk's attention (hybridrt.runtime.backends.attend_on_cpu: kv_attention for f32 / f16 /
     q8_0 caches, prompt batches included) gives torch's attend within float32 rounding, on the
     same cache objects a session holds; a bf16 cache takes torch's path."""
     import torch
 
     from gpu_kernels.attention import attend
-    from hybridrt.backends.fused import _fused_cache_view, attend_on_cpu
+    from hybridrt.runtime.backends.fused import _fused_cache_view, attend_on_cpu
 
     n_head, n_kv, d = 6, 2, 64
     torch.manual_seed(n_new + start)

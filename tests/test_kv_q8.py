@@ -13,11 +13,11 @@ from gguf.constants import GGMLQuantizationType as T
 
 from gpu_kernels.attention import attend, q8_0_dequantize, q8_0_quantize
 from hybridrt.errors import UserError
-from hybridrt.generate import generate
-from hybridrt.kv_cache import KVCache, KVTypes, cache_dtype, kv_cache_type
-from hybridrt.sampling import SamplerConfig
-from hybridrt.speculative.loop import SpecConfig
-from hybridrt.speculative.sources import build_source
+from hybridrt.decoding.generate import generate
+from hybridrt.runtime.kv_cache import KVCache, KVTypes, cache_dtype, kv_cache_type
+from hybridrt.decoding.sampling import SamplerConfig
+from hybridrt.decoding.speculative.loop import SpecConfig
+from hybridrt.decoding.speculative.sources import build_source
 from tests.real_models import SMOLLM2, require
 from tests.spec_helpers import ECHO_PROMPT
 
@@ -88,7 +88,7 @@ def test_attention_q8_within_derived_bound(n_tok):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from hybridrt.loader import load_model
+    from hybridrt.runtime.loader import load_model
 
     return load_model(require(SMOLLM2))
 

@@ -317,7 +317,7 @@ def test_ffn_block_token_does_not_depend_on_the_batch_or_threads(integer):
 
 
 def test_rms_norm_rows_matches_float64_and_the_binders_cpu_norm_is_it():
-    from hybridrt.backends import rms_norm_on_cpu
+    from hybridrt.runtime.backends import rms_norm_on_cpu
     rng = np.random.default_rng()
     x = (rng.standard_normal((3, 576)) * rng.uniform(0.01, 30, (3, 1))).astype(np.float32)
     w = rng.standard_normal(576).astype(np.float32)
@@ -331,7 +331,7 @@ def test_rms_norm_rows_matches_float64_and_the_binders_cpu_norm_is_it():
 def test_kernel_types_must_cover_every_matrix():
     """The compile-time type set and float flag leave other types' code out, so a matrix outside
     them would write nothing: the binder refuses such a layer at load time."""
-    from hybridrt.backends.fused import _covering
+    from hybridrt.runtime.backends.fused import _covering
 
     ops = [(None, int(T.Q4_1), 32, True), (None, int(T.F32), 1, False)]
     assert layer_fused.kernel_types((op[1], op[3]) for op in ops) == (types_tag([T.Q4_1]), (0,))
@@ -410,8 +410,8 @@ def test_attention_kernels_agree_compiled_or_loaded_from_the_cache(tmp_path):
 def test_a_plain_cpu_models_final_norm_is_the_compiled_one(tiny_llama):
     """The trunk's final norm runs rms_norm_rows on a plain CPU trunk (torch's ops cost ~3x as much
     after a decode step), torch's rms_norm wherever a plan executes."""
-    from hybridrt.backends import rms_norm_on_cpu
-    from hybridrt.loader import load_model
+    from hybridrt.runtime.backends import rms_norm_on_cpu
+    from hybridrt.runtime.loader import load_model
     m = load_model(tiny_llama)
     fused_trunk = m.binder.config.mode.fused
     assert (m.norm is rms_norm_on_cpu) == fused_trunk

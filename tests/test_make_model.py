@@ -322,7 +322,7 @@ def test_block_pools_cover_the_fallback_types():
 
 @pytest.mark.parametrize("preset", sorted(make_model.PRESETS))
 def test_reduced_preset_loads_and_runs(tmp_path, preset, single_thread):
-    from hybridrt.loader import load_model
+    from hybridrt.runtime.loader import load_model
 
     d, mix = _reduced(preset)
     model = load_model(make_model.write_preset_dims(tmp_path / "m.gguf", d, mix, seed=2))

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridrt.generate import generate
-from hybridrt.loader import load_model
-from hybridrt.sampling import SamplerConfig
+from hybridrt.decoding.generate import generate
+from hybridrt.runtime.loader import load_model
+from hybridrt.decoding.sampling import SamplerConfig
 from tests.real_models import GEMMA3, SMOLLM2, require
 
 

@@ -18,8 +18,8 @@ from gguf.constants import MODEL_ARCH_NAMES, MODEL_TENSORS, TENSOR_NAMES
 
 import make_model
 from cpu_kernels.quantize_act import RESIDUAL_MAX_TOKENS
-from hybridrt import backends
-from hybridrt.loader import load_model
+from hybridrt.runtime import backends
+from hybridrt.runtime.loader import load_model
 from reference import reference_for
 
 ARCHS = ("llama", "qwen3", "gemma3", "qwen35", "qwen3next")
@@ -75,7 +75,7 @@ def test_decode_steps_match_float64_reference(tiny_file, arch, mix):
     kernels, where one forward of 40 tokens takes the torch path; with HYBRIDRT_FUSED_LAYERS=0
     the torch trunk) on the exact path."""
     from gpu_kernels.attention import attend
-    from hybridrt.backends import FusedAttentionBlock, FusedFfnBlock, attend_on_cpu
+    from hybridrt.runtime.backends import FusedAttentionBlock, FusedFfnBlock, attend_on_cpu
 
     path = tiny_file(arch, mix)
     model = load_model(path, exact_activations=True)
@@ -176,7 +176,7 @@ def test_the_bound_sees_a_sliding_window_off_by_one(tiny_file):
 def test_tiny_layout_uses_only_llama_cpp_tensor_names(tiny_file, arch):
     """Every tensor of a tiny file is one gguf-py lists for the architecture (the names llama.cpp's
     loader looks up)."""
-    from hybridrt.gguf_file import GGUFFile
+    from hybridrt.files.gguf_file import GGUFFile
 
     arch_enum = next(a for a, name in MODEL_ARCH_NAMES.items() if name == arch)
     gguf = GGUFFile(tiny_file(arch, "q8_0"))
@@ -192,7 +192,7 @@ def test_tiny_layout_uses_only_llama_cpp_tensor_names(tiny_file, arch):
 
 
 def test_gemma3_tiny_exercises_local_and_global_layers_and_the_window(tiny_file):
-    from hybridrt.gguf_file import GGUFFile
+    from hybridrt.files.gguf_file import GGUFFile
 
     g = GGUFFile(tiny_file("gemma3", "f32"))
     n_layer, window = int(g.get("block_count")), int(g.get("attention.sliding_window"))
@@ -202,7 +202,7 @@ def test_gemma3_tiny_exercises_local_and_global_layers_and_the_window(tiny_file)
 
 
 def test_qwen3next_tiny_has_packed_beta_alpha_and_experts(tiny_file):
-    from hybridrt.gguf_file import GGUFFile
+    from hybridrt.files.gguf_file import GGUFFile
 
     g = GGUFFile(tiny_file("qwen3next", "f32"))
     hv, hk = int(g.get("ssm.time_step_rank")), int(g.get("ssm.group_count"))

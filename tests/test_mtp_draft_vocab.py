@@ -11,13 +11,13 @@ import torch
 
 import make_model
 from hybridrt.errors import UserError
-from hybridrt.generate import generate
-from hybridrt.loader import load_model
-from hybridrt.sampling import SamplerConfig
-from hybridrt.speculative.draft_vocab import bundled_text, choose_draft_vocab, draft_head
-from hybridrt.speculative.loop import SpecConfig
-from hybridrt.speculative.sources import build_source
-from hybridrt.tokenizer import CONTROL
+from hybridrt.decoding.generate import generate
+from hybridrt.runtime.loader import load_model
+from hybridrt.decoding.sampling import SamplerConfig
+from hybridrt.decoding.speculative.draft_vocab import bundled_text, choose_draft_vocab, draft_head
+from hybridrt.decoding.speculative.loop import SpecConfig
+from hybridrt.decoding.speculative.sources import build_source
+from hybridrt.files.tokenizer import CONTROL
 from tests.test_spec_loop import GREEDY, N_GEN, plain, prompt
 from tests.test_train_mtp import check_reduced_vocab_exact
 
@@ -153,8 +153,8 @@ def test_a_draft_vocab_needs_the_mtp_source_and_the_built_in_head(qwen35, monkey
 
 
 def test_warm_up_builds_the_rows_the_run_drafts_with(qwen35):
-    from hybridrt.speculative.draft_vocab import _CHOSEN_ROWS
-    from hybridrt.warmup import warm_up
+    from hybridrt.decoding.speculative.draft_vocab import _CHOSEN_ROWS
+    from hybridrt.runtime.warmup import warm_up
 
     warm_up(qwen35, "draft-mtp", SpecConfig(n_max=2), GREEDY, "f32", draft_vocab=V + 1)
     assert V + 1 in _CHOSEN_ROWS[qwen35.mtp]
@@ -167,7 +167,7 @@ def test_run_takes_the_draft_vocab_and_prints_plain_decodings_text(tiny_qwen35_m
     import sys
 
     def run_cli(*flags):
-        return subprocess.run([sys.executable, "-c", "from hybridrt.cli import main; main()", "run", "-m",
+        return subprocess.run([sys.executable, "-c", "from hybridrt.cli.app import main; main()", "run", "-m",
                                str(tiny_qwen35_mtp), "-p", "a b c", "-n", "12", "--temp", "0", "-t", "1",
                                "--no-display-prompt", *flags], capture_output=True, text=True)
     plain = run_cli("--spec-type", "none")
@@ -186,7 +186,7 @@ def test_bench_takes_the_draft_vocab(tiny_qwen35_mtp):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-c", "from hybridrt.cli import main; main()", "bench", "-m",
+    r = subprocess.run([sys.executable, "-c", "from hybridrt.cli.app import main; main()", "bench", "-m",
                         str(tiny_qwen35_mtp), "--spec-type", "draft-mtp", "--spec-draft-n-max", "2",
                         "--spec-draft-vocab", "64", "-n", "12", "-r", "1", "-t", "1", "--cpu-bw", "10", "--json"],
                        capture_output=True, text=True)

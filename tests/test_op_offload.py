@@ -10,13 +10,13 @@ import dataclasses
 import pytest
 import torch
 
-from hybridrt.backends import OP_OFFLOAD_MIN_BATCH, HostFFN, SplitFFN, StreamedFFN, staged_bytes
-from hybridrt.generate import generate
-from hybridrt.loader import load_model
-from hybridrt.model_profile import load_profile
-from hybridrt.place import PlacementRequest
-from hybridrt.sampling import SamplerConfig
-from hybridrt.trace import Tracer
+from hybridrt.runtime.backends import OP_OFFLOAD_MIN_BATCH, HostFFN, SplitFFN, StreamedFFN, staged_bytes
+from hybridrt.decoding.generate import generate
+from hybridrt.runtime.loader import load_model
+from hybridrt.files.model_profile import load_profile
+from hybridrt.runtime.place import PlacementRequest
+from hybridrt.decoding.sampling import SamplerConfig
+from hybridrt.runtime.trace import Tracer
 from placement import PlanOptions, plan
 from placement.plan import OP_OFFLOAD_MIN_BATCH as PLANNED_MIN_BATCH
 from tests.real_models import SMOLLM2, require
@@ -33,7 +33,7 @@ TEXT = ("The capital of France is a city that has many famous museums, such as t
 
 def test_the_runtime_and_the_planner_agree_on_the_batch():
     assert OP_OFFLOAD_MIN_BATCH == PLANNED_MIN_BATCH == 64
-    from hybridrt.cli_run import MAX_DRAFTS
+    from hybridrt.cli.run import MAX_DRAFTS
 
     assert OP_OFFLOAD_MIN_BATCH > MAX_DRAFTS + 1        # no verify batch takes it
 

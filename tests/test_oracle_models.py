@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import make_model
-from hybridrt.loader import load_model
+from hybridrt.runtime.loader import load_model
 from oracle_llamacpp import llamacpp_logits
 from real_models import GEMMA3, SMOLLM2, require
 from reference import reference_for

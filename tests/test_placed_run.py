@@ -11,15 +11,15 @@ import json
 import pytest
 import torch
 
-from hybridrt.backends import CpuGluFFN, DeviceLinear, GluFFN, HostFFN, SplitFFN
-from hybridrt.generate import generate
-from hybridrt.loader import load_model
-from hybridrt.model_profile import load_profile
-from hybridrt.place import PlacementRequest, plan_for, placement_line
-from hybridrt.sampling import SamplerConfig
-from hybridrt.speculative.loop import SpecConfig
-from hybridrt.speculative.sources import build_source
-from hybridrt.trace import Tracer
+from hybridrt.runtime.backends import CpuGluFFN, DeviceLinear, GluFFN, HostFFN, SplitFFN
+from hybridrt.decoding.generate import generate
+from hybridrt.runtime.loader import load_model
+from hybridrt.files.model_profile import load_profile
+from hybridrt.runtime.place import PlacementRequest, plan_for, placement_line
+from hybridrt.decoding.sampling import SamplerConfig
+from hybridrt.decoding.speculative.loop import SpecConfig
+from hybridrt.decoding.speculative.sources import build_source
+from hybridrt.runtime.trace import Tracer
 from gpu_kernels.qlinear import QuantLinear
 from tests.real_models import SMOLLM2, require
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
-from hybridrt.model_profile import load_profile
+from hybridrt.files.model_profile import load_profile
 from placement import (AttentionShape, GDNShape, LayerProfile, MiB, ModelProfile, PlanError, PlanOptions,
                        TensorEntry, cache_row_bytes, expected_tokens_per_step, layer_ranges, plan, scratch_bytes)
 from tests.real_models import GEMMA3, SMOLLM2, require
@@ -346,10 +346,10 @@ def test_the_planner_and_the_runtime_share_one_statement_of_their_constants():
 
     from placement import constants
 
-    # (import_module: `placement.plan` and `hybridrt.generate` are also the names of functions)
+    # (import_module: `placement.plan` and `hybridrt.decoding.generate` are also the names of functions)
     cli_options, crossing, generate, kv_cache, session, spec_types, plan = (
-        importlib.import_module(m) for m in ("hybridrt.cli_options", "hybridrt.backends.crossing", "hybridrt.generate",
-                                             "hybridrt.kv_cache", "hybridrt.session", "hybridrt.speculative.spec_types",
+        importlib.import_module(m) for m in ("hybridrt.cli.options", "hybridrt.runtime.backends.crossing", "hybridrt.decoding.generate",
+                                             "hybridrt.runtime.kv_cache", "hybridrt.runtime.session", "hybridrt.decoding.speculative.spec_types",
                                              "placement.plan"))
 
     assert session.PROMPT_CHUNK is generate.PROMPT_CHUNK is plan.PROMPT_CHUNK is constants.PROMPT_CHUNK

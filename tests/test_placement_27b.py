@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridrt.gguf_file import GGUFFile
-from hybridrt.model_profile import load_profile
+from hybridrt.files.gguf_file import GGUFFile
+from hybridrt.files.model_profile import load_profile
 from placement import GiB, MiB, PlanOptions, plan
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_model.py"
@@ -111,13 +111,13 @@ def _cli():
     """The real `hybridrt` entry when it has `plan`, else an app built from the command function."""
     code = ("import sys, typer\n"
             "from hybridrt.errors import UserError\n"
-            "from hybridrt.cli_plan import plan\n"
+            "from hybridrt.cli.plan import plan\n"
             "app = typer.Typer(); app.command('plan')(plan); app.command('noop')(lambda: None)\n"
             "try:\n    app()\nexcept UserError as e:\n    print('error:', e, file=sys.stderr); sys.exit(2)\n")
-    real = subprocess.run([sys.executable, "-c", "from hybridrt.cli import main; main()", "plan", "--help"],
+    real = subprocess.run([sys.executable, "-c", "from hybridrt.cli.app import main; main()", "plan", "--help"],
                           capture_output=True, text=True)
     if real.returncode == 0:
-        return [sys.executable, "-c", "from hybridrt.cli import main; main()"]
+        return [sys.executable, "-c", "from hybridrt.cli.app import main; main()"]
     return [sys.executable, "-c", code]
 
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 import make_model
-from hybridrt.model_profile import load_profile
+from hybridrt.files.model_profile import load_profile
 from placement import GiB, MiB, PlanError, PlanOptions, plan
 from tests.test_placement import synthetic_profile
 from tests.test_placement_27b import _cli
@@ -121,7 +121,7 @@ def test_cli_info_and_plan_on_the_35b_a3b(a3b_path):
                                   capture_output=True, text=True).stdout)
     assert d["options"]["n_cpu_moe"] == 3 and d["ffn_cpu_layers"][:3] == [0, 1, 2]
     assert {line["key"] for line in d["lines"]} >= {"moe_shared", "ffn"}
-    info = [sys.executable, "-c", "from hybridrt.cli import main; main()", "info", str(a3b_path), "--json"]
+    info = [sys.executable, "-c", "from hybridrt.cli.app import main; main()", "info", str(a3b_path), "--json"]
     r, cpu = _cpu_seconds(info)
     assert r.returncode == 0, r.stderr
     facts = json.loads(r.stdout)

@@ -11,9 +11,9 @@ from cpu_kernels.quantize import quantize
 from gpu_kernels.attention import ROWWISE_MAX
 from gpu_kernels.qlinear import TILE_ELEMS, QuantLinear, TileScratch
 from gpu_kernels.quant import QUANTIZED_TYPES, dequantize_torch
-from hybridrt.backends import DeviceLinear, WeightBinder
-from hybridrt.gguf_file import GGUFFile
-from hybridrt.loader import load_model
+from hybridrt.runtime.backends import DeviceLinear, WeightBinder
+from hybridrt.files.gguf_file import GGUFFile
+from hybridrt.runtime.loader import load_model
 from tests.real_models import SMOLLM2, require
 
 QTYPES = [T(q) for q in QUANTIZED_TYPES]

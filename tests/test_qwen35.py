@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import make_model
-from hybridrt.loader import load_model
-from hybridrt.snapshot_ring import SnapshotRing
+from hybridrt.runtime.loader import load_model
+from hybridrt.runtime.snapshot_ring import SnapshotRing
 from tests.reference.ref_qwen35 import RefQwen35
 
 TOKENS = [int(t) for t in np.random.default_rng(7).integers(3, 300, 40)]

@@ -8,15 +8,15 @@ import pytest
 import torch
 
 import make_model
-from hybridrt.backends import FusedMoEBlock, RoutedExperts
-from hybridrt.generate import generate
-from hybridrt.gguf_file import GGUFFile
-from hybridrt.loader import load_model
-from hybridrt.model_info import read_model_info
+from hybridrt.runtime.backends import FusedMoEBlock, RoutedExperts
+from hybridrt.decoding.generate import generate
+from hybridrt.files.gguf_file import GGUFFile
+from hybridrt.runtime.loader import load_model
+from hybridrt.files.model_info import read_model_info
 from hybridrt.models.qwen35 import MoEFFN, Qwen35Moe
-from hybridrt.sampling import SamplerConfig
-from hybridrt.speculative.loop import SpecConfig
-from hybridrt.speculative.sources import build_source
+from hybridrt.decoding.sampling import SamplerConfig
+from hybridrt.decoding.speculative.loop import SpecConfig
+from hybridrt.decoding.speculative.sources import build_source
 from tests.reference.common import rms_norm
 from tests.reference.ref_qwen35 import RefQwen35
 

@@ -1,4 +1,4 @@
-"""hybridrt/runtime_config.py: the environment's switches read as documented, a flag or API argument
+"""hybridrt/runtime/config.py: the environment's switches read as documented, a flag or API argument
 over the environment, the execution mode from the device and the plan, one frozen config a load
 resolves (model.binder.config)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from hybridrt.runtime_config import ENV, ENV_VARIABLES, Mode, RuntimeConfig, Switches, execution_mode, read_env, \
+from hybridrt.runtime.config import ENV, ENV_VARIABLES, Mode, RuntimeConfig, Switches, execution_mode, read_env, \
     resolve_config
 
 
@@ -86,7 +86,7 @@ def test_a_head_binds_without_the_plan():
 
 
 def test_importing_it_loads_no_torch():
-    r = subprocess.run([sys.executable, "-c", "import sys, hybridrt.runtime_config; print('torch' in sys.modules)"],
+    r = subprocess.run([sys.executable, "-c", "import sys, hybridrt.runtime.config; print('torch' in sys.modules)"],
                        capture_output=True, text=True, env=dict(os.environ))
     assert r.stdout.strip() == "False", r.stderr
 
@@ -94,7 +94,7 @@ def test_importing_it_loads_no_torch():
 def test_load_model_resolves_it_once(tiny_llama, monkeypatch):
     """The environment as the load finds it, an argument over it; the binder and what it bound
     hold that one config."""
-    from hybridrt.loader import load_model
+    from hybridrt.runtime.loader import load_model
 
     monkeypatch.setenv("HYBRIDRT_ACT_RESIDUAL", "0")
     monkeypatch.setenv("HYBRIDRT_FUSED_LAYERS", "0")

@@ -1,6 +1,6 @@
 """`hybridrt serve` end to end: a server process on a free 127.0.0.1 port with SmolLM2, spoken to
 with the real `openai` client and with raw HTTP (httpx). Greedy answers equal
-`hybridrt.generate.generate` on the same prompt; errors are OpenAI-shaped JSON with the right
+`hybridrt.decoding.generate.generate` on the same prompt; errors are OpenAI-shaped JSON with the right
 status; a client that leaves frees its session; a full queue answers 503; a bounded load test of
 mixed requests leaves every session free and the server's RSS flat. Nothing leaves loopback."""
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from hybridrt.errors import UserError
-from hybridrt.generate import generate
-from hybridrt.sampling import SamplerConfig
+from hybridrt.decoding.generate import generate
+from hybridrt.decoding.sampling import SamplerConfig
 from hybridrt.server.logprobs import LogprobTrack, TokenLogprob
 from hybridrt.server.stops import StopScanner
 from tests.real_models import SMOLLM2, require
@@ -62,11 +62,11 @@ def test_a_session_keeps_its_length_policies_between_requests(tiny_qwen35_mtp):
     """The pool continues adaptive length's policies from one request to the next on a session
     (generate's `policies`): one per session, greedy and sampled requests apart; each
     request's output is still plain decoding's."""
-    from hybridrt.loader import load_model
+    from hybridrt.runtime.loader import load_model
     from hybridrt.server.metrics import Metrics
     from hybridrt.server.pool import ServeConfig, SessionPool
     from hybridrt.server.schemas import GenRequest
-    from hybridrt.speculative.loop import SpecConfig
+    from hybridrt.decoding.speculative.loop import SpecConfig
 
     m = load_model(tiny_qwen35_mtp)
     pool = SessionPool(m, ServeConfig(n_ctx=256, spec_type="draft-mtp", spec=SpecConfig(n_max=2, adaptive=True), n_parallel=2),
@@ -92,12 +92,12 @@ def test_serve_warm_up_starts_every_sessions_policies_from_its_timings(tiny_qwen
     """serve's warm-up (warmup.warm_up, before the pool's sessions are made) times the verify sizes;
     each session's greedy and sampled policies start from a copy of those timings, and a request
     continues its session's copy, with plain decoding's output."""
-    from hybridrt.loader import load_model
+    from hybridrt.runtime.loader import load_model
     from hybridrt.server.metrics import Metrics
     from hybridrt.server.pool import ServeConfig, SessionPool
     from hybridrt.server.schemas import GenRequest
-    from hybridrt.speculative.loop import SpecConfig
-    from hybridrt.warmup import warm_up
+    from hybridrt.decoding.speculative.loop import SpecConfig
+    from hybridrt.runtime.warmup import warm_up
 
     m = load_model(tiny_qwen35_mtp)
     spec = SpecConfig(n_max=2, adaptive=True)
@@ -116,7 +116,7 @@ def test_serve_warm_up_starts_every_sessions_policies_from_its_timings(tiny_qwen
 
 
 def test_serve_without_the_stack_prints_one_install_line(monkeypatch):
-    from hybridrt import cli_serve
+    from hybridrt.cli import serve as cli_serve
 
     monkeypatch.setitem(sys.modules, "uvicorn", None)        # import uvicorn -> ImportError
     with pytest.raises(UserError, match=r"pip install 'hybridrt\[serve\]'"):
@@ -124,7 +124,7 @@ def test_serve_without_the_stack_prints_one_install_line(monkeypatch):
 
 
 def test_serve_bad_flags_are_one_line_errors():
-    r = subprocess.run([sys.executable, "-c", "from hybridrt.cli import main; main()", "serve", "-m", MODEL,
+    r = subprocess.run([sys.executable, "-c", "from hybridrt.cli.app import main; main()", "serve", "-m", MODEL,
                         "-ctk", "q4_0"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
     assert r.stderr.startswith("error: unsupported KV cache type 'q4_0'")
@@ -143,7 +143,7 @@ class Server:
         self.url = f"http://{HOST}:{self.port}"
         self.log_path = log_path
         self.log = open(log_path, "w")
-        cmd = [sys.executable, "-c", "from hybridrt.cli import main; main()", "serve", "-m", MODEL,
+        cmd = [sys.executable, "-c", "from hybridrt.cli.app import main; main()", "serve", "-m", MODEL,
                "--host", HOST, "--port", str(self.port), "--log-level", "warning", "-t", "1", *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
@@ -194,7 +194,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model():
-    from hybridrt.loader import load_model
+    from hybridrt.runtime.loader import load_model
 
     return load_model(require(SMOLLM2))
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrt.sampling import SamplerConfig, argmax_rows, dense_probs, filtered_probs
-from hybridrt.speculative.acceptance import SampledAcceptor, Verdict, accept_greedy, sample_and_match
-from hybridrt.speculative.draft import Draft
+from hybridrt.decoding.sampling import SamplerConfig, argmax_rows, dense_probs, filtered_probs
+from hybridrt.decoding.speculative.acceptance import SampledAcceptor, Verdict, accept_greedy, sample_and_match
+from hybridrt.decoding.speculative.draft import Draft
 
 V = 8
 CFG = SamplerConfig(temp=0.7, top_k=6, top_p=0.97, min_p=0.02)

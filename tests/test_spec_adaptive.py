@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from hybridrt.generate import generate
-from hybridrt.sampling import SamplerConfig
-from hybridrt.speculative.adaptive import DraftLengthPolicy
-from hybridrt.speculative.draft_forced import ForcedSource
-from hybridrt.speculative.loop import SpecConfig
-from hybridrt.speculative.sources import build_source
+from hybridrt.decoding.generate import generate
+from hybridrt.decoding.sampling import SamplerConfig
+from hybridrt.decoding.speculative.adaptive import DraftLengthPolicy
+from hybridrt.decoding.speculative.draft_forced import ForcedSource
+from hybridrt.decoding.speculative.loop import SpecConfig
+from hybridrt.decoding.speculative.sources import build_source
 from tests.test_spec_loop import GREEDY, N_GEN, plain, prompt, qwen3, qwen35, spec_run  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -195,7 +195,7 @@ def test_first_row_sums_follow_the_recent_rows():
     """gated_gain and the chain prior read per-tenth sums kept as rows come and go: after any
     number of rows (the oldest leaving at 32) they equal the sums over the rows still held."""
     import random
-    from hybridrt.speculative.adaptive import tenth
+    from hybridrt.decoding.speculative.adaptive import tenth
     rng = random.Random()
     p = Policy(n_max=2, gating=True)
     for n in range(1, 120):
@@ -213,7 +213,7 @@ def test_a_gated_drafts_token_and_confidence_are_its_rows_argmax_and_softmax():
     """The picker's numpy shortcut for a CPU float32 row gives the first argmax (as argmax_rows,
     so a gated draft proposes what an ungated one would) and the softmax probability of it."""
     import torch
-    from hybridrt.speculative.draft import argmax_top1
+    from hybridrt.decoding.speculative.draft import argmax_top1
     g = torch.Generator().manual_seed(1)
     for dtype in (torch.float32, torch.bfloat16):
         for _ in range(20):
@@ -262,7 +262,7 @@ def test_plain_step_cost_is_measured_not_extrapolated():
 def test_refused_drafts_are_judged_against_the_right_row(qwen3, tiny_qwen3, tmp_path, monkeypatch, self_draft):
     """The gate refuses every first draft: each step verifies one token, and its last row judges the
     refused draft, which must come out exactly as (refused token == plain decoding's next token)."""
-    from hybridrt.loader import load_model
+    from hybridrt.runtime.loader import load_model
     from scripts import make_model
     from tests.test_spec_loop import prompt as make_prompt
     draft_model = qwen3 if self_draft else load_model(make_model.write_model(tmp_path / "d.gguf", "qwen3", seed=1))
@@ -293,9 +293,9 @@ def test_refused_drafts_are_judged_against_the_right_row(qwen3, tiny_qwen3, tmp_
 
 def test_acceptance_chance_is_the_overlap_of_p_and_q():
     import torch
-    from hybridrt.sampling import filtered_probs, make_generator
-    from hybridrt.speculative.acceptance import SampledAcceptor
-    from hybridrt.speculative.draft import Draft
+    from hybridrt.decoding.sampling import filtered_probs, make_generator
+    from hybridrt.decoding.speculative.acceptance import SampledAcceptor
+    from hybridrt.decoding.speculative.draft import Draft
     cfg = SamplerConfig(temp=0.8, top_k=40)
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(2, 300, generator=g) * 3
@@ -350,7 +350,7 @@ def test_a_chain_stops_before_a_row_that_could_not_pay():
 
 def test_the_source_asks_before_computing_a_chained_row(qwen35):
     """draft-mtp with a picker whose `worth` refuses row 1: every proposal stops after one draft."""
-    from hybridrt.speculative.loop import SpecConfig
+    from hybridrt.decoding.speculative.loop import SpecConfig
     from tests.test_spec_loop import prompt as make_prompt
     spec = SpecConfig(n_max=3)
     session = qwen35.session(128, k_max=spec.k_max)

@@ -6,14 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridrt.cli_run import adaptive_default
+from hybridrt.cli.run import adaptive_default
 from hybridrt.errors import UserError
-from hybridrt.generate import generate
-from hybridrt.sampling import SamplerConfig
-from hybridrt.speculative.draft_chain import DraftChain
-from hybridrt.speculative.loop import SpecConfig
-from hybridrt.speculative.sources import build_source
-from hybridrt.speculative.spec_types import model_spec_type, spec_type_parts
+from hybridrt.decoding.generate import generate
+from hybridrt.decoding.sampling import SamplerConfig
+from hybridrt.decoding.speculative.draft_chain import DraftChain
+from hybridrt.decoding.speculative.loop import SpecConfig
+from hybridrt.decoding.speculative.sources import build_source
+from hybridrt.decoding.speculative.spec_types import model_spec_type, spec_type_parts
 from tests.test_spec_loop import qwen3, qwen35  # noqa: F401  (the loaded tiny models, module fixtures)
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -100,7 +100,7 @@ def test_sampled_chain_runs_both_kinds_of_draft(qwen35):
 
 
 def test_each_source_of_a_chain_has_its_own_length_policy(qwen35):
-    from hybridrt.speculative.loop import length_policies
+    from hybridrt.decoding.speculative.loop import length_policies
 
     spec = SpecConfig(n_max=3, adaptive=True)
     session = qwen35.session(64, k_max=spec.k_max)
@@ -126,11 +126,11 @@ def test_bench_compiles_the_head_before_timing(qwen35, monkeypatch, capsys, spec
     timed run (SmolLM2 at -r 1: 0.75x plain, 27 % of the time drafting)."""
     import json
 
-    import hybridrt.warmup
-    from hybridrt.cli_bench import _bench_spec
+    import hybridrt.runtime.warmup
+    from hybridrt.cli.bench import _bench_spec
 
     calls = []
-    monkeypatch.setattr(hybridrt.warmup, "compile_head", lambda m: calls.append(m))
+    monkeypatch.setattr(hybridrt.runtime.warmup, "compile_head", lambda m: calls.append(m))
     _bench_spec(qwen35, spec_type, 2, None, None, "echo", "none", 8, 8, 1, True, 20.0, None, None)
     assert calls == ([qwen35] if compiles else [])
     result = json.loads(capsys.readouterr().out)

@@ -8,16 +8,16 @@ import pytest
 import torch
 
 import make_model
-from hybridrt.generate import generate
-from hybridrt.loader import load_model
-from hybridrt.sampling import SamplerConfig
-from hybridrt.session import PROMPT_CHUNK, Session
-from hybridrt.snapshot_ring import SnapshotRing
-from hybridrt.speculative import acceptance
-from hybridrt.speculative.draft import Draft, DraftSource
-from hybridrt.speculative.draft_forced import ForcedSource
-from hybridrt.speculative.loop import SpecConfig
-from hybridrt.speculative.sources import build_source
+from hybridrt.decoding.generate import generate
+from hybridrt.runtime.loader import load_model
+from hybridrt.decoding.sampling import SamplerConfig
+from hybridrt.runtime.session import PROMPT_CHUNK, Session
+from hybridrt.runtime.snapshot_ring import SnapshotRing
+from hybridrt.decoding.speculative import acceptance
+from hybridrt.decoding.speculative.draft import Draft, DraftSource
+from hybridrt.decoding.speculative.draft_forced import ForcedSource
+from hybridrt.decoding.speculative.loop import SpecConfig
+from hybridrt.decoding.speculative.sources import build_source
 from hybridrt.errors import UserError
 
 GREEDY = SamplerConfig(temp=0.0)
@@ -88,8 +88,8 @@ def test_the_loop_uses_only_what_the_source_protocol_declares(qwen3, adaptive):
     """A source with the three required methods runs plain and adaptive speculation (length
     policies, the drafter's choice, the gate's picker: all through DraftSource's members), alone
     and in a chain behind a lookup; a member the loop read without declaring it fails here."""
-    from hybridrt.speculative.draft_chain import DraftChain
-    from hybridrt.speculative.draft_ngram import NgramSource
+    from hybridrt.decoding.speculative.draft_chain import DraftChain
+    from hybridrt.decoding.speculative.draft_ngram import NgramSource
 
     ids = prompt(3)
     for source_of in (lambda session, spec: Repeat(), lambda session, spec: DraftChain([NgramSource(), Repeat()])):
@@ -127,7 +127,7 @@ def test_the_largest_verify_batch_keeps_parity(qwen3):
     windows of the full length give plain decoding's tokens."""
     from cpu_kernels.quantize_act import RESIDUAL_MAX_TOKENS
     from gpu_kernels.attention import ROWWISE_MAX
-    from hybridrt.cli_options import MAX_DRAFTS
+    from hybridrt.cli.options import MAX_DRAFTS
 
     assert MAX_DRAFTS + 1 == ROWWISE_MAX == RESIDUAL_MAX_TOKENS
     ids = prompt(4)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from hybridrt.speculative.draft_ngram import NgramIndex, NgramSource
+from hybridrt.decoding.speculative.draft_ngram import NgramIndex, NgramSource
 
 
 def brute_force(seq: list[int], n_max: int, n_min: int, n_draft: int) -> list[int]:

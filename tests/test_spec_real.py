@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from hybridrt.generate import generate
-from hybridrt.loader import load_model
-from hybridrt.sampling import SamplerConfig, filtered_probs
-from hybridrt.speculative import acceptance
-from hybridrt.speculative.loop import SpecConfig
-from hybridrt.speculative.sources import build_source
+from hybridrt.decoding.generate import generate
+from hybridrt.runtime.loader import load_model
+from hybridrt.decoding.sampling import SamplerConfig, filtered_probs
+from hybridrt.decoding.speculative import acceptance
+from hybridrt.decoding.speculative.loop import SpecConfig
+from hybridrt.decoding.speculative.sources import build_source
 from tests.real_models import GEMMA3, SMOLLM2, require
 from tests.spec_helpers import ADVERSARIAL_PROMPT, ECHO_PROMPT, write_truncated_draft
 

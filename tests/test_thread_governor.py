@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import make_model
-from hybridrt.loader import load_draft_model, load_model
-from hybridrt.thread_governor import ThreadGovernor
+from hybridrt.runtime.loader import load_draft_model, load_model
+from hybridrt.runtime.thread_governor import ThreadGovernor
 
 # seconds per decode step at (threads, machine): 2 threads are faster alone and far slower when
 # other processes hold a core (docs/history.md, "The thread governor": ~118 vs 84 t/s idle, 32-44 vs
@@ -54,7 +54,7 @@ def test_an_idle_run_never_switches():
 def test_the_start_follows_the_cores_others_leave_free(tmp_path):
     """The first step runs on the cores that /proc/loadavg's runnable count leaves free; an idle
     machine starts at all of them (and says nothing)."""
-    from hybridrt.thread_governor import busy_elsewhere
+    from hybridrt.runtime.thread_governor import busy_elsewhere
 
     tasks = tmp_path / "task"        # this process: the reader running, one pool thread spinning, one asleep
     for tid, state in ((101, "R"), (102, "R"), (103, "S")):

@@ -13,9 +13,9 @@ import zlib
 import numpy as np
 import pytest
 
-from hybridrt.chat_template import ChatTemplateError
-from hybridrt.gguf_file import GGUFFile
-from hybridrt.tokenizer import (BPE_PRE_TOKENIZERS, BYTE, CONTROL, NORMAL, USER_DEFINED, Tokenizer, _clean_spaces,
+from hybridrt.files.chat_template import ChatTemplateError
+from hybridrt.files.gguf_file import GGUFFile
+from hybridrt.files.tokenizer import (BPE_PRE_TOKENIZERS, BYTE, CONTROL, NORMAL, USER_DEFINED, Tokenizer, _clean_spaces,
                                 _gpt2_byte_chars, spm_merges)
 from tests.real_models import GEMMA3, SMOLLM2, require
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import gguf
 import pytest
 
-from hybridrt.gguf_file import GGUFFile
-from hybridrt.tokenizer import Tokenizer
+from hybridrt.files.gguf_file import GGUFFile
+from hybridrt.files.tokenizer import Tokenizer
 from tests.real_models import GEMMA3, SMOLLM2, require
 
 pytestmark = pytest.mark.oracle

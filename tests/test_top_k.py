@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cpu_kernels.top_k import CHUNK, top_k_bits
-from hybridrt.sampling import TOP_K_KERNEL_MAX, top_k_rows
+from hybridrt.decoding.sampling import TOP_K_KERNEL_MAX, top_k_rows
 
 
 def _reference_ids(x: torch.Tensor, k: int) -> torch.Tensor:

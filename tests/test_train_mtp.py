@@ -21,15 +21,15 @@ import make_model
 from cpu_kernels.dequant import dequantize
 from gpu_kernels.norms import rms_norm
 from hybridrt.errors import UserError
-from hybridrt.generate import generate
-from hybridrt.gguf_file import GGUFFile
-from hybridrt.loader import load_model
-from hybridrt.mtp_head import TrainedMTPHead, head_attention_spec, head_target, write_head
+from hybridrt.decoding.generate import generate
+from hybridrt.files.gguf_file import GGUFFile
+from hybridrt.runtime.loader import load_model
+from hybridrt.models.mtp_head import TrainedMTPHead, head_attention_spec, head_target, write_head
 from hybridrt.models.qwen35 import NextNHead
-from hybridrt.sampling import SamplerConfig, dense_probs
-from hybridrt.speculative.acceptance import SampledAcceptor
-from hybridrt.speculative.loop import SpecConfig
-from hybridrt.speculative.sources import build_source
+from hybridrt.decoding.sampling import SamplerConfig, dense_probs
+from hybridrt.decoding.speculative.acceptance import SampledAcceptor
+from hybridrt.decoding.speculative.loop import SpecConfig
+from hybridrt.decoding.speculative.sources import build_source
 from hybridrt.train_mtp import train as train_module
 from hybridrt.train_mtp.config import TrainConfig
 from hybridrt.train_mtp.train import train_mtp
@@ -244,7 +244,7 @@ def test_head_round_trip_and_runtime_matches_torch(tiny_llama, tmp_path):
     n_ff = m.gguf.tensors["blk.0.ffn_gate.weight"].shape[1]
     assert GGUFFile(tmp_path / "h.gguf").tensors["mtp.ffn_gate.weight"].shape[1] == 2 * n_ff
     # on a CPU trunk the head's block runs as the target's layers do: one fused call per half
-    from hybridrt.backends import FusedAttentionBlock, FusedFfnBlock
+    from hybridrt.runtime.backends import FusedAttentionBlock, FusedFfnBlock
     fused_trunk = m.binder.config.mode.fused
     assert isinstance(head.attn_half, FusedAttentionBlock) == isinstance(head.ffn_half, FusedFfnBlock) == fused_trunk
     # the torch module rebuilt from the file's tensors
@@ -310,7 +310,7 @@ def test_mismatched_target_is_refused(llama_head, tiny_llama, tmp_path):
     with pytest.raises(UserError, match="trained for another target: its fingerprint"):
         load_model(other, mtp_head=llama_head)
     gemma = make_model.write_model(tmp_path / "g.gguf", "gemma3", seed=0)
-    r = subprocess.run([sys.executable, "-c", "from hybridrt.cli import main; main()", "run", "-m", str(gemma),
+    r = subprocess.run([sys.executable, "-c", "from hybridrt.cli.app import main; main()", "run", "-m", str(gemma),
                         "--mtp-head", str(llama_head), "-p", "hi", "-n", "2"], capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
@@ -411,7 +411,7 @@ def test_heldout_text_is_hybridrts_own_greedy_decoding(tiny_llama, tmp_path):
 
 def test_lookup_proposals_are_what_ngram_simple_drafts():
     """train-mtp's view of prompt lookup is the run's: the same proposal at every position."""
-    from hybridrt.speculative.draft_ngram import NgramSource
+    from hybridrt.decoding.speculative.draft_ngram import NgramSource
 
     tokens = [5, 6, 7, 5, 6, 8, 5, 6, 7, 9, 6, 7, 5]
     proposals = train_module.lookup_proposals(tokens, 2)
@@ -543,12 +543,12 @@ def check_reduced_vocab_exact(m, flatten: bool, draft_vocab: int = 0):
 
 
 def test_train_mtp_cli(tiny_llama, tmp_path):
-    r = subprocess.run([sys.executable, "-c", "from hybridrt.cli import main; main()", "train-mtp", "-m", str(tiny_llama),
+    r = subprocess.run([sys.executable, "-c", "from hybridrt.cli.app import main; main()", "train-mtp", "-m", str(tiny_llama),
                         "-o", str(tmp_path / "c.gguf"), "--tokens", "48", "--steps", "2", "--gen-len", "8",
                         "--draft-vocab", "32", "--eval-every", "1", "-t", "1", "--json"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "c.gguf").exists()
-    r = subprocess.run([sys.executable, "-c", "from hybridrt.cli import main; main()", "train-mtp", "-m", str(tiny_llama),
+    r = subprocess.run([sys.executable, "-c", "from hybridrt.cli.app import main; main()", "train-mtp", "-m", str(tiny_llama),
                         "-o", str(tmp_path / "c.gguf"), "--loss", "mse"], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: train-mtp: --loss must be one of kl, argmax"]
 
@@ -634,7 +634,7 @@ def test_real_model_greedy_parity_with_trained_head(name):
 def test_cli_defaults_are_train_config_and_cost_no_torch():
     """`hybridrt train-mtp`'s option defaults come from TrainConfig (one place to change them), and
     the CLI still imports no torch before a command runs."""
-    code = ("import sys, inspect; import hybridrt.cli; from hybridrt import cli_train_mtp as c\n"
+    code = ("import sys, inspect; import hybridrt.cli.app; from hybridrt.cli import train_mtp as c\n"
             "assert 'torch' not in sys.modules\n"
             "print({p.name: p.default.default for p in inspect.signature(c.train_mtp).parameters.values()})")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -707,7 +707,7 @@ def test_run_process_bench_script(tiny_llama, llama_head):
 def test_a_catch_up_writes_the_kv_a_step_writes(llama_head, tiny_llama, n):
     """write_kv (a catch-up on committed tokens) leaves the head's KV cache bit for bit as step()
     does, without the rest of the block."""
-    from hybridrt.mtp_head import HEAD_STATE_KEY
+    from hybridrt.models.mtp_head import HEAD_STATE_KEY
     m = load_model(tiny_llama, mtp_head=llama_head)
     g = torch.Generator().manual_seed(n)
     tokens = torch.randint(3, 200, (n,), generator=g)
@@ -730,7 +730,7 @@ def test_a_fused_draft_is_the_heads_own_calls_bit_for_bit(arch, request, tmp_pat
     logits row, the output hidden and the KV it writes are step()'s and head()'s, bit for bit, for a
     draft (1 token), a proposal after plain steps (3) and a prompt-sized batch (40: the separate calls).
     gemma3: its scaled embedding rows, sandwich norms and GELU."""
-    from hybridrt.mtp_head import HEAD_STATE_KEY
+    from hybridrt.models.mtp_head import HEAD_STATE_KEY
     if arch == "llama":
         path, head = request.getfixturevalue("tiny_llama"), request.getfixturevalue("llama_head")
     else:

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hybridrt.loader import load_model
+from hybridrt.runtime.loader import load_model
 from real_models import GEMMA3, SMOLLM2, require
 from test_oracle_models import MIN_POSITIONS, TEXT, kl_rows, top1
 

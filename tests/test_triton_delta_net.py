@@ -260,7 +260,7 @@ def greedy(model, n: int) -> tuple[list[int], torch.Tensor]:
 @pytest.mark.usefixtures("single_thread")
 @pytest.mark.parametrize("device", DEVICES)
 def test_tiny_qwen35_gives_the_same_tokens_and_logits_through_triton(tiny_qwen35_mtp, gdn_kernel, device):
-    from hybridrt.loader import load_model
+    from hybridrt.runtime.loader import load_model
 
     model = load_model(tiny_qwen35_mtp, device=device)
     gdn_kernel("torch")
@@ -278,7 +278,7 @@ def test_tiny_qwen35_gives_the_same_tokens_and_logits_through_triton(tiny_qwen35
 def test_tiny_qwen35_rollback_through_triton_is_bitwise(tiny_qwen35_mtp, gdn_kernel, device):
     """Verify 4 tokens, keep 2, go on: the snapshots the kernel wrote restore the state exactly as
     if the rejected tokens had never been seen (test_qwen35's rollback check, through Triton)."""
-    from hybridrt.loader import load_model
+    from hybridrt.runtime.loader import load_model
 
     gdn_kernel("triton")
     model = load_model(tiny_qwen35_mtp, device=device)

@@ -312,7 +312,7 @@ def test_kernel_compiles_for_a_gpu_without_one():
 def test_stacked_gate_up_ffn_is_bitwise_the_separate_one(qtype):
     """A device FFN with gate's and up's rows in one matrix (the binder stacks them: one round trip
     and one matvec a layer instead of two) gives the bits of the separate matrices, k = 1..4."""
-    from hybridrt.backends import GluFFN
+    from hybridrt.runtime.backends import GluFFN
 
     n_embd = 512
     n_ff = 96 if qtype == T.Q8_0 else 256          # Q8_0: down's rows end inside a chunk

@@ -14,7 +14,7 @@ import pytest
 
 import make_model
 from hybridrt.errors import UserError
-from hybridrt.loader import load_model
+from hybridrt.runtime.loader import load_model
 from reference import reference_for
 
 MAX_REL = 1e-4

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from hybridrt.warmup import MESSAGE, announce_and_compile, compile_kernels, compile_notice, kernels_cold
+from hybridrt.runtime.warmup import MESSAGE, announce_and_compile, compile_kernels, compile_notice, kernels_cold
 from tests.real_models import SMOLLM2, require
 
 
@@ -21,7 +21,7 @@ def _python(code: str, cache_dir) -> subprocess.CompletedProcess:
 
 
 def _cli(args: list[str], cache_dir) -> subprocess.CompletedProcess:
-    return _python(f"from hybridrt.cli import main; import sys; sys.argv[1:] = {args!r}; main()", cache_dir)
+    return _python(f"from hybridrt.cli.app import main; import sys; sys.argv[1:] = {args!r}; main()", cache_dir)
 
 
 def test_compile_notice_says_so_once_and_only_when_compiling(capsys):
@@ -48,7 +48,7 @@ def test_compile_notice_says_so_once_and_only_when_compiling(capsys):
 
 @pytest.mark.usefixtures("single_thread")
 def test_warm_cache_is_silent_and_cheap(capsys):
-    from hybridrt.loader import load_model
+    from hybridrt.runtime.loader import load_model
 
     model = load_model(require(SMOLLM2))
     compile_kernels(model)                   # whatever the cache held before, it is warm now
@@ -60,19 +60,19 @@ def test_warm_cache_is_silent_and_cheap(capsys):
 
 
 def test_fresh_cache_dir_is_cold(tmp_path):
-    r = _python("from hybridrt.warmup import kernels_cold; print(kernels_cold())", tmp_path)
+    r = _python("from hybridrt.runtime.warmup import kernels_cold; print(kernels_cold())", tmp_path)
     assert r.stdout.strip() == "True", r.stderr
 
 
 @pytest.mark.slow
 def test_warmup_command_compiles_once(tmp_path):
     require(SMOLLM2)
-    run = "from hybridrt.cli import main; import sys; sys.argv[1:] = ['warmup', '-m', 'smollm2-135m']; main()"
+    run = "from hybridrt.cli.app import main; import sys; sys.argv[1:] = ['warmup', '-m', 'smollm2-135m']; main()"
     cold = _python(run, tmp_path)
     assert cold.returncode == 0 and cold.stderr.startswith(MESSAGE) and "compiled for" in cold.stderr
     warm = _python(run, tmp_path)
     assert warm.returncode == 0 and MESSAGE not in warm.stderr and "already compiled" in warm.stderr
-    r = _python("from hybridrt.warmup import announce_and_compile; print(announce_and_compile('smollm2-135m'))",
+    r = _python("from hybridrt.runtime.warmup import announce_and_compile; print(announce_and_compile('smollm2-135m'))",
                 tmp_path)
     assert r.stdout.strip() == "False" and r.stderr == ""
 
@@ -111,7 +111,7 @@ def test_lazy_run_compiles_what_it_calls_and_says_so(tmp_path):
 
 
 def kernels_cold_in(cache_dir) -> bool:
-    r = _python("from hybridrt.warmup import kernels_cold; print(kernels_cold())", cache_dir)
+    r = _python("from hybridrt.runtime.warmup import kernels_cold; print(kernels_cold())", cache_dir)
     return r.stdout.strip() == "True"
 
 
@@ -135,8 +135,8 @@ def test_warmup_with_a_trained_head_leaves_nothing_for_the_first_draft(tmp_path)
     compiles them too, so a draft-mtp run compiles nothing (before, its first draft stalled ~2.6 s)."""
     import torch
 
-    from hybridrt.loader import load_model
-    from hybridrt.mtp_head import head_target, write_head
+    from hybridrt.runtime.loader import load_model
+    from hybridrt.models.mtp_head import head_target, write_head
     from hybridrt.train_mtp.torch_model import initial_head_tensors
 
     model = load_model(require(SMOLLM2))
@@ -153,8 +153,8 @@ def test_warmup_with_a_trained_head_leaves_nothing_for_the_first_draft(tmp_path)
 def test_compile_head_runs_a_built_in_head_and_skips_a_model_without_one(tiny_qwen35_mtp, tiny_qwen3):
     """qwen35's own MTP head (its KV in the hybrid state) is stepped as drafting steps it; a model
     without a head is left alone."""
-    from hybridrt.loader import load_model
-    from hybridrt.warmup import compile_head
+    from hybridrt.runtime.loader import load_model
+    from hybridrt.runtime.warmup import compile_head
 
     calls = []
     model = load_model(tiny_qwen35_mtp)
@@ -169,11 +169,11 @@ def test_run_warm_up_takes_the_runs_own_steps(tiny_qwen35_mtp, monkeypatch):
     """run's warm-up (llama.cpp's, before the timed run): a speculative one verifies the largest
     batch the run can (drafts at fixed n_max) and steps the MTP head; a plain one decodes. Each on a
     scratch session, not the run's."""
-    from hybridrt.loader import load_model
-    from hybridrt.sampling import SamplerConfig
-    from hybridrt.session import Session
-    from hybridrt.speculative.loop import SpecConfig
-    from hybridrt.warmup import warm_up
+    from hybridrt.runtime.loader import load_model
+    from hybridrt.decoding.sampling import SamplerConfig
+    from hybridrt.runtime.session import Session
+    from hybridrt.decoding.speculative.loop import SpecConfig
+    from hybridrt.runtime.warmup import warm_up
 
     model = load_model(tiny_qwen35_mtp)
     evals, sessions = [], []
@@ -198,8 +198,8 @@ def test_run_warm_up_takes_the_runs_own_steps(tiny_qwen35_mtp, monkeypatch):
 def test_verify_timing_stops_at_its_budget(tiny_qwen3):
     """The warm-up times every verify size COST_REPS times on a small model, and once where a round
     already took the budget (a large model's verifies: seconds of start-up for each round)."""
-    from hybridrt.loader import load_model
-    from hybridrt.warmup import COST_REPS, verify_costs
+    from hybridrt.runtime.loader import load_model
+    from hybridrt.runtime.warmup import COST_REPS, verify_costs
 
     model = load_model(tiny_qwen3)
     session = model.session(64, k_max=4)

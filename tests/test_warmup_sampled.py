@@ -6,13 +6,13 @@ import sys
 
 import pytest
 
-from hybridrt import warmup
-from hybridrt.generate import generate
-from hybridrt.loader import load_model
+from hybridrt.runtime import warmup
+from hybridrt.decoding.generate import generate
+from hybridrt.runtime.loader import load_model
 from hybridrt.models.arch_spec import ATTENTION, GDN
-from hybridrt.sampling import SamplerConfig
-from hybridrt.speculative.loop import SpecConfig
-from hybridrt.speculative.sources import build_source
+from hybridrt.decoding.sampling import SamplerConfig
+from hybridrt.decoding.speculative.loop import SpecConfig
+from hybridrt.decoding.speculative.sources import build_source
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
 import make_model  # noqa: E402

@@ -8,11 +8,11 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ..backends import WeightBinder
+from ..runtime.backends import WeightBinder
 from ..errors import UserError
-from ..gguf_file import GGUFFile
-from ..kv_cache import KVCache, cache_dtype, kv_cache_type
-from ..session import Session
+from ..files.gguf_file import GGUFFile
+from ..runtime.kv_cache import KVCache, cache_dtype, kv_cache_type
+from ..runtime.session import Session
 from .arch_spec import ArchSpec
 from .common import Layer, ModelState
 
@@ -70,7 +70,7 @@ class Model:
     spec: ArchSpec
     layers: list[Layer]
     n_attention_layers: int      # KV cache layers
-    # set by the loader, never read here: who runs a step (hybridrt.executor) and the plan it follows
+    # set by the loader, never read here: who runs a step (hybridrt.runtime.executor) and the plan it follows
     executor = None
     plan = None
     mtp: MTPHead | None = None   # the head draft-mtp drafts with: built in (qwen35), or --mtp-head's
@@ -103,7 +103,7 @@ class Model:
     # --- text and sessions -----------------------------------------------------------------
     @functools.cached_property
     def tokenizer(self):
-        from ..tokenizer import Tokenizer
+        from ..files.tokenizer import Tokenizer
 
         return Tokenizer.from_gguf(self.gguf.metadata)
 

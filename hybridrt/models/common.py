@@ -10,10 +10,10 @@ from gpu_kernels.norms import rms_norm
 from gpu_kernels.pointwise import per_token
 from gpu_kernels.rotary import RotaryRows, RotaryTable, apply_rotary, rotary_rows, rotary_table
 
-from ..backends import WeightBinder
+from ..runtime.backends import WeightBinder
 from ..errors import UserError
-from ..gguf_file import GGUFFile
-from ..kv_cache import KVCache
+from ..files.gguf_file import GGUFFile
+from ..runtime.kv_cache import KVCache
 from .arch_spec import ATTENTION
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import math
 
-from ..backends import WeightBinder
-from ..gguf_file import GGUFFile
+from ..runtime.backends import WeightBinder
+from ..files.gguf_file import GGUFFile
 from .arch_spec import ARCH_SPECS, ATTENTION
 from .base import Model
 from .common import AttentionSpec, Layer, RopeSpec, attention_block, ffn_block, rope_scale

@@ -21,11 +21,11 @@ from gpu_kernels.delta_net import causal_conv_step, delta_rule
 from gpu_kernels.norms import l2_norm, rms_norm
 from gpu_kernels.pointwise import per_token
 
-from ..backends import WeightBinder
+from ..runtime.backends import WeightBinder
 from ..errors import UserError
-from ..gguf_file import GGUFFile
-from ..kv_cache import KVCache, cache_dtype
-from ..snapshot_ring import SnapshotRing
+from ..files.gguf_file import GGUFFile
+from ..runtime.kv_cache import KVCache, cache_dtype
+from ..runtime.snapshot_ring import SnapshotRing
 from .arch_spec import ARCH_SPECS, ATTENTION
 from .base import Model, MTPHead
 from .common import AttentionSpec, Layer, ModelState, RopeSpec, attention_block, ffn_block, rope_scale

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import top_k_rows
+from ..decoding.sampling import top_k_rows
 
 MAX_TOP_CHAT = 20          # OpenAI's bounds on top_logprobs (chat) and logprobs (completions);
 MAX_TOP_COMPLETION = 5     # llama-server allows more, clients written for OpenAI never ask it

@@ -10,7 +10,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..generate import GenerationStats
+from ..decoding.generate import GenerationStats
 
 
 @dataclass

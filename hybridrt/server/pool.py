@@ -23,11 +23,11 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import UserError
-from ..generate import GenerationStats, generate, prefill
+from ..decoding.generate import GenerationStats, generate, prefill
 from ..models.base import Model
-from ..session import Session
-from ..speculative.loop import SpecConfig
-from ..speculative.sources import build_source
+from ..runtime.session import Session
+from ..decoding.speculative.loop import SpecConfig
+from ..decoding.speculative.sources import build_source
 from .errors import bad_request, internal, queue_full
 from .metrics import Metrics
 from .logprobs import LogprobTrack, TokenLogprob, token_logprob

@@ -14,10 +14,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Literal
 
-from ..chat_template import ChatTemplateError
-from ..generate import GenerationStats
+from ..files.chat_template import ChatTemplateError
+from ..decoding.generate import GenerationStats
 from ..models.base import Model
-from ..sampling import SamplerConfig
+from ..decoding.sampling import SamplerConfig
 from .errors import bad_request
 from .logprobs import MAX_TOP_CHAT, MAX_TOP_COMPLETION, TokenLogprob, chat_logprobs, completion_logprobs
 

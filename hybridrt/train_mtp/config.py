@@ -29,7 +29,7 @@ class TrainConfig:
     for_lookup: bool = False     # a head that drafts behind prompt lookup: learns only where the lookup has no match
 
     def __post_init__(self):
-        from ..mtp_head import HEAD_TYPES       # the head writer's storage types (imports torch)
+        from ..models.mtp_head import HEAD_TYPES       # the head writer's storage types (imports torch)
 
         if min(self.tokens, self.steps, self.batch, self.gen_len, self.eval_every, self.head_ffn_layers) < 1:
             raise UserError("train-mtp: --tokens, --steps, --batch, --gen-len, --eval-every and --head-ffn-layers "

@@ -22,8 +22,8 @@ from gpu_kernels.rotary import RotaryRows, apply_rotary, rotary_table
 
 from ..models.common import AttentionSpec
 from ..models.arch_spec import ArchSpec
-from ..mtp_head import head_attention_spec
-from ..sampling import top_k_rows
+from ..models.mtp_head import head_attention_spec
+from ..decoding.sampling import top_k_rows
 
 ATTN = ("attn_q", "attn_k", "attn_v", "attn_output")
 # the teacher's KV cache: float16, as `hybridrt run`'s (the values the runtime's attention reads); a

@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from ..mtp_head import head_attention_spec, head_target, target_fingerprint, write_head
-from ..sampling import SamplerConfig
-from ..speculative.draft_ngram import NgramIndex
+from ..models.mtp_head import head_attention_spec, head_target, target_fingerprint, write_head
+from ..decoding.sampling import SamplerConfig
+from ..decoding.speculative.draft_ngram import NgramIndex
 from .config import TrainConfig
 from .prompts import HELDOUT_PROMPTS, TRAIN_PROMPTS, Prompt
 from .torch_model import MTPHeadModule, TorchTeacher, initial_head_tensors, output_rows
@@ -133,7 +133,7 @@ def write_text(model, teacher: TorchTeacher | None, prompts: list[list[int]], te
                                     greedy_after[lo:lo + group], restrict_after=RESTRICT_AFTER if restrict else None)
             progress.update(task, completed=len(out), info=f"{sum(len(c) for c, _ in out)} tokens")
         return out
-    from ..generate import generate
+    from ..decoding.generate import generate
 
     session = model.session(n_ctx=MAX_SEQ, k_max=1)
     for i, (ids, temp) in enumerate(zip(prompts, temps)):

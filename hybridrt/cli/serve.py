@@ -1,0 +1,140 @@
+"""`hybridrt serve`: an OpenAI-compatible HTTP server (see hybridrt/server), llama-server's flags."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .options import CTX_SIZE, GROUP, MODEL, MTP_HEAD, WARMUP, KVFlags, SpecFlags, flag_groups
+from ..errors import UserError
+INSTALL = "python3 -m pip install 'hybridrt[serve]'"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")      # uvicorn's
+
+
+def _server_stack():
+    try:
+        import starlette  # noqa: F401
+        import uvicorn
+    except ImportError:
+        raise UserError(f"hybridrt serve needs Starlette and uvicorn: {INSTALL}") from None
+    return uvicorn
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Fail before loading anything if the address cannot be listened on (a port in use, a host that
+    does not resolve), with uvicorn's socket options: its own error comes after the banner, as log
+    lines and exit code 3."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise UserError(f"--host {host}: {e.strerror}") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise UserError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+def _threadsafe_kernels(parallel: int) -> None:
+    """Sessions run the parallel kernels from several threads at once, which Numba's fallback
+    `workqueue` layer does not survive; pick a thread-safe layer (OpenMP or TBB) before the first
+    parallel kernel runs, or refuse."""
+    if parallel == 1:
+        return
+    import importlib
+
+    import numba
+
+    for layer in ("omppool", "tbbpool"):
+        try:
+            importlib.import_module(f"numba.np.ufunc.{layer}")
+        except (ImportError, OSError):
+            continue
+        numba.config.THREADING_LAYER = "threadsafe"
+        return
+    raise UserError("--parallel > 1 needs a thread-safe Numba threading layer (OpenMP's libgomp, or "
+                    "python3 -m pip install tbb); use --parallel 1")
+
+
+@flag_groups
+def serve(
+    model: Optional[str] = MODEL,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(8080, "--port", help="Port to listen on."),
+    ctx_size: Optional[int] = CTX_SIZE,
+    kv: KVFlags = GROUP,
+    parallel: int = typer.Option(1, "-np", "--parallel", help="Sessions decoding at once (each has its own KV)."),
+    max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for a session; more get 503."),
+    threads: Optional[int] = typer.Option(None, "-t", "--threads", show_default=False,
+                                          help="CPU threads per session (default: the cores shared out over --parallel)."),
+    drafts: SpecFlags = GROUP,
+    log_level: str = typer.Option("info", "--log-level", help=f"uvicorn log level: {', '.join(LOG_LEVELS)} (warning: no access log)."),
+    mtp_head: Optional[Path] = MTP_HEAD,
+    warmup: bool = WARMUP,
+):
+    """Serve the model over HTTP with OpenAI's API (/v1/chat/completions, /v1/completions, ...)."""
+    uvicorn = _server_stack()
+    from .options import check_ctx_size, context_size
+    from ..runtime.loader import load_model
+    from ..files.registry import KNOWN_MODELS, resolve_model
+    from ..decoding.sampling import SamplerConfig
+    from ..server import ServeConfig, SessionPool, create_app
+    from ..server.metrics import Metrics
+    from ..server.schemas import ModelCard
+    from ..decoding.speculative.sources import build_source
+    from ..runtime.warmup import announce_and_compile, compile_notice, warm_up
+
+    if parallel < 1 or max_queue < 0:
+        raise UserError("--parallel must be >= 1 and --max-queue >= 0")
+    if not 0 < port < 65536:
+        raise UserError(f"--port {port} is not a TCP port")
+    if log_level not in LOG_LEVELS:
+        raise UserError(f"--log-level {log_level}: use one of {', '.join(LOG_LEVELS)}")
+    _check_listen(host, port)
+    drafts.check()
+    check_ctx_size(ctx_size)
+    cache_type = kv.cache_type
+    _threadsafe_kernels(parallel)
+    path = resolve_model(model)
+    announce_and_compile(path)
+    import numba
+
+    if threads is None:     # sessions decode at once: one pool of all cores each would oversubscribe
+        threads = max(1, numba.config.NUMBA_NUM_THREADS // parallel)
+    # a fixed count (no thread governor): the sessions' worker threads share the model's executor,
+    # and Numba's count is per launching thread
+    m = load_model(path, threads=threads, mtp_head=mtp_head)
+    n_ctx = context_size(ctx_size, m.n_ctx_train)
+    spec_type = drafts.source_type(m)
+    spec = drafts.config(spec_type)
+    draft_model = load_model(drafts.model_draft, threads=threads) if drafts.model_draft else None
+    cfg = ServeConfig(n_ctx=n_ctx, cache_type=cache_type, spec_type=spec_type, spec=spec, ngram_n=drafts.ngram_n,
+                      draft_vocab=drafts.draft_vocab,
+                      n_parallel=parallel, max_queue=max_queue, threads=threads)
+    metrics = Metrics(parallel)
+    policies = None
+    if warmup:
+        # the first request would otherwise pay each kernel's first call (its machine code loaded:
+        # a trained head's quant types, each verify size); before the pool's sessions are made, as
+        # `run`'s before its own (a plan's VRAM holds them). Also a bad speculation setup is a
+        # start-up error here, not a failure of every request.
+        with compile_notice():
+            policies = warm_up(m, spec_type, spec, SamplerConfig(temp=0.0), cache_type, draft_model, drafts.ngram_n,
+                               draft_vocab=drafts.draft_vocab)
+    pool = SessionPool(m, cfg, metrics, draft_model, policies=policies)
+    if not warmup:
+        build_source(spec_type, pool.sessions[0], SamplerConfig(), spec, draft_model, ngram_n_max=drafts.ngram_n,
+                     cache_type=cache_type, draft_vocab=drafts.draft_vocab)
+    served = model if model in KNOWN_MODELS else Path(path).stem
+    card = ModelCard(id=served, n_ctx=n_ctx, created=int(time.time()))
+    print(f"hybridrt serve: {served} on http://{host}:{port}/v1 · {parallel} session(s) x {n_ctx} tokens, "
+          f"KV {cache_type}, spec {spec_type}" + (f" (n_max {spec.n_max})" if spec_type != "none" else ""),
+          file=sys.stderr, flush=True)
+    uvicorn.run(create_app(m, pool, card, metrics), host=host, port=port, log_level=log_level)
