@@ -38,7 +38,7 @@ class CompileTimes(event.Listener):
 
 
 def main() -> None:
-    from hybridrt.cli.app import main as cli
+    from hybridrt.cli.commands import main as cli
 
     times = CompileTimes()
     t0 = time.perf_counter()

@@ -26,7 +26,7 @@ PROMPT = "The capital of France is"
 def timed(tree: Path, args: list[str], cache: str) -> tuple[float, float, float, str]:
     """(wall s, child CPU s, load average before, stderr) of one CLI command from `tree`."""
     env = {**os.environ, "NUMBA_CACHE_DIR": cache, "PYTHONPATH": str(tree)}
-    code = f"from hybridrt.cli.app import main; import sys; sys.argv[1:] = {args!r}; main()"
+    code = f"from hybridrt.cli.commands import main; import sys; sys.argv[1:] = {args!r}; main()"
     load = os.getloadavg()[0]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()

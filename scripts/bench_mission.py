@@ -89,7 +89,7 @@ def timed_load(*args, **kwargs):
     print("{LOAD_MARK}", time.time(), file=sys.stderr, flush=True)
     return model
 loader.load_model = timed_load
-from hybridrt.cli.app import main
+from hybridrt.cli.commands import main
 main()
 """
 

@@ -46,7 +46,7 @@ def head_for(model: str, args) -> Path:
     if path.exists() and not args.retrain:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-c", "from hybridrt.cli.app import main; main()", "train-mtp", "-m", model, "-o", str(path),
+    cmd = [sys.executable, "-c", "from hybridrt.cli.commands import main; main()", "train-mtp", "-m", model, "-o", str(path),
            "--tokens", str(args.tokens), "--steps", str(args.steps), "--draft-vocab", str(args.draft_vocab),
            "--json"] + (["-t", str(args.threads)] if args.threads else [])
     t0, c0 = time.perf_counter(), time.process_time()

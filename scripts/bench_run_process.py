@@ -42,7 +42,7 @@ def run_once(args, prompt, mode: str, chat_template: bool) -> float:
     # chat prompts in the model's template, raw where it has none: the text train-mtp and bench_mtp
     # judge the head on (train.prompt_ids; run -cnv would fall back to ChatML)
     chat = prompt.kind == "chat" and chat_template
-    cmd = [sys.executable, "-c", "from hybridrt.cli.app import main; main()", "run", "-m", args.model,
+    cmd = [sys.executable, "-c", "from hybridrt.cli.commands import main; main()", "run", "-m", args.model,
            "--mtp-head", args.head, "-p", prompt.text, "-n", str(args.n_gen), "--temp", "0", "--ignore-eos",
            "--no-display-prompt", "-t", str(args.threads), *(["-cnv"] if chat else []),
            *mode_args(mode), *args.extra]

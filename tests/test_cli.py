@@ -15,7 +15,7 @@ from tests.real_models import SMOLLM2, require
 
 
 def cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-c", "from hybridrt.cli.app import main; main()", *args],
+    return subprocess.run([sys.executable, "-c", "from hybridrt.cli.commands import main; main()", *args],
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -13,7 +13,7 @@ from tests.real_models import SMOLLM2, require
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-c", "from hybridrt.cli.app import main; main()", *args],
+    return subprocess.run([sys.executable, "-c", "from hybridrt.cli.commands import main; main()", *args],
                           capture_output=True, text=True)
 
 

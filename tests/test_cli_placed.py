@@ -68,7 +68,7 @@ def test_bad_run_flags_are_one_line(args, fragment):
 def test_triton_missing_is_one_line(monkeypatch, capsys):
     """When a kernel needs Triton and it is not installed, main() prints how to install it."""
     import gpu_kernels.triton_support as ts
-    from hybridrt.cli import app as cli
+    from hybridrt.cli import commands as cli
 
     monkeypatch.setattr(ts, "have_triton", lambda: False)
 

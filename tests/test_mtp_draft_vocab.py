@@ -167,7 +167,7 @@ def test_run_takes_the_draft_vocab_and_prints_plain_decodings_text(tiny_qwen35_m
     import sys
 
     def run_cli(*flags):
-        return subprocess.run([sys.executable, "-c", "from hybridrt.cli.app import main; main()", "run", "-m",
+        return subprocess.run([sys.executable, "-c", "from hybridrt.cli.commands import main; main()", "run", "-m",
                                str(tiny_qwen35_mtp), "-p", "a b c", "-n", "12", "--temp", "0", "-t", "1",
                                "--no-display-prompt", *flags], capture_output=True, text=True)
     plain = run_cli("--spec-type", "none")
@@ -186,7 +186,7 @@ def test_bench_takes_the_draft_vocab(tiny_qwen35_mtp):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-c", "from hybridrt.cli.app import main; main()", "bench", "-m",
+    r = subprocess.run([sys.executable, "-c", "from hybridrt.cli.commands import main; main()", "bench", "-m",
                         str(tiny_qwen35_mtp), "--spec-type", "draft-mtp", "--spec-draft-n-max", "2",
                         "--spec-draft-vocab", "64", "-n", "12", "-r", "1", "-t", "1", "--cpu-bw", "10", "--json"],
                        capture_output=True, text=True)

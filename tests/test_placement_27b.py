@@ -114,10 +114,10 @@ def _cli():
             "from hybridrt.cli.plan import plan\n"
             "app = typer.Typer(); app.command('plan')(plan); app.command('noop')(lambda: None)\n"
             "try:\n    app()\nexcept UserError as e:\n    print('error:', e, file=sys.stderr); sys.exit(2)\n")
-    real = subprocess.run([sys.executable, "-c", "from hybridrt.cli.app import main; main()", "plan", "--help"],
+    real = subprocess.run([sys.executable, "-c", "from hybridrt.cli.commands import main; main()", "plan", "--help"],
                           capture_output=True, text=True)
     if real.returncode == 0:
-        return [sys.executable, "-c", "from hybridrt.cli.app import main; main()"]
+        return [sys.executable, "-c", "from hybridrt.cli.commands import main; main()"]
     return [sys.executable, "-c", code]
 
 

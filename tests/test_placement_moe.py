@@ -121,7 +121,7 @@ def test_cli_info_and_plan_on_the_35b_a3b(a3b_path):
                                   capture_output=True, text=True).stdout)
     assert d["options"]["n_cpu_moe"] == 3 and d["ffn_cpu_layers"][:3] == [0, 1, 2]
     assert {line["key"] for line in d["lines"]} >= {"moe_shared", "ffn"}
-    info = [sys.executable, "-c", "from hybridrt.cli.app import main; main()", "info", str(a3b_path), "--json"]
+    info = [sys.executable, "-c", "from hybridrt.cli.commands import main; main()", "info", str(a3b_path), "--json"]
     r, cpu = _cpu_seconds(info)
     assert r.returncode == 0, r.stderr
     facts = json.loads(r.stdout)

@@ -124,7 +124,7 @@ def test_serve_without_the_stack_prints_one_install_line(monkeypatch):
 
 
 def test_serve_bad_flags_are_one_line_errors():
-    r = subprocess.run([sys.executable, "-c", "from hybridrt.cli.app import main; main()", "serve", "-m", MODEL,
+    r = subprocess.run([sys.executable, "-c", "from hybridrt.cli.commands import main; main()", "serve", "-m", MODEL,
                         "-ctk", "q4_0"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
     assert r.stderr.startswith("error: unsupported KV cache type 'q4_0'")
@@ -143,7 +143,7 @@ class Server:
         self.url = f"http://{HOST}:{self.port}"
         self.log_path = log_path
         self.log = open(log_path, "w")
-        cmd = [sys.executable, "-c", "from hybridrt.cli.app import main; main()", "serve", "-m", MODEL,
+        cmd = [sys.executable, "-c", "from hybridrt.cli.commands import main; main()", "serve", "-m", MODEL,
                "--host", HOST, "--port", str(self.port), "--log-level", "warning", "-t", "1", *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120

@@ -310,7 +310,7 @@ def test_mismatched_target_is_refused(llama_head, tiny_llama, tmp_path):
     with pytest.raises(UserError, match="trained for another target: its fingerprint"):
         load_model(other, mtp_head=llama_head)
     gemma = make_model.write_model(tmp_path / "g.gguf", "gemma3", seed=0)
-    r = subprocess.run([sys.executable, "-c", "from hybridrt.cli.app import main; main()", "run", "-m", str(gemma),
+    r = subprocess.run([sys.executable, "-c", "from hybridrt.cli.commands import main; main()", "run", "-m", str(gemma),
                         "--mtp-head", str(llama_head), "-p", "hi", "-n", "2"], capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
@@ -543,12 +543,12 @@ def check_reduced_vocab_exact(m, flatten: bool, draft_vocab: int = 0):
 
 
 def test_train_mtp_cli(tiny_llama, tmp_path):
-    r = subprocess.run([sys.executable, "-c", "from hybridrt.cli.app import main; main()", "train-mtp", "-m", str(tiny_llama),
+    r = subprocess.run([sys.executable, "-c", "from hybridrt.cli.commands import main; main()", "train-mtp", "-m", str(tiny_llama),
                         "-o", str(tmp_path / "c.gguf"), "--tokens", "48", "--steps", "2", "--gen-len", "8",
                         "--draft-vocab", "32", "--eval-every", "1", "-t", "1", "--json"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "c.gguf").exists()
-    r = subprocess.run([sys.executable, "-c", "from hybridrt.cli.app import main; main()", "train-mtp", "-m", str(tiny_llama),
+    r = subprocess.run([sys.executable, "-c", "from hybridrt.cli.commands import main; main()", "train-mtp", "-m", str(tiny_llama),
                         "-o", str(tmp_path / "c.gguf"), "--loss", "mse"], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: train-mtp: --loss must be one of kl, argmax"]
 
@@ -634,7 +634,7 @@ def test_real_model_greedy_parity_with_trained_head(name):
 def test_cli_defaults_are_train_config_and_cost_no_torch():
     """`hybridrt train-mtp`'s option defaults come from TrainConfig (one place to change them), and
     the CLI still imports no torch before a command runs."""
-    code = ("import sys, inspect; import hybridrt.cli.app; from hybridrt.cli import train_mtp as c\n"
+    code = ("import sys, inspect; import hybridrt.cli.commands; from hybridrt.cli import train_mtp as c\n"
             "assert 'torch' not in sys.modules\n"
             "print({p.name: p.default.default for p in inspect.signature(c.train_mtp).parameters.values()})")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

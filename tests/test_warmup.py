@@ -21,7 +21,7 @@ def _python(code: str, cache_dir) -> subprocess.CompletedProcess:
 
 
 def _cli(args: list[str], cache_dir) -> subprocess.CompletedProcess:
-    return _python(f"from hybridrt.cli.app import main; import sys; sys.argv[1:] = {args!r}; main()", cache_dir)
+    return _python(f"from hybridrt.cli.commands import main; import sys; sys.argv[1:] = {args!r}; main()", cache_dir)
 
 
 def test_compile_notice_says_so_once_and_only_when_compiling(capsys):
@@ -67,7 +67,7 @@ def test_fresh_cache_dir_is_cold(tmp_path):
 @pytest.mark.slow
 def test_warmup_command_compiles_once(tmp_path):
     require(SMOLLM2)
-    run = "from hybridrt.cli.app import main; import sys; sys.argv[1:] = ['warmup', '-m', 'smollm2-135m']; main()"
+    run = "from hybridrt.cli.commands import main; import sys; sys.argv[1:] = ['warmup', '-m', 'smollm2-135m']; main()"
     cold = _python(run, tmp_path)
     assert cold.returncode == 0 and cold.stderr.startswith(MESSAGE) and "compiled for" in cold.stderr
     warm = _python(run, tmp_path)

@@ -146,7 +146,7 @@ class TrainedMTPHead(MTPHead):
 
 
 # q4_1: half a q8_0 head's bytes; a draft right after a decode step reads them from memory
-# (SmolLM2's head: 9.6 -> 7.7 % of a plain step, BENCHMARKS.md session 33)
+# (SmolLM2's head: 9.6 -> 7.7 % of a plain step, e94d4b6)
 HEAD_TYPES = {"f32": "F32", "f16": "F16", "q8_0": "Q8_0", "q4_1": "Q4_1"}
 
 
@@ -229,7 +229,7 @@ def load_mtp_head(model, path: str | Path, tensor_devices: dict[str, str] | None
     # one int8 pass on the head's activations (llama.cpp's numerics), whatever the target takes: a
     # draft's rounding only changes which tokens it proposes, never what is committed (verify
     # decides), and the second pass was ~20 % of a draft (SmolLM2: 1.135x against 1.115x at N = 1,
-    # acceptance alike, BENCHMARKS.md session 37)
+    # acceptance alike, 2e3497a)
     # it binds outside the target's plan: its matrices run in place, never through the executor
     config = dataclasses.replace(model.binder.config.without_plan(), act_residual=False)
     binder = WeightBinder(f, model.device, tensor_devices, device_dtype=model.binder.device_dtype, config=config,
