@@ -25,9 +25,9 @@ if str(SCRIPTS) not in sys.path:
 import make_model  # noqa: E402
 
 
-def _build(tmp_path_factory, name: str, arch: str, mtp: bool = False) -> Path:
+def _build(tmp_path_factory, name: str, arch: str, mtp: bool = False, mix: str = "f32") -> Path:
     return make_model.write_model(tmp_path_factory.mktemp("models") / f"{name}.gguf", arch,
-                                  mtp=mtp, mix="f32", seed=0)
+                                  mtp=mtp, mix=mix, seed=0)
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +38,17 @@ def tiny_qwen35(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen35_mtp(tmp_path_factory) -> Path:
     return _build(tmp_path_factory, "tiny-qwen35-mtp", "qwen35", mtp=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen35_q4(tmp_path_factory) -> Path:
+    """The tiny qwen35 layout with the q4_k_m mix: K-quant matrices whose types differ by layer."""
+    return _build(tmp_path_factory, "tiny-qwen35-q4", "qwen35", mtp=True, mix="q4_k_m")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen35_q4_plain(tmp_path_factory) -> Path:
+    return _build(tmp_path_factory, "tiny-qwen35-q4-plain", "qwen35", mix="q4_k_m")
 
 
 @pytest.fixture(scope="session")

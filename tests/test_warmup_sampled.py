@@ -6,29 +6,13 @@ import sys
 
 import pytest
 
-from hybridrt.runtime import warmup
 from hybridrt.decoding.generate import generate
-from hybridrt.runtime.loader import load_model
-from hybridrt.models.arch_spec import ATTENTION, GDN
 from hybridrt.decoding.sampling import SamplerConfig
 from hybridrt.decoding.speculative.loop import SpecConfig
 from hybridrt.decoding.speculative.sources import build_source
-
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"))
-import make_model  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen35_q4(tmp_path_factory):
-    """The tiny qwen35 layout with the q4_k_m mix: K-quant matrices whose types differ by layer."""
-    return make_model.write_model(tmp_path_factory.mktemp("models") / "tiny-qwen35-q4.gguf", "qwen35",
-                                  mtp=True, mix="q4_k_m", seed=0)
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen35_q4_plain(tmp_path_factory):
-    return make_model.write_model(tmp_path_factory.mktemp("models") / "tiny-qwen35-q4-plain.gguf", "qwen35",
-                                  mix="q4_k_m", seed=0)
+from hybridrt.models.arch_spec import ATTENTION, GDN
+from hybridrt.runtime import warmup
+from hybridrt.runtime.loader import load_model
 
 
 def _loaded_signatures() -> set:
