@@ -65,10 +65,14 @@ def _window_start(pos: int, window: int, first: int) -> int:
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: list[int],
-           scale: float, window: int = 0, first: int = 0) -> torch.Tensor:
+           scale: float, window: int = 0, first: int = 0, at: torch.Tensor | None = None) -> torch.Tensor:
     """q: [k, n_head, d]; caches: [n_ctx, n_kv, d] (float or q8_0) already holding the new rows at `positions`
     (ascending, contiguous); keys before position `first` do not exist (an MTP block's cache starts
-    at position 1). Returns [k, n_head, d_v] float32."""
+    at position 1). `at`: the same positions as a tensor on q's device, given when the step runs
+    from static buffers (a CUDA graph): then no Python int of the step reaches a kernel. Returns
+    [k, n_head, d_v] float32."""
+    if at is not None:
+        return _attend_at(q, k_cache, v_cache, at, scale, window, first)
     n_tok, n_head, d = q.shape
     n_kv, d_v = k_cache.shape[1], v_cache.shape[2]
     group = n_head // n_kv
@@ -117,4 +121,32 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positi
         mask = visible[a:b].repeat(group, 1)                                 # [group * rows, T]
         ob = F.scaled_dot_product_attention(qb, keys, vals, attn_mask=mask, scale=scale)
         out[a:b] = ob.view(n_kv, group, b - a, d_v).permute(2, 0, 1, 3).reshape(b - a, n_head, d_v)
+    return out
+
+
+def _attend_at(q: torch.Tensor, k_cache, v_cache, at: torch.Tensor, scale: float, window: int,
+               first: int) -> torch.Tensor:
+    """attend() with the positions in a device tensor (`at`, consecutive): the fused kernel reads
+    the first one from memory and gives the same bits as with an int; elsewhere (q8_0 caches, the
+    CPU standing in for the device) each row attends over the whole cache with the keys it may not
+    see masked, so nothing depends on the step's length. That path reads every cached row, however
+    few are filled: fine for tests and short contexts, not a GPU's long ones (the caches are zeroed
+    at allocation, so unfilled rows are finite and their masked weights exactly 0)."""
+    n_tok, n_head, d = q.shape
+    if n_tok <= ROWWISE_MAX and q.is_cuda and triton_attention_fits(q, k_cache, v_cache):
+        return attention_rows_triton(q, k_cache, v_cache, at[:1], scale, window, first)
+    n_ctx, n_kv, d_v = k_cache.shape[0], k_cache.shape[1], v_cache.shape[2]
+    group = n_head // n_kv
+    keys = _float_rows(k_cache, 0, n_ctx).permute(1, 2, 0)       # [n_kv, d, T]
+    vals = _float_rows(v_cache, 0, n_ctx).permute(1, 0, 2)       # [n_kv, T, d_v]
+    key_pos = torch.arange(n_ctx, device=q.device)
+    query_pos = at.unsqueeze(1)
+    hidden = (key_pos.unsqueeze(0) > query_pos) | (key_pos.unsqueeze(0) < first)
+    if window > 0:
+        hidden |= query_pos - key_pos.unsqueeze(0) >= window
+    out = torch.empty(n_tok, n_head, d_v, dtype=torch.float32, device=q.device)
+    for i in range(n_tok):          # row by row: a token's bits do not depend on the batch
+        qi = q[i].float().view(n_kv, group, d)
+        scores = (torch.matmul(qi, keys) * scale).masked_fill(hidden[i], float("-inf"))
+        out[i] = torch.matmul(torch.softmax(scores, dim=-1), vals).view(n_head, d_v)
     return out

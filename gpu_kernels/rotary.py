@@ -45,6 +45,13 @@ def rotary_rows(table: RotaryTable, start: int, n: int) -> RotaryRows:
                       table.n_rot, table.neox)
 
 
+def rotary_rows_at(table: RotaryTable, positions: torch.Tensor) -> RotaryRows:
+    """The rows of `positions` (an int64 tensor on the table's device): the same values as
+    rotary_rows, gathered by the device, so a captured graph reads each step's positions."""
+    return RotaryRows(table.cos.index_select(0, positions).unsqueeze(1),
+                      table.sin.index_select(0, positions).unsqueeze(1), table.n_rot, table.neox)
+
+
 def apply_rotary(x: torch.Tensor, rows: RotaryRows) -> torch.Tensor:
     """x: [tokens, heads, head_dim] at the positions `rows` was gathered for. Returns a new tensor."""
     if x.is_cuda and triton_rotary_fits(x, rows):         # one launch instead of about ten

@@ -44,10 +44,13 @@ if have_triton():
     def _attention_rows_kernel(q_ptr, k_ptr, v_ptr, o_ptr, p0, first, window, scale,
                                sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
                                GROUP: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                               DV: tl.constexpr, BDV: tl.constexpr, BT: tl.constexpr):
+                               DV: tl.constexpr, BDV: tl.constexpr, BT: tl.constexpr, P0_IN_MEMORY: tl.constexpr):
         t = tl.program_id(0)
         kvh = tl.program_id(1)
-        pos = p0 + t
+        if P0_IN_MEMORY:        # a captured graph's step: the first position is read, not baked in
+            pos = tl.load(p0).to(tl.int32) + t
+        else:
+            pos = p0 + t
         lo = first
         if window > 0:
             lo = tl.maximum(first, pos - window + 1)
@@ -83,11 +86,13 @@ if have_triton():
                  mask=(g[:, None] < GROUP) & (dv[None, :] < DV))
 
 
-def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p0: int,
+def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p0: int | torch.Tensor,
                           scale: float, window: int = 0, first: int = 0) -> torch.Tensor:
     """q [k, n_head, d] at positions p0 .. p0 + k - 1 over float caches [n_ctx, n_kv, d] that already
     hold those rows; keys before `first` do not exist, a window > 0 is llama.cpp's SWA (key p visible
-    from query p' iff p' - p < window). Returns float32 [k, n_head, d_v]."""
+    from query p' iff p' - p < window). p0 may be a one-element int tensor on q's device, which the
+    kernel reads (a CUDA graph replays each step's; the same bits as the int, which the rows'
+    bounds are then not checked against). Returns float32 [k, n_head, d_v]."""
     require_triton("the fused attention")
     if not fits(q, k_cache, v_cache):
         raise ValueError(f"attention_rows_triton: needs float caches with contiguous rows, head dims up to "
@@ -95,7 +100,8 @@ def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                          f"caches {tuple(k_cache.shape)} {k_cache.dtype})")
     n_tok, n_head, d = q.shape
     n_kv, d_v = k_cache.shape[1], v_cache.shape[2]
-    if p0 < first or p0 + n_tok > k_cache.shape[0]:
+    in_memory = isinstance(p0, torch.Tensor)
+    if not in_memory and (p0 < first or p0 + n_tok > k_cache.shape[0]):
         raise ValueError(f"attention_rows_triton: rows {p0}..{p0 + n_tok - 1} outside the cache "
                          f"(first {first}, {k_cache.shape[0]} rows)")
     group = n_head // n_kv
@@ -106,6 +112,6 @@ def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         q, k_cache, v_cache, out, p0, first, window, float(scale),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1),
-        GROUP=group, G=max(16, pow2_at_least(group)), D=d, BD=bd, DV=d_v, BDV=bdv, BT=BLOCK_KEYS,
+        GROUP=group, G=max(16, pow2_at_least(group)), D=d, BD=bd, DV=d_v, BDV=bdv, BT=BLOCK_KEYS, P0_IN_MEMORY=in_memory,
         num_warps=4 if max(bd, bdv) <= 128 else 8)
     return out

@@ -46,6 +46,12 @@ def pow2_at_least(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def _capturing() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def checked_runner(compiled, grid: tuple, args: tuple, constexpr_values: tuple, out_index: int):
     """Triton's launcher of an already compiled kernel (`compiled[grid]`, the CompiledKernel that a
     JIT launch returns), or None.
@@ -93,5 +99,7 @@ class Launches:
             runner(*args, *constexprs.values())       # constexprs in the kernel's signature order
             return
         compiled = self.kernel[grid](*args, **constexprs, **options)
-        if try_direct and key not in self.direct:
+        # checking a runner reads its output back on the host, which a CUDA graph capture cannot
+        # take: a key first met inside a capture is checked at its next launch outside one
+        if try_direct and key not in self.direct and not _capturing():
             self.direct[key] = checked_runner(compiled, grid, args, tuple(constexprs.values()), out_index)

@@ -138,6 +138,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--bw-mib", type=int, default=512, help="decode: MiB the bandwidth probe reads")
     ap.add_argument("-ctk", "--cache-type", default="f16", help="hybridrt's KV cache (f16: llama.cpp's)")
     ap.add_argument("--no-llamacpp", action="store_true", help="hybridrt only (no oracle venv needed)")
+    ap.add_argument("--device", default="cpu", help="hybridrt's trunk device (cuda: with --vram, the plan on a GPU)")
+    ap.add_argument("--vram", default=None, help="execute a plan for this VRAM budget (e.g. 12GiB), as `run --vram`")
+    ap.add_argument("-c", "--ctx-size", type=int, default=None, help="with --vram: the context the plan reserves")
     args = ap.parse_args(argv)
     args.section_list = [s.strip() for s in args.sections.split(",") if s.strip()]
     return args
@@ -481,8 +484,22 @@ def load(args, path: Path):
         return None
     log(f"loading {path.name} for the in-process sections ({args.threads} threads)")
     t0 = time.perf_counter()
-    model = load_model(path, threads=args.threads)
+    placement = None
+    if args.vram is not None:
+        from hybridrt.runtime.loader import _size
+        from hybridrt.runtime.place import PlacementRequest, placement_line
+
+        n_max = max(int(n) for n in args.spec_n.split(",")) if "spec" in args.section_list else 1
+        placement = PlacementRequest(vram_bytes=_size(args.vram), n_ctx=args.ctx_size,
+                                     cache_type_k=args.cache_type, cache_type_v=args.cache_type,
+                                     spec_type="draft-mtp" if n_max > 1 else "none", spec_draft_n_max=max(n_max, 1))
+    model = load_model(path, threads=args.threads, device=args.device, placement=placement)
     log(f"  loaded in {time.perf_counter() - t0:.1f} s")
+    if model.plan is not None:
+        log(placement_line(model.plan, args.device))
+        speed = model.plan.speed      # the plan's own CPU bandwidth figure (measured at load unless given)
+        log(f"  the plan predicts {speed.plain_tok_s:.1f} t/s decode, {speed.spec_tok_s:.1f} t/s speculative "
+            f"(GPU {speed.gpu_bw / 1e9:.0f} GB/s, CPU {speed.cpu_bw / 1e9:.1f} GB/s, acceptance {speed.accept_rate:g})")
     if "spec" in args.section_list and getattr(model, "mtp", None) is None:
         raise UserError(f"--sections spec: {path.name} has no MTP head (draft-mtp)")
     return model

@@ -99,11 +99,14 @@ def attention() -> list[str]:
 
     done = []
     for group, d, warps in ((3, 64, 4), (4, 256, 8), (6, 256, 8)):
-        compile_for_sm90(m._attention_rows_kernel,
-                         {"GROUP": group, "G": 16, "D": d, "BD": d, "DV": d, "BDV": d, "BT": m.BLOCK_KEYS}, warps, True,
-                         pointer_types={"k_ptr": "*fp16", "v_ptr": "*fp16", "scale": "fp32"},
-                         not_divisible=frozenset({"p0", "first", "window", "scale"}))
-        done.append(f"group {group} d {d}")
+        for in_memory in (False, True):     # p0 an int, or read from a device tensor (a CUDA graph's step)
+            compile_for_sm90(m._attention_rows_kernel,
+                             {"GROUP": group, "G": 16, "D": d, "BD": d, "DV": d, "BDV": d, "BT": m.BLOCK_KEYS,
+                              "P0_IN_MEMORY": in_memory}, warps, True,
+                             pointer_types={"k_ptr": "*fp16", "v_ptr": "*fp16", "scale": "fp32",
+                                            **({"p0": "*i64"} if in_memory else {})},
+                             not_divisible=frozenset({"p0", "first", "window", "scale"}))
+            done.append(f"group {group} d {d}{' p0 in memory' if in_memory else ''}")
     return done
 
 

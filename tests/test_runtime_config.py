@@ -16,8 +16,8 @@ from hybridrt.runtime.config import ENV, ENV_VARIABLES, Mode, RuntimeConfig, Swi
 
 def test_unset_variables_keep_the_defaults():
     assert read_env({}) == Switches()
-    assert Switches() == Switches(exact=False, act_residual=True, fused_layers=True, int_isa="", amx=True,
-                                  direct_launch=True)
+    assert Switches() == Switches(exact=False, act_residual=True, fused_layers=True, cuda_graphs=True, int_isa="",
+                                  amx=True, direct_launch=True)
 
 
 @pytest.mark.parametrize("value,on", [("1", True), ("0", False), ("", False), ("yes", True)])
@@ -30,6 +30,21 @@ def test_flag_variables_read_as_before(field, value, on):
 @pytest.mark.parametrize("value,on", [("1", True), ("0", False), (" 0 ", False), ("", True)])
 def test_direct_launch_is_off_only_for_0(value, on):
     assert read_env({"HYBRIDRT_DIRECT_LAUNCH": value}).direct_launch is on
+
+
+@pytest.mark.parametrize("value,on", [("1", True), ("0", False), ("", True)])
+def test_cuda_graphs_are_off_only_for_0(value, on):
+    assert read_env({"HYBRIDRT_CUDA_GRAPHS": value}).cuda_graphs is on
+
+
+@pytest.mark.parametrize("device,planned,switch,tracing,graphs", [
+    ("cuda", True, None, False, "cuda"), ("cuda", True, False, False, None), ("cuda", True, None, True, None),
+    ("cuda", False, None, False, None), ("cpu", True, None, False, None),
+])
+def test_step_graphs_only_for_an_untraced_plan_on_cuda(device, planned, switch, tracing, graphs):
+    c = resolve_config(device, planned, cuda_graphs=switch, environ={})
+    assert c.step_graphs(tracing) == graphs
+    assert resolve_config("cuda", True, environ={"HYBRIDRT_CUDA_GRAPHS": "0"}).step_graphs(False) is None
 
 
 def test_int_isa_is_the_name_given():

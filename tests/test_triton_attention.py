@@ -67,6 +67,27 @@ def test_agrees_with_attend_torch_path():
     assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
 
 
+@pytest.mark.parametrize("window,first", [(0, 0), (16, 0), (0, 1)], ids=str)
+def test_first_position_read_from_memory_gives_the_same_bits(window, first):
+    """A captured step graph passes p0 as a device tensor the kernel loads: the bits of an int p0."""
+    q, k, v = case(96, 4, 2, 64, torch.float16, seed=7)
+    for p0 in (33, 70):
+        want = attention_rows_triton(q, k, v, p0, 0.125, window, first)
+        assert torch.equal(attention_rows_triton(q, k, v, torch.tensor([p0]), 0.125, window, first), want)
+
+
+def test_attend_at_positions_is_close_to_the_sliced_rows():
+    """attention.attend with `at` (the step-graph path): on CPU tensors the masked whole-cache rows,
+    within float32 rounding of the sliced ones, and each row's bits independent of the batch."""
+    q, k, v = case(64, 8, 2, 64, torch.float32, seed=5)
+    positions = list(range(40, 46))
+    ref = attend(q, k, v, positions, 0.125, 8, 1)
+    got = attend(q, k, v, positions, 0.125, 8, 1, at=torch.tensor(positions))
+    assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    alone = attend(q[2:3], k, v, positions[2:3], 0.125, 8, 1, at=torch.tensor(positions[2:3]))
+    assert torch.equal(alone[0], got[2])
+
+
 def test_bad_inputs_are_named():
     q, k, v = case(16, 4, 2, 64, torch.float32, seed=1)
     with pytest.raises(ValueError, match="outside the cache"):

@@ -144,6 +144,11 @@ class Model:
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.output(hidden, out=out)
 
+    def begin_step(self, state: ModelState, start_pos: int, n: int) -> bool:
+        """The host's bookkeeping of a forward of n tokens at start_pos, apart from its device work
+        (a replayed step graph runs it, then the graph): none for attention-only trunks."""
+        return True
+
     def forward(self, state: ModelState, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
         """Attention-only trunks (a recurrent one overrides it): each half is h + f(norm(h)), its
         norm and residual included."""

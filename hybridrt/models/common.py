@@ -8,7 +8,7 @@ import torch
 
 from gpu_kernels.norms import rms_norm
 from gpu_kernels.pointwise import per_token
-from gpu_kernels.rotary import RotaryRows, RotaryTable, apply_rotary, rotary_rows, rotary_table
+from gpu_kernels.rotary import RotaryRows, RotaryTable, apply_rotary, rotary_rows, rotary_rows_at, rotary_table
 
 from ..runtime.backends import WeightBinder
 from ..errors import UserError
@@ -62,6 +62,10 @@ class ModelState:
     rope: dict[RopeSpec, RotaryTable] = field(default_factory=dict)
     rope_rows: dict[RopeSpec, tuple[int, int, RotaryRows]] = field(default_factory=dict)   # last run per spec
     extra: dict = field(default_factory=dict)    # architecture-specific state (recurrent, MTP)
+    # the step's positions as a tensor on the trunk's device, set by the executor while it runs steps
+    # from static buffers (runtime/step_graphs.py: a replayed CUDA graph sees no Python ints), None
+    # otherwise; rotary rows, KV writes and attention read it where set
+    positions: torch.Tensor | None = None
 
     def rotary(self, spec: RopeSpec, device) -> RotaryTable:
         table = self.rope.get(spec)
@@ -71,7 +75,10 @@ class ModelState:
         return table
 
     def rotary_at(self, spec: RopeSpec, start: int, n: int, device) -> RotaryRows:
-        """cos/sin rows of positions [start, start + n), reused by every layer of one forward."""
+        """cos/sin rows of positions [start, start + n), reused by every layer of one forward
+        (gathered at `positions` when the executor set them: a graph replays the gather)."""
+        if self.positions is not None:
+            return rotary_rows_at(self.rotary(spec, device), self.positions)
         last = self.rope_rows.get(spec)
         if last is None or last[:2] != (start, n):
             last = (start, n, rotary_rows(self.rotary(spec, device), start, n))
@@ -134,7 +141,7 @@ class Attention:
         q = apply_rotary(q, rows)
         self._store(k, v, state, pos_list, rows)
         o = self.attend(q, state.kv.k[self.cache_index], state.kv.v[self.cache_index], pos_list,
-                        s.scale, s.window, s.first_pos).reshape(n, s.n_head * s.head_dim_v)
+                        s.scale, s.window, s.first_pos, at=state.positions).reshape(n, s.n_head * s.head_dim_v)
         if gate is not None:
             o = o * per_token(torch.sigmoid, gate)
         return self.wo(o)
@@ -159,7 +166,7 @@ class Attention:
         """k [n, n_kv, d] (before its norm and rotary), v [n, n_kv, dv] into the cache."""
         if self.spec.qk_norm:
             k = rms_norm(k, self.k_norm, self.spec.eps)
-        state.kv.write(self.cache_index, pos_list[0], apply_rotary(k, rows), v)
+        state.kv.write(self.cache_index, pos_list[0], apply_rotary(k, rows), v, at=state.positions)
 
 
 @dataclass(frozen=True)

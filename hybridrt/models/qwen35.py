@@ -229,10 +229,14 @@ class Qwen35(Model):
         state.ring.restore(n, state.conv_all, state.S_all)
 
     # --- compute --------------------------------------------------------------------------------
+    def begin_step(self, state: HybridState, start_pos: int, n: int) -> bool:
+        """The snapshot ring's batch; whether it keeps this one's per-token states."""
+        return state.ring.begin(start_pos, n)
+
     def forward(self, state: HybridState, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
         n = tokens.shape[0]
         pos_list = list(range(start_pos, start_pos + n))
-        capture = state.ring.begin(start_pos, n)
+        capture = self.begin_step(state, start_pos, n)
         h = self.embed(tokens)
         for layer in self.layers:
             h = layer.mixer(h, state, pos_list if layer.kind == ATTENTION else capture)

@@ -59,6 +59,7 @@ class Switches:
     exact: bool = False             # float32 activations for the mmap'd matrices, not int8 (--exact-activations)
     act_residual: bool = True       # on int8, the second pass on attention / FFN-down inputs (--act-residual)
     fused_layers: bool = True       # a CPU trunk's fused layer halves (no flag; False: CPU_TORCH)
+    cuda_graphs: bool = True        # a plan on CUDA replays captured step graphs (--no-cuda-graphs: eager)
     int_isa: str = ""               # a forced integer lowering ("": the host's best; tests force others)
     amx: bool = True                # AMX tiles for verify batches where the CPU has them
     direct_launch: bool = True      # Triton kernels through their compiled launcher once it checked out
@@ -78,6 +79,7 @@ ENV_VARIABLES: dict[str, tuple[str, Callable[[str], object]]] = {
     "exact": ("HYBRIDRT_EXACT_ACTIVATIONS", _on_unless_empty_or_0),
     "act_residual": ("HYBRIDRT_ACT_RESIDUAL", _on_unless_empty_or_0),
     "fused_layers": ("HYBRIDRT_FUSED_LAYERS", _on_unless_empty_or_0),
+    "cuda_graphs": ("HYBRIDRT_CUDA_GRAPHS", _on_unless_0),
     "int_isa": ("HYBRIDRT_INT_ISA", str),
     "amx": ("HYBRIDRT_AMX", _on_unless_empty_or_0),
     "direct_launch": ("HYBRIDRT_DIRECT_LAUNCH", _on_unless_0),
@@ -97,6 +99,11 @@ class RuntimeConfig(Switches):
     """A loaded model's execution mode and numerics (`model.binder.config`)."""
     mode: Mode
 
+    def step_graphs(self, tracing: bool) -> str | None:
+        """How the executor captures steps: CUDA graphs for a plan on CUDA unless switched off or
+        traced (a trace times each device call, which a replayed graph does not make), else none."""
+        return "cuda" if self.mode is Mode.PLAN_ON_CUDA and self.cuda_graphs and not tracing else None
+
     def without_plan(self) -> "RuntimeConfig":
         """The same trunk and numerics with no plan executing: a trained MTP head binds outside the
         plan (its matrices stay in the mmap, called in place, never through the executor)."""
@@ -105,12 +112,12 @@ class RuntimeConfig(Switches):
 
 
 def resolve_config(device_type: str, planned: bool, *, exact: bool | None = None, act_residual: bool | None = None,
-                   fused_layers: bool | None = None, environ: Mapping[str, str] = os.environ) -> RuntimeConfig:
+                   fused_layers: bool | None = None, cuda_graphs: bool | None = None, environ: Mapping[str, str] = os.environ) -> RuntimeConfig:
     """The config of one load: each per-load switch as given (None: not given: a flag left off, an
     API argument left out), else as `environ` says now; the per-process ones as ENV read them (the
     kernels compiled them in already)."""
     now = read_env(environ)
-    given = {"exact": exact, "act_residual": act_residual, "fused_layers": fused_layers}
+    given = {"exact": exact, "act_residual": act_residual, "fused_layers": fused_layers, "cuda_graphs": cuda_graphs}
     per_load = {k: getattr(now, k) if v is None else v for k, v in given.items()}
     per_process = {f.name: getattr(ENV, f.name) for f in dataclasses.fields(Switches) if f.name not in given}
     return RuntimeConfig(mode=execution_mode(device_type, planned, per_load["fused_layers"]), **per_load, **per_process)

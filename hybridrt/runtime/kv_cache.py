@@ -69,6 +69,9 @@ class Q8Rows:
     def __setitem__(self, rows: slice, values: torch.Tensor) -> None:
         self.blocks[rows] = q8_0_quantize(values)
 
+    def index_copy_(self, dim: int, index: torch.Tensor, values: torch.Tensor) -> None:
+        self.blocks.index_copy_(dim, index, q8_0_quantize(values))
+
     @property
     def nbytes(self) -> int:
         return self.blocks.numel()
@@ -81,6 +84,11 @@ def _new_rows(storage: Storage, n_ctx: int, n_kv: int, head_dim: int, device) ->
     if storage == "q8_0":
         return Q8Rows(n_ctx, n_kv, head_dim, device)
     return torch.zeros(n_ctx, n_kv, head_dim, dtype=storage, device=device)
+
+
+def _write_at(rows: CacheRows, at: torch.Tensor, values: torch.Tensor) -> None:
+    """rows[at] = values, cast (or quantized) to the cache's storage as slice assignment does."""
+    rows.index_copy_(0, at, values if isinstance(rows, Q8Rows) else values.to(rows.dtype))
 
 
 def _nbytes(t: CacheRows) -> int:
@@ -97,7 +105,13 @@ class KVCache:
         self.k = [_new_rows(types.k, n_ctx, n_kv, head_dim_k, device) for _ in range(n_layers)]
         self.v = [_new_rows(types.v, n_ctx, n_kv, head_dim_v, device) for _ in range(n_layers)]
 
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor | None = None) -> None:
+        """Rows [start, start + n) of a layer's keys and values; at the positions in `at` (a device
+        tensor: what a replayed graph writes at) when given."""
+        if at is not None:
+            _write_at(self.k[layer], at, k)
+            _write_at(self.v[layer], at, v)
+            return
         end = start + k.shape[0]
         self.k[layer][start:end] = k
         self.v[layer][start:end] = v

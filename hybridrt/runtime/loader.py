@@ -68,7 +68,7 @@ def load_model(model: str | os.PathLike | None = None, device: str = "cpu",
                placement: PlacementRequest | None = None, vram: int | str | None = None,
                trace: Tracer | bool | None = None, exact_activations: bool | None = None,
                mtp_head: str | os.PathLike | None = None, act_residual: bool | None = None,
-               fused_layers: bool | None = None) -> Model:
+               fused_layers: bool | None = None, cuda_graphs: bool | None = None) -> Model:
     """Load a GGUF model.
 
     With `placement` (or just `vram`: a byte count or a size like "12GiB"), the planner decides
@@ -91,6 +91,9 @@ def load_model(model: str | os.PathLike | None = None, device: str = "cpu",
     `fused_layers`: on a CPU trunk without a plan, each layer half as one fused Numba call where
     its matrices are all in the mmap (True), or the torch trunk ops (False); None: as
     HYBRIDRT_FUSED_LAYERS says (on).
+    `cuda_graphs`: a plan on CUDA replays each decode / verify step size as captured device segments
+    between its CPU crossings (runtime/step_graphs.py), or runs every step eagerly (False); None:
+    as HYBRIDRT_CUDA_GRAPHS says (on). No graphs while tracing.
     These, the execution mode (from `device` and whether a plan executes) and the process-wide
     switches are resolved here once into `model.binder.config` (runtime/config.py: RuntimeConfig).
     `mtp_head`: a head file from `hybridrt train-mtp`, bound as `model.mtp` (replacing a built-in
@@ -101,7 +104,7 @@ def load_model(model: str | os.PathLike | None = None, device: str = "cpu",
     if dev.type == "cuda":
         use_cuda_device(dev)
     config = resolve_config(dev.type, planned=placement is not None or vram is not None, exact=exact_activations,
-                            act_residual=act_residual, fused_layers=fused_layers)
+                            act_residual=act_residual, fused_layers=fused_layers, cuda_graphs=cuda_graphs)
     set_threads(threads, trunk_on_cpu=config.mode.trunk_on_cpu)
     path = resolve_model(model)
     gguf = GGUFFile(path)
@@ -113,7 +116,8 @@ def load_model(model: str | os.PathLike | None = None, device: str = "cpu",
     if placement is not None:
         plan = plan_for(str(path), placement, dev, int(gguf.get("context_length", 4096)))
         tensor_devices, split = plan_devices(plan), split_of(plan)
-    executor = Executor(dev, tracer, governor=_governor(threads, config.mode))
+    executor = Executor(dev, tracer, governor=_governor(threads, config.mode),
+                        graphs=config.step_graphs(tracing=tracer is not None))
     dtype = torch.float32 if config.mode.trunk_on_cpu else torch.float16
     binder = WeightBinder(gguf, dev, tensor_devices, device_dtype=dtype,
                           executor=executor if config.mode.planned else None, split=split, config=config,
@@ -136,7 +140,7 @@ def load_draft_model(target: Model, draft: str | os.PathLike) -> Model:
     d = load_model(draft, device=target.device,
                    tensor_devices=draft_devices(target.plan, str(resolve_model(draft))),
                    exact_activations=numerics.exact, act_residual=numerics.act_residual,
-                   fused_layers=numerics.fused_layers)
+                   fused_layers=numerics.fused_layers, cuda_graphs=numerics.cuda_graphs)
     d.executor.governor = None
     return d
 

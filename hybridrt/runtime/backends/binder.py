@@ -175,7 +175,7 @@ class WeightBinder:
         return torch.from_numpy(values.reshape(tuple(reversed(info.shape)))).to(self.device)
 
     def embedding(self, name: str) -> Embedding:
-        return Embedding(self.gguf, name, self.device)
+        return Embedding(self.gguf, name, self.device, self.executor)
 
     def linear(self, name: str):
         info = self.gguf.tensors[name]

@@ -91,12 +91,22 @@ class RoutedExperts:
 
 
 class Embedding:
-    """Token embedding rows gathered from the mmap (a step needs only k rows of it)."""
+    """Token embedding rows gathered from the mmap (a step needs only k rows of it). With a plan's
+    executor the rows are gathered into its host buffer and copied up from there: inside a captured
+    step the gather is a host job at every replay, reading the step's token ids from its buffer."""
 
-    def __init__(self, gguf: GGUFFile, name: str, device: torch.device):
+    def __init__(self, gguf: GGUFFile, name: str, device: torch.device, executor=None):
         info = gguf.tensors[name]
         self.gather, self.device = RowGather(gguf.tensor_bytes(name), info.qtype, info.shape[0]), device
+        self.executor, self.n_embd = executor, info.shape[0]
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        ids = tokens.to("cpu", torch.int64).numpy()
-        return torch.from_numpy(self.gather(ids)).to(self.device)
+        if self.executor is None:
+            ids = tokens.to("cpu", torch.int64).numpy()
+            return torch.from_numpy(self.gather(ids)).to(self.device)
+        rows = self.executor.host_buffer("token_embd", tokens.shape[0], self.n_embd)
+        self.executor.on_host(self._gather, tokens, rows, out=rows)
+        return self.executor.to_device(rows, "token_embd")
+
+    def _gather(self, tokens: torch.Tensor, rows: torch.Tensor) -> None:
+        rows.copy_(torch.from_numpy(self.gather(tokens.to("cpu", torch.int64).numpy())))

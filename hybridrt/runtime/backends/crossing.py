@@ -96,12 +96,12 @@ class HostFFN:
 
     def start(self, x: torch.Tensor) -> Future:
         host_in, ready = self.executor.to_host(x, f"{self.name} in")
-        return self.executor.submit(self._run, host_in, ready)
+        host_out = self.executor.host_buffer(f"{self.name} out", host_in.shape[0], self.n_embd)
+        return self.executor.submit(self._run, host_in, host_out, ready, out=host_out)
 
-    def _run(self, host_in: torch.Tensor, ready) -> torch.Tensor:
+    def _run(self, host_in: torch.Tensor, host_out: torch.Tensor, ready) -> torch.Tensor:
         if ready is not None:
             ready.synchronize()     # this copy only: the device keeps working on what follows it
-        host_out = self.executor.host_buffer(f"{self.name} out", host_in.shape[0], self.n_embd)
         with maybe_span(self.executor.trace, f"cpu ffn {self.name}", "cpu_ffn", rows=host_in.shape[0]):
             host_out.copy_(self.ffn(host_in))
         return host_out
@@ -135,16 +135,16 @@ class HostExperts:
     def __call__(self, x: torch.Tensor, top_e: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         packed = torch.cat((x.float(), weights.float(), top_e.float()), dim=1)
         host_in, ready = self.executor.to_host(packed, f"{self.name} in")
-        pending = self.executor.submit(self._run, host_in, ready, x.shape[1])
+        host_out = self.executor.host_buffer(f"{self.name} out", host_in.shape[0], self.experts.n_embd)
+        pending = self.executor.submit(self._run, host_in, host_out, ready, x.shape[1], out=host_out)
         return self.executor.to_device(pending.result(), f"{self.name} out")
 
-    def _run(self, host_in: torch.Tensor, ready, n_embd: int) -> torch.Tensor:
+    def _run(self, host_in: torch.Tensor, host_out: torch.Tensor, ready, n_embd: int) -> torch.Tensor:
         if ready is not None:
             ready.synchronize()     # this copy only
         n_used = (host_in.shape[1] - n_embd) // 2
         x, weights = host_in[:, :n_embd], host_in[:, n_embd:n_embd + n_used]
         top_e = host_in[:, n_embd + n_used:].long()
-        host_out = self.executor.host_buffer(f"{self.name} out", host_in.shape[0], self.experts.n_embd)
         with maybe_span(self.executor.trace, f"cpu experts {self.name}", "cpu_ffn", rows=host_in.shape[0]):
             host_out.copy_(self.experts(x, top_e, weights))
         return host_out

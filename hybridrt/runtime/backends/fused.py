@@ -58,14 +58,14 @@ def _fused_state(state, index: int, spec) -> tuple | None:
 
 
 def attend_on_cpu(q: torch.Tensor, k_cache, v_cache, positions: list[int], scale: float, window: int = 0,
-                  first: int = 0) -> torch.Tensor:
+                  first: int = 0, at: torch.Tensor | None = None) -> torch.Tensor:
     """gpu_kernels.attention.attend for a CPU trunk: kv_attention's kernel (the fused layers' own)
     on Numba's threads over an f32, f16 or q8_0 cache, for any batch, prompts included (torch's
     SDPA runs there on the trunk's single torch thread: 2x the time on Gemma 3's 512-token prompt,
     60a8fb1; docs/history.md, "Prompt attention on kv_attention"); torch's attend for a bf16 cache."""
     kc, vc = _fused_cache_view(k_cache), _fused_cache_view(v_cache)
-    if kc is None or vc is None or q.device.type != "cpu":
-        return attend(q, k_cache, v_cache, positions, scale, window, first)
+    if kc is None or vc is None or q.device.type != "cpu" or at is not None:
+        return attend(q, k_cache, v_cache, positions, scale, window, first, at=at)
     n, n_head, d = q.shape
     n_kv, d_v = k_cache.shape[1], v_cache.shape[2]
     o = np.empty((n, n_head * d_v), np.float32)
