@@ -19,7 +19,9 @@ GPUTarget("cuda", arch, 32). Triton's bundled ptxas (-v) and cuobjdump give, per
   warps/SM    warps an SM holds at the launch's grid: min(grid programs / SMs, programs resident
               by registers, shared memory and the SM's warp and block limits) x num_warps
   LDG         global loads by width in bits (8:10 = ten LDG.E.U8 or .S8; a128: LDGSTS, the
-              asynchronous copies to shared memory of Triton's pipelined loops), whole kernel and loop
+              asynchronous copies to shared memory of Triton's pipelined loops), in the whole
+              kernel and in the main loop; "+" adds those of its nested loops (for the matvec the
+              loop's own loads are the weights' bytes and scales, the nested ones the activations)
   loop        the main loop: the longest backward branch in the SASS (to an earlier address);
               instructions between its target and the branch, inclusive, NOPs excluded.
               Loops nested in it (the matvec's token loop) are counted once: the figures are for a
@@ -136,7 +138,8 @@ class Sass:
     loop_found: bool
     loop_instructions: int          # main loop (or the whole body when there is none)
     nested_instructions: int        # instructions of loops nested in the main loop (counted once)
-    loop_loads: dict
+    loop_loads: dict                # in the main loop, outside the loops nested in it
+    nested_loads: dict              # in the nested loops (the matvec's activations, per token)
     loop_mix: dict = field(default_factory=dict)    # opcode (first word) -> count in the loop
 
 
@@ -415,7 +418,8 @@ def read_sass(text: str) -> Sass:
     def widths(instrs):
         counts = Counter(w for _, op, _ in instrs if (w := load_width(op)) is not None)
         return dict(sorted(counts.items(), key=lambda item: (item[0][0] == "a", int(item[0].lstrip("a")))))
-    return Sass(len(body), widths(body), bool(loops), len(loop), len(nested_addrs), widths(loop),
+    return Sass(len(body), widths(body), bool(loops), len(loop), len(nested_addrs),
+                widths([c for c in loop if c[0] not in nested_addrs]), widths([c for c in loop if c[0] in nested_addrs]),
                 dict(Counter(op.split(".")[0] for _, op, _ in loop).most_common()))
 
 
@@ -447,7 +451,7 @@ def report_row(case: Case, arch: int, c: Compiled) -> dict:
             "instructions": c.sass.instructions, "loads": c.sass.loads,
             "loop": case.loop if c.sass.loop_found or case.loop == "whole" else f"{case.loop} (no loop found)",
             "loop_instructions": c.sass.loop_instructions, "nested_instructions": c.sass.nested_instructions,
-            "loop_loads": c.sass.loop_loads, "loop_mix": c.sass.loop_mix, "bytes_per_iter": case.bytes_per_iter,
+            "loop_loads": c.sass.loop_loads, "nested_loads": c.sass.nested_loads, "loop_mix": c.sass.loop_mix, "bytes_per_iter": case.bytes_per_iter,
             "warp_instr_per_byte": round(instr_per_byte, 4), "allowed_warp_instr_per_byte": round(card.allowed, 4),
             "thread_instr_per_byte": round(32 * instr_per_byte, 2),
             "allowed_thread_instr_per_byte": round(32 * card.allowed, 2),
@@ -472,7 +476,8 @@ def print_table(rows: list[dict], arches: list[int]) -> None:
             table.append((r["kernel"], r["case"], "x".join(map(str, r["grid"])), str(r["num_warps"]), str(r["regs"]),
                           f"{r['spill_stores']}/{r['spill_loads']}", f"{r['shared']}{'' if r['shared_fits'] else '!'}",
                           f"{r['warps_per_sm']:.1f}",
-                          widths_text(r["loads"]), widths_text(r["loop_loads"]),
+                          widths_text(r["loads"]),
+                          widths_text(r["loop_loads"]) + (f" + {widths_text(r['nested_loads'])}" if r["nested_loads"] else ""),
                           f"{r['loop_instructions']} ({r['loop']})", str(r["nested_instructions"]),
                           str(r["bytes_per_iter"]), f"{r['warp_instr_per_byte']:.3f}", f"{r['x_bound']:.2f}", mix))
         widths = [max(len(row[i]) for row in table) for i in range(len(head))]
