@@ -418,8 +418,9 @@ def read_sass(text: str) -> Sass:
     def widths(instrs):
         counts = Counter(w for _, op, _ in instrs if (w := load_width(op)) is not None)
         return dict(sorted(counts.items(), key=lambda item: (item[0][0] == "a", int(item[0].lstrip("a")))))
-    return Sass(len(body), widths(body), bool(loops), len(loop), len(nested_addrs),
-                widths([c for c in loop if c[0] not in nested_addrs]), widths([c for c in loop if c[0] in nested_addrs]),
+    own = [c for c in loop if c[0] not in nested_addrs]
+    return Sass(len(body), widths(body), bool(loops), len(loop), len(nested_addrs), widths(own),
+                widths([c for c in loop if c[0] in nested_addrs]),
                 dict(Counter(op.split(".")[0] for _, op, _ in loop).most_common()))
 
 
@@ -451,7 +452,8 @@ def report_row(case: Case, arch: int, c: Compiled) -> dict:
             "instructions": c.sass.instructions, "loads": c.sass.loads,
             "loop": case.loop if c.sass.loop_found or case.loop == "whole" else f"{case.loop} (no loop found)",
             "loop_instructions": c.sass.loop_instructions, "nested_instructions": c.sass.nested_instructions,
-            "loop_loads": c.sass.loop_loads, "nested_loads": c.sass.nested_loads, "loop_mix": c.sass.loop_mix, "bytes_per_iter": case.bytes_per_iter,
+            "loop_loads": c.sass.loop_loads, "nested_loads": c.sass.nested_loads, "loop_mix": c.sass.loop_mix,
+            "bytes_per_iter": case.bytes_per_iter,
             "warp_instr_per_byte": round(instr_per_byte, 4), "allowed_warp_instr_per_byte": round(card.allowed, 4),
             "thread_instr_per_byte": round(32 * instr_per_byte, 2),
             "allowed_thread_instr_per_byte": round(32 * card.allowed, 2),
@@ -473,11 +475,12 @@ def print_table(rows: list[dict], arches: list[int]) -> None:
         table = [head]
         for r in (r for r in rows if r["arch"] == arch):
             mix = " ".join(f"{op} {n}" for op, n in list(r["loop_mix"].items())[:5])
+            loop_loads = widths_text(r["loop_loads"])
+            if r["nested_loads"]:
+                loop_loads += f" + {widths_text(r['nested_loads'])}"
             table.append((r["kernel"], r["case"], "x".join(map(str, r["grid"])), str(r["num_warps"]), str(r["regs"]),
                           f"{r['spill_stores']}/{r['spill_loads']}", f"{r['shared']}{'' if r['shared_fits'] else '!'}",
-                          f"{r['warps_per_sm']:.1f}",
-                          widths_text(r["loads"]),
-                          widths_text(r["loop_loads"]) + (f" + {widths_text(r['nested_loads'])}" if r["nested_loads"] else ""),
+                          f"{r['warps_per_sm']:.1f}", widths_text(r["loads"]), loop_loads,
                           f"{r['loop_instructions']} ({r['loop']})", str(r["nested_instructions"]),
                           str(r["bytes_per_iter"]), f"{r['warp_instr_per_byte']:.3f}", f"{r['x_bound']:.2f}", mix))
         widths = [max(len(row[i]) for row in table) for i in range(len(head))]
