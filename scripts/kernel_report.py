@@ -201,17 +201,21 @@ def matvec_cases() -> list[Case]:
 
 
 def attention_cases() -> list[Case]:
-    """One decode row over an f16 cache (the default -ctk/-ctv f16). B/iter: one block of BT keys
-    and values of one KV head."""
+    """One decode row over an f16 cache (the default -ctk/-ctv f16), eager (p0 an int) and as a
+    CUDA graph replays it (p0 read from a device tensor). B/iter: one block of BT keys and values
+    of one KV head."""
     import torch
     from gpu_kernels import triton_attention as m
 
     q, cache = meta(1, N_HEAD, HEAD_DIM), meta(N_CTX, N_KV, HEAD_DIM, dtype=torch.float16)
-    seen = capture(m._attention_rows_kernel,
-                   lambda: m.attention_rows_triton(q, cache, cache, N_CTX - 1, HEAD_DIM ** -0.5), m)
-    c = seen.kwargs
-    return [Case("attention", f"decode row, {N_HEAD}/{N_KV} heads x {HEAD_DIM}, f16 cache",
-                 m._attention_rows_kernel, seen, f"{c['BT']}-key block", c["BT"] * (c["D"] + c["DV"]) * 2)]
+    cases = []
+    for how, p0 in (("eager", N_CTX - 1), ("graph", meta(1, dtype=torch.int64))):
+        seen = capture(m._attention_rows_kernel,
+                       lambda: m.attention_rows_triton(q, cache, cache, p0, HEAD_DIM ** -0.5), m)
+        c = seen.kwargs
+        cases.append(Case("attention", f"decode row ({how}), {N_HEAD}/{N_KV} heads x {HEAD_DIM}, f16 cache",
+                          m._attention_rows_kernel, seen, f"{c['BT']}-key block", c["BT"] * (c["D"] + c["DV"]) * 2))
+    return cases
 
 
 def norm_cases() -> list[Case]:
