@@ -11,7 +11,7 @@ divisibility of integers and pointers, unit strides as constants; meta tensors s
 plus their view offset, so pointers are as aligned as fresh CUDA allocations) and an explicit
 GPUTarget("cuda", arch, 32). Triton's bundled ptxas (-v) and cuobjdump give, per kernel and arch:
 
-  grid        programs the launch asks for (a one-token decode step)
+  grid        programs the launch asks for (at the case's tokens: one, or a 4-token verify batch)
   regs        registers per thread (ptxas)
   spill       spill store / load bytes (ptxas)
   smem        shared memory per program (Triton's allocation, bytes); "!" marks more than the
