@@ -113,5 +113,13 @@ def attention_rows_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1),
         GROUP=group, G=max(16, pow2_at_least(group)), D=d, BD=bd, DV=d_v, BDV=bdv, BT=BLOCK_KEYS, P0_IN_MEMORY=in_memory,
-        num_warps=4 if max(bd, bdv) <= 128 else 8)
+        num_warps=4 if max(bd, bdv) <= 128 else 8,
+        # one stage: Triton's default three pipeline the key/value tiles through shared memory, which
+        # at head_dim 256 took 116800 B (over the 99 KiB an sm_86 / sm_89 block may have: no launch on
+        # an RTX 30 / 40 card) and spilled at 128 registers; one stage takes 51264 B and 64-76
+        # registers (scripts/kernel_report.py, BENCHMARKS "Device kernels: static report")
+        num_stages=1,
+        # FMA contraction as Triton 3.9 compiles it by default, said outright: a Triton whose default
+        # turns it off would otherwise change these bits silently
+        enable_fp_fusion=True)
     return out

@@ -61,5 +61,6 @@ def norm_rows_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, m
     w = weight.contiguous() if weight is not None else xc      # any pointer: HAS_W=False never reads it
     rows = xc.numel() // n
     _norm_rows_kernel[(rows,)](xc, w, y, n, float(eps), MEAN=mean, HAS_W=weight is not None,
-                               BLOCK=pow2_at_least(n), num_warps=4 if n <= 4096 else 8)
+                               BLOCK=pow2_at_least(n), num_warps=4 if n <= 4096 else 8,
+                               enable_fp_fusion=True)     # Triton 3.9's default, said outright (a later default may differ)
     return y
