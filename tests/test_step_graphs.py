@@ -215,3 +215,18 @@ def test_cuda_graph_replays_equal_the_eager_steps(tiny_qwen35_mtp):
     plain = load_model(tiny_qwen35_mtp, device="cuda", cuda_graphs=False,
                        placement=dataclasses.replace(BASE, vram_bytes=budget_for(tiny_qwen35_mtp, 3, 2.5)))
     assert plain.executor.graphs is None
+
+
+@pytest.mark.parametrize("flag,want", [(True, False), (False, None)])
+def test_no_cuda_graphs_flag_reaches_the_loader(monkeypatch, flag, want):
+    """`--no-cuda-graphs` loads with cuda_graphs=False; left off, the environment decides (None)."""
+    from types import SimpleNamespace
+
+    from hybridrt.cli.options import KVFlags, LoadFlags
+
+    seen = {}
+    monkeypatch.setattr("hybridrt.runtime.loader.load_model", lambda *a, **k: seen.update(k) or SimpleNamespace(plan=None))
+    flags = LoadFlags(device="cpu", vram=None, gpu_layers=None, margin="512MiB", no_op_offload=False,
+                      no_cuda_graphs=flag, trace=None, exact_activations=False, act_residual=None)
+    flags.load("m.gguf", "cpu", None, None, KVFlags(cache_type_k="f16", cache_type_v="f16"), None, 3, None, None)
+    assert seen["cuda_graphs"] is want

@@ -86,6 +86,8 @@ GPU_LAYERS = typer.Option(None, "-ngl", "--n-gpu-layers", "--gpu-layers", show_d
 MARGIN = typer.Option("512MiB", "--margin", help="Planned fixed overhead: CUDA context, allocator slack, safety.")
 NO_OP_OFFLOAD = typer.Option(False, "--no-op-offload", help="With a plan: prompt batches run the CPU FFN layers on the "
                              "CPU instead of copying their weights to the device (frees one layer's VRAM for decoding).")
+NO_CUDA_GRAPHS = typer.Option(False, "--no-cuda-graphs", help="With a plan on CUDA: launch every step's kernels "
+                              "eagerly instead of replaying captured CUDA graphs (HYBRIDRT_CUDA_GRAPHS=0).")
 TRACE = typer.Option(None, "--trace", help="Write a Chrome/Perfetto trace (device work, CPU FFN, transfers, draft, "
                      "verify) to this file.")
 EXACT_ACTIVATIONS = typer.Option(False, "--exact-activations", help="Run the mmap'd matrices on float32 activations "
@@ -184,6 +186,7 @@ class LoadFlags:
     gpu_layers: Optional[int] = GPU_LAYERS
     margin: str = MARGIN
     no_op_offload: bool = NO_OP_OFFLOAD
+    no_cuda_graphs: bool = NO_CUDA_GRAPHS
     trace: Optional[Path] = TRACE
     exact_activations: bool = EXACT_ACTIVATIONS
     act_residual: Optional[bool] = ACT_RESIDUAL
@@ -209,7 +212,7 @@ class LoadFlags:
             request = dataclasses.replace(request, cpu_bw=cpu_bw)
         m = load_model(model, device=device, threads=threads, placement=request, trace=self.trace is not None,
                        exact_activations=True if self.exact_activations else None, mtp_head=mtp_head,
-                       act_residual=self.act_residual)
+                       act_residual=self.act_residual, cuda_graphs=False if self.no_cuda_graphs else None)
         if m.plan is not None:
             print(placement_line(m.plan, device), file=sys.stderr)
         return m
