@@ -166,6 +166,11 @@ class Executor:
             ready.synchronize()         # the segment's copies to the host, not later device work
         job.fn(*job.args)
 
+    @property
+    def capturing(self) -> bool:
+        """Whether a step is being captured now (its host work must become host jobs)."""
+        return self._capture is not None
+
     def graph_counts(self, state) -> dict[int, int]:
         """k -> segments captured for that step size of this state (0: not captured yet)."""
         return {k: g.n_segments for k, g in self._step_graphs.get(id(state), {}).items()}

@@ -91,9 +91,9 @@ class RoutedExperts:
 
 
 class Embedding:
-    """Token embedding rows gathered from the mmap (a step needs only k rows of it). With a plan's
-    executor the rows are gathered into its host buffer and copied up from there: inside a captured
-    step the gather is a host job at every replay, reading the step's token ids from its buffer."""
+    """Token embedding rows gathered from the mmap (a step needs only k rows of it). Inside a step the
+    plan's executor captures, the rows are gathered into its host buffer and copied up from there:
+    the gather is a host job at every replay, reading the step's token ids from its buffer."""
 
     def __init__(self, gguf: GGUFFile, name: str, device: torch.device, executor=None):
         info = gguf.tensors[name]
@@ -101,7 +101,9 @@ class Embedding:
         self.executor, self.n_embd = executor, info.shape[0]
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.executor is None:
+        if self.executor is None or not self.executor.capturing:
+            # a pageable copy the host waits for: the next prompt chunk's gather cannot overwrite
+            # rows a queued copy has not read yet (a replay waits on its stream before the gather)
             ids = tokens.to("cpu", torch.int64).numpy()
             return torch.from_numpy(self.gather(ids)).to(self.device)
         rows = self.executor.host_buffer("token_embd", tokens.shape[0], self.n_embd)
