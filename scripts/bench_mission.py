@@ -489,7 +489,10 @@ def load(args, path: Path):
         from hybridrt.runtime.loader import _size
         from hybridrt.runtime.place import PlacementRequest, placement_line
 
-        n_max = max(int(n) for n in args.spec_n.split(",")) if "spec" in args.section_list else 1
+        # the plan reserves verify batches for the largest of tk's k and spec's N + 1
+        n_max = max([int(n) for n in args.spec_n.split(",")] if "spec" in args.section_list else [1])
+        if "tk" in args.section_list:
+            n_max = max(n_max, args.k_max - 1)
         placement = PlacementRequest(vram_bytes=_size(args.vram), n_ctx=args.ctx_size,
                                      cache_type_k=args.cache_type, cache_type_v=args.cache_type,
                                      spec_type="draft-mtp" if n_max > 1 else "none", spec_draft_n_max=max(n_max, 1))
