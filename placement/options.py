@@ -32,6 +32,9 @@ class PlanOptions:
                                         # 0..N-1 stay on the CPU (MoE models; ignored for dense ones)
     op_offload: bool = True             # llama.cpp's op offload (--no-op-offload: off): VRAM for one
                                         # CPU FFN layer's weights, copied up for each prompt batch
+    n_seq: int = 1                      # sessions held at once (serve's --parallel): each has its own
+                                        # KV cache, recurrent state, snapshot ring and draft KV / state;
+                                        # their steps take turns, so weights and scratch count once
 
     @property
     def n_draft(self) -> int:

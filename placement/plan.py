@@ -16,6 +16,12 @@ Order of reservation, each a line of the report:
      on the CPU before any is placed (llama.cpp's --n-cpu-moe).
 Stages 1-3 must fit or there is no plan (PlanError says the minimum VRAM and what would fit).
 
+Sessions (`n_seq`, serve's --parallel): every session holds its own KV cache, recurrent state,
+snapshot ring and draft KV and state, so those lines count n_seq times; the weights, the activation
+scratch and the prompt staging count once, because the sessions' steps take turns on the device
+(hybridrt/server/pool.py: one step at a time, since they share the executor's buffers and the
+dequantization tile).
+
 Snapshot ring: N slots for N drafts. A verify batch is [last token, d1..dN]; after it the state must
 be the one after position m, m = accepted drafts in 0..N. m = N is the live state the kernel leaves
 behind; m < N needs the state after each of the first N positions: N snapshots, N + 1 copies in all
@@ -185,6 +191,8 @@ def _check(profile: ModelProfile, opt: PlanOptions) -> None:
         raise PlanError("bandwidths must be positive")
     if opt.n_cpu_moe < 0:
         raise PlanError(f"--n-cpu-moe must be at least 0, got {opt.n_cpu_moe}")
+    if opt.n_seq < 1:
+        raise PlanError(f"--parallel must be at least 1, got {opt.n_seq}")
     for model in (profile, opt.draft if opt.spec_type == "draft-simple" else None):
         try:
             if model is not None:
@@ -218,10 +226,11 @@ def _fixed_lines(profile: ModelProfile, opt: PlanOptions) -> tuple[list[Line], d
             device[t.name] = "gpu"
             role_gpu[t.role] = role_gpu.get(t.role, 0) + t.nbytes
 
-    n, ctx, k = opt.n_draft, opt.n_ctx, opt.batch
+    n, ctx, k, seqs = opt.n_draft, opt.n_ctx, opt.batch, opt.n_seq
     ctk, ctv = opt.cache_type_k, opt.cache_type_v
     state = profile.recurrent_state_bytes
     spec = opt.spec_type != "none"
+    each = f" for each of {seqs} sessions" if seqs > 1 else ""      # ends the detail of a line every session holds
     lines = [Line(1, "overhead", "fixed overhead", opt.margin_bytes,
                   detail="CUDA context, allocator slack and safety margin (--margin)")]
 
@@ -229,30 +238,30 @@ def _fixed_lines(profile: ModelProfile, opt: PlanOptions) -> tuple[list[Line], d
         ring_detail = "plain decoding: no rollback"
     elif state:
         ring_detail = (f"{n} slots x {_mib(state)} (S + conv of {profile.n_gdn_layers} GDN layers): "
-                       f"the state after each of the first {n} verify positions")
+                       f"the state after each of the first {n} verify positions{each}")
     else:
         ring_detail = "no GDN layers: rollback only truncates the KV cache"
-    lines.append(Line(2, "gdn_snapshot_ring", "GDN snapshot ring", n * state if spec else 0, detail=ring_detail))
+    lines.append(Line(2, "gdn_snapshot_ring", "GDN snapshot ring", seqs * n * state if spec else 0, detail=ring_detail))
 
     draft_kv = draft_weights = draft_state = 0
     draft_kv_detail = draft_w_detail = draft_state_detail = "no draft model"
     if use_mtp:
         per_tok = profile.mtp_kv_bytes_per_token(ctk, ctv)
-        draft_kv = per_tok * ctx
-        draft_kv_detail = f"{len(profile.mtp_layers)} MTP layer(s) x {ctx:,} tokens x {per_tok:,} B ({ctk}/{ctv})"
+        draft_kv = seqs * per_tok * ctx
+        draft_kv_detail = f"{len(profile.mtp_layers)} MTP layer(s) x {ctx:,} tokens x {per_tok:,} B ({ctk}/{ctv}){each}"
         draft_weights = mtp_gpu
         draft_w_detail = "MTP block(s)" + (f"; its embedding ({_mib(mtp_cpu)}) gathered on the CPU" if mtp_cpu else "")
         draft_state_detail = "MTP steps reuse the trunk's scratch"
     elif opt.spec_type == "draft-simple":
         d = opt.draft
         per_tok = d.kv_bytes_per_token(ctk, ctv)
-        draft_kv = per_tok * ctx
-        draft_kv_detail = f"draft {d.name}: {d.n_attention_layers} layers x {ctx:,} tokens x {per_tok:,} B"
+        draft_kv = seqs * per_tok * ctx
+        draft_kv_detail = f"draft {d.name}: {d.n_attention_layers} layers x {ctx:,} tokens x {per_tok:,} B{each}"
         draft_weights = d.total_bytes
         draft_w_detail = f"draft {d.name}, whole on the GPU"
-        draft_state = (n + 1) * d.recurrent_state_bytes + scratch_bytes(d, 1, ctx)
+        draft_state = seqs * (n + 1) * d.recurrent_state_bytes + scratch_bytes(d, 1, ctx)
         draft_state_detail = "draft scratch for one token" + (
-            f" + live state and {n} snapshots" if d.recurrent_state_bytes else "")
+            f" + live state and {n} snapshots{each}" if d.recurrent_state_bytes else "")
     elif opt.spec_type == "ngram-simple":
         draft_kv_detail = draft_w_detail = draft_state_detail = "n-gram lookup in the token history: no weights"
     lines += [Line(2, "draft_kv", "draft KV cache", draft_kv, detail=draft_kv_detail),
@@ -276,10 +285,11 @@ def _fixed_lines(profile: ModelProfile, opt: PlanOptions) -> tuple[list[Line], d
         Line(3, "norms", "norms", role_gpu.get("norm", 0)),
         Line(3, "output_head", "output head", role_gpu.get("output", 0), detail=f"{profile.n_vocab:,} x {profile.n_embd}{tied}"),
         Line(3, "other_weights", "other trunk tensors", role_gpu.get("other", 0)),
-        Line(3, "kv_cache", "KV cache", kv_tok * ctx,
-             detail=f"{ctx:,} tokens x {kv_tok:,} B ({ctk}/{ctv}, {profile.n_attention_layers} layers)"),
-        Line(3, "recurrent_state", "recurrent state", state,
-             detail=f"live S + conv of {profile.n_gdn_layers} GDN layers, float32" if state else "no GDN layers"),
+        Line(3, "kv_cache", "KV cache", seqs * kv_tok * ctx,
+             detail=f"{ctx:,} tokens x {kv_tok:,} B ({ctk}/{ctv}, {profile.n_attention_layers} layers){each}"),
+        Line(3, "recurrent_state", "recurrent state", seqs * state,
+             detail=f"live S + conv of {profile.n_gdn_layers} GDN layers, float32{each}" if state
+             else "no GDN layers"),
         Line(3, "scratch", "activations and logits", scratch_bytes(profile, k, ctx),
              detail=f"batches of up to {k} tokens (k_max), prompt chunks of {PROMPT_CHUNK}, "
                     f"attention over {ctx:,} tokens"),
@@ -319,13 +329,21 @@ def _alternatives(profile: ModelProfile, opt: PlanOptions) -> list[tuple[str, in
         except ValueError:      # head dims that q8_0 cannot block
             pass
     if opt.spec_type != "none":
-        for n in range(opt.spec_draft_n_max - 1, 0, -1):
-            fewer = _fixed_gpu(profile, replace(opt, spec_draft_n_max=n, k_max=None))
-            if fewer <= opt.vram_bytes or n == 1:
-                out.append((f"--spec-draft-n-max {n}", fewer))
-                break
+        out += _fewer(profile, opt, "--spec-draft-n-max", opt.spec_draft_n_max,
+                      lambda n: replace(opt, spec_draft_n_max=n, k_max=None))
         out.append(("--spec-type none", _fixed_gpu(profile, replace(opt, spec_type="none", k_max=None))))
+    out += _fewer(profile, opt, "--parallel", opt.n_seq, lambda n: replace(opt, n_seq=n))
     return out
+
+
+def _fewer(profile: ModelProfile, opt: PlanOptions, flag: str, now: int, with_n) -> list[tuple[str, int]]:
+    """The largest count below `now` (of drafts, of sessions) whose stages 1-3 fit, else 1, with the
+    VRAM it needs; none when `now` is 1. `with_n(n)`: the options at count n."""
+    for n in range(now - 1, 0, -1):
+        need = _fixed_gpu(profile, with_n(n))
+        if need <= opt.vram_bytes or n == 1:
+            return [(f"{flag} {n}", need)]
+    return []
 
 
 def _does_not_fit(profile: ModelProfile, opt: PlanOptions, need: int) -> PlanError:

@@ -72,6 +72,9 @@ WARMUP = typer.Option(True, "--warmup/--no-warmup", help="Before the run (serve:
                       "timed or paid by the first request, and adaptive length starts from timed verify sizes, as "
                       "llama.cpp does.")
 
+PARALLEL = typer.Option(1, "-np", "--parallel", help="Sessions at once (serve's), each with its own KV cache, "
+                        "recurrent state and draft state; a plan reserves those once per session.")
+
 CACHE_TYPE_K = typer.Option("f16", "-ctk", "--cache-type-k", help=f"KV cache type for K: {KV_TYPES}.")
 CACHE_TYPE_V = typer.Option("f16", "-ctv", "--cache-type-v", help=f"KV cache type for V: {KV_TYPES}.")
 

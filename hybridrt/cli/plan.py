@@ -17,7 +17,7 @@ from placement import (DEFAULT_GPU_BW, GiB, MiB, Plan, PlanError, PlanOptions, g
 from placement import plan as make_plan
 
 from .options import (CPU_BW, CTX_SIZE, DRAFT_N_MAX, GROUP, JSON, MARGIN, MODEL, MODEL_ARG, MODEL_DRAFT,
-                          NO_OP_OFFLOAD, SPEC_TYPE, KVFlags, flag_groups)
+                          NO_OP_OFFLOAD, PARALLEL, SPEC_TYPE, KVFlags, flag_groups)
 from ..errors import UserError
 from ..runtime.place import parse_size
 
@@ -76,7 +76,8 @@ def _print_report(p: Plan, host: dict, sources: dict) -> None:
     o, s = p.options, p.speed
     spec = "none" if o.spec_type == "none" else f"{o.spec_type}, N = {o.n_draft}"
     console.print(f"[bold]{p.model}[/bold] ({p.arch})")
-    console.print(f"budget {_mib(o.vram_bytes)} MiB ({sources['vram']}) · context {o.n_ctx:,} · "
+    sessions = f" · {o.n_seq} sessions" if o.n_seq > 1 else ""
+    console.print(f"budget {_mib(o.vram_bytes)} MiB ({sources['vram']}) · context {o.n_ctx:,}{sessions} · "
                   f"KV {o.cache_type_k}/{o.cache_type_v} · spec {spec} · k_max {o.batch}")
     table = Table(title_justify="left", show_footer=True)
     table.add_column("#", footer="")
@@ -141,6 +142,7 @@ def plan(
                                   "first N layers on the CPU (as llama.cpp's flag); the rest are placed "
                                   "front first while they fit"),
     no_op_offload: bool = NO_OP_OFFLOAD,
+    parallel: int = PARALLEL,
     as_json: bool = JSON,
 ):
     """Plan GPU/CPU placement for a model before loading it: memory per category, layers, speed."""
@@ -191,7 +193,7 @@ def plan(
                           cache_type_k=kv.cache_type_k, cache_type_v=kv.cache_type_v, spec_type=spec_type,
                           spec_draft_n_max=spec_draft_n_max, draft=draft, accept_rate=accept_rate,
                           gpu_bw=gbw, cpu_bw=cbw, k_max=k_max, n_cpu_moe=n_cpu_moe,
-                          op_offload=not no_op_offload)
+                          op_offload=not no_op_offload, n_seq=parallel)
     try:
         p = make_plan(profile, options)
     except PlanError as exc:

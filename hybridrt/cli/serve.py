@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from .options import CTX_SIZE, GROUP, MODEL, MTP_HEAD, WARMUP, KVFlags, SpecFlags, flag_groups
+from .options import CTX_SIZE, GROUP, MODEL, MTP_HEAD, PARALLEL, WARMUP, KVFlags, SpecFlags, flag_groups
 from ..errors import UserError
 INSTALL = "python3 -m pip install 'hybridrt[serve]'"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")      # uvicorn's
@@ -70,7 +70,7 @@ def serve(
     port: int = typer.Option(8080, "--port", help="Port to listen on."),
     ctx_size: Optional[int] = CTX_SIZE,
     kv: KVFlags = GROUP,
-    parallel: int = typer.Option(1, "-np", "--parallel", help="Sessions decoding at once (each has its own KV)."),
+    parallel: int = PARALLEL,
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for a session; more get 503."),
     threads: Optional[int] = typer.Option(None, "-t", "--threads", show_default=False,
                                           help="CPU threads per session (default: the cores shared out over --parallel)."),

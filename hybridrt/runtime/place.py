@@ -34,7 +34,7 @@ def parse_size(text: str, what: str = "size") -> int:
 
 @dataclass(frozen=True)
 class PlacementRequest:
-    """The plan flags of `run`, `bench` and `load_model` (llama.cpp's names in the CLI)."""
+    """The plan flags of `run`, `bench`, `serve` and `load_model` (llama.cpp's names in the CLI)."""
     vram_bytes: int | None = None      # None: the free memory of the GPU (12 GiB on a CPU device)
     n_ctx: int | None = None           # None: 4096 or the model's training context, if smaller
     cache_type_k: str = "f16"
@@ -46,6 +46,7 @@ class PlacementRequest:
     gpu_bw: float | None = None        # bytes/s, for the predicted speed only
     cpu_bw: float | None = None
     op_offload: bool = True            # prompt batches run CPU FFN layers on the device (--no-op-offload)
+    n_seq: int = 1                     # sessions held at once, each with its own KV (serve's --parallel)
 
 
 def plan_for(path: str, request: PlacementRequest, device, n_ctx_train: int = 4096) -> Plan:
@@ -77,7 +78,7 @@ def plan_for(path: str, request: PlacementRequest, device, n_ctx_train: int = 40
     options = PlanOptions(vram_bytes=budget, margin_bytes=request.margin_bytes, n_ctx=n_ctx,
                           cache_type_k=request.cache_type_k, cache_type_v=request.cache_type_v,
                           spec_type=spec_type, spec_draft_n_max=request.spec_draft_n_max, draft=draft,
-                          op_offload=request.op_offload,
+                          op_offload=request.op_offload, n_seq=request.n_seq,
                           **({"gpu_bw": gpu_bw} if gpu_bw else {}), **({"cpu_bw": cpu_bw} if cpu_bw else {}))
     try:
         return make_plan(profile, options)
@@ -114,6 +115,8 @@ def placement_line(plan: Plan, device) -> str:
     split = f" + {s.gpu_units}/{s.n_ff} units of layer {s.layer}" if s else ""
     cpu = plan.line("ffn").cpu_bytes
     cpu_layers = layer_ranges(plan.ffn_cpu_layers) or "none"
+    n_seq = plan.options.n_seq
+    kv = f"the KV caches of {n_seq} sessions" if n_seq > 1 else "KV cache"
     return (f"placement: offloaded {len(plan.ffn_gpu_layers)}/{n_ffn} FFN layers{split} to {where}; trunk, "
-            f"output head and KV cache on it: {plan.gpu_bytes / MiB:,.1f} of {plan.options.vram_bytes / MiB:,.1f} "
+            f"output head and {kv} on it: {plan.gpu_bytes / MiB:,.1f} of {plan.options.vram_bytes / MiB:,.1f} "
             f"MiB; FFN layers {cpu_layers} ({cpu / MiB:,.1f} MiB) run from the mmap on the CPU")

@@ -1,0 +1,70 @@
+"""`hybridrt serve` executing a plan as `run` does (issue 59 item 4), with the CPU standing in for the
+device: the same flags and placement line, the same greedy tokens, a plan that reserves each of the
+--parallel sessions' own state, and sessions that take turns at the placed model's steps.
+
+The server runs in this process: `uvicorn.run` is replaced by a Starlette TestClient over the app
+`serve` built, so nothing listens on a port and the CLI's whole path (flags, load, pool) is what
+answers."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from placement import MiB, PlanError, PlanOptions, plan
+from tests.test_cli_errors import assert_one_line_error, run_cli
+from tests.test_placement import fixed_gpu, synthetic_profile
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+PER_SESSION = ("gdn_snapshot_ring", "draft_kv", "kv_cache", "recurrent_state")
+
+
+# ----------------------------------------------------------------------------- the planner
+def test_sessions_multiply_what_each_holds_and_nothing_else():
+    prof = synthetic_profile()
+    one = PlanOptions(vram_bytes=1024 * MiB, margin_bytes=64 * MiB, n_ctx=2048, spec_type="draft-mtp",
+                      spec_draft_n_max=3)
+    p1, p3 = plan(prof, one), plan(prof, dataclasses.replace(one, n_seq=3))
+    for key in PER_SESSION:
+        assert p3.line(key).gpu_bytes == 3 * p1.line(key).gpu_bytes > 0, key
+        assert p3.line(key).detail.endswith("for each of 3 sessions"), key
+    for line in p1.lines:
+        if line.key not in PER_SESSION and line.stage < 4:      # weights, scratch, overhead: once
+            assert p3.line(line.key).gpu_bytes == line.gpu_bytes, line.key
+    assert fixed_gpu(p3) - fixed_gpu(p1) == 2 * sum(p1.line(k).gpu_bytes for k in PER_SESSION)
+
+
+def test_a_recurrent_draft_models_state_is_per_session_and_its_scratch_once():
+    target = synthetic_profile(mtp=False)
+    draft = synthetic_profile(mtp=False, ffn_sizes=(1 * MiB,) * 4, interval=2)       # GDN layers: a live state
+    opt = PlanOptions(vram_bytes=2048 * MiB, margin_bytes=64 * MiB, n_ctx=1024, spec_type="draft-simple",
+                      spec_draft_n_max=2, draft=draft)
+    one, two = plan(target, opt).line("draft_state"), plan(target, dataclasses.replace(opt, n_seq=2)).line("draft_state")
+    assert two.gpu_bytes - one.gpu_bytes == (2 + 1) * draft.recurrent_state_bytes > 0
+
+
+def test_too_many_sessions_say_how_many_fit():
+    prof = synthetic_profile()
+    opt = PlanOptions(vram_bytes=1024 * MiB, margin_bytes=64 * MiB, n_ctx=65536, spec_type="draft-mtp",
+                      spec_draft_n_max=3, n_seq=4)
+    need = [fixed_gpu(plan(prof, dataclasses.replace(opt, vram_bytes=1 << 40, n_seq=n))) for n in (1, 2, 3, 4)]
+    budget = (need[1] + need[2]) // 2                                   # two sessions fit, three do not
+    with pytest.raises(PlanError) as err:
+        plan(prof, dataclasses.replace(opt, vram_bytes=budget))
+    assert "it fits with" in str(err.value) and "--parallel 2" in str(err.value).split("not enough alone")[0]
+    assert err.value.min_vram_bytes == need[3]
+    with pytest.raises(PlanError, match="--parallel must be at least 1"):
+        plan(prof, dataclasses.replace(opt, n_seq=0))
+
+
+def test_plan_shows_the_servers_plan(tiny_qwen35_mtp):
+    common = ["plan", str(tiny_qwen35_mtp), "--vram", "600MiB", "-c", "256", "--cpu-bw", "20", "--json"]
+    one, two = (run_cli(*common, *extra) for extra in ([], ["--parallel", "2"]))
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    p1, p2 = json.loads(one.stdout), json.loads(two.stdout)
+    assert (p1["options"]["n_seq"], p2["options"]["n_seq"]) == (1, 2)
+    kv = [{line["key"]: line["gpu_bytes"] for line in p["lines"]}["kv_cache"] for p in (p1, p2)]
+    assert kv[1] == 2 * kv[0] > 0
+    assert_one_line_error(run_cli(*common, "-np", "0"), "--parallel must be at least 1")
