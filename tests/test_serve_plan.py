@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
+import time
 
 import pytest
 
+from hybridrt.runtime.place import PlacementRequest
 from placement import MiB, PlanError, PlanOptions, plan
 from tests.test_cli_errors import assert_one_line_error, run_cli
 from tests.test_placement import fixed_gpu, synthetic_profile
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
+REQUEST = PlacementRequest(n_ctx=256, spec_type="draft-mtp", spec_draft_n_max=3)
 PER_SESSION = ("gdn_snapshot_ring", "draft_kv", "kv_cache", "recurrent_state")
 
 
@@ -68,3 +72,38 @@ def test_plan_shows_the_servers_plan(tiny_qwen35_mtp):
     kv = [{line["key"]: line["gpu_bytes"] for line in p["lines"]}["kv_cache"] for p in (p1, p2)]
     assert kv[1] == 2 * kv[0] > 0
     assert_one_line_error(run_cli(*common, "-np", "0"), "--parallel must be at least 1")
+
+
+# ----------------------------------------------------------------------------- turns
+def test_hand_on_lets_a_waiting_session_step_first():
+    """A session handing on its turn lets the one waiting go first (a plain Lock would usually be
+    taken straight back by the thread that released it), then gets it back."""
+    from hybridrt.server.pool import Turns
+
+    turns, order = Turns(), []
+
+    def other():
+        with turns.turn():
+            order.append("other")
+
+    with turns.turn():
+        t = threading.Thread(target=other)
+        t.start()
+        while turns._issued < 2:        # the other session holds a ticket: it waits
+            time.sleep(0.001)
+        order.append("first step")
+        turns.hand_on()
+        order.append("second step")
+    t.join(5)
+    assert order == ["first step", "other", "second step"]
+
+
+def test_a_pool_refuses_more_sessions_than_the_plan_holds(tiny_qwen35_mtp):
+    from hybridrt.errors import UserError
+    from hybridrt.runtime.loader import load_model
+    from hybridrt.server.metrics import Metrics
+    from hybridrt.server.pool import ServeConfig, SessionPool
+
+    m = load_model(tiny_qwen35_mtp, placement=dataclasses.replace(REQUEST, vram_bytes=600 * MiB))
+    with pytest.raises(UserError, match="plan with --parallel 2"):
+        SessionPool(m, ServeConfig(n_ctx=256, cache_type="f16", n_parallel=2), Metrics(2))

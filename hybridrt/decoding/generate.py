@@ -131,7 +131,8 @@ def generate(model: Model, session: Session, prompt_ids: list[int], n_predict: i
              gen: torch.Generator | None = None, trace: "Tracer | None" = None,
              on_logits: Callable[[int, torch.Tensor], None] | None = None,
              on_prompt_row: Callable[[int, torch.Tensor], None] | None = None,
-             policies: "dict[str, DraftLengthPolicy] | None" = None) -> tuple[list[int], GenerationStats]:
+             policies: "dict[str, DraftLengthPolicy] | None" = None,
+             between_steps: Callable[[], None] | None = None) -> tuple[list[int], GenerationStats]:
     """Generate up to n_predict tokens (n_predict < 0: until an end-of-generation token or the
     context is full; 0: the prompt is evaluated, nothing is generated). Stop tokens (`stop_ids`,
     default the tokenizer's end-of-generation ids) are not included in the output.
@@ -147,7 +148,10 @@ def generate(model: Model, session: Session, prompt_ids: list[int], n_predict: i
     `on_token` sees each token as it is produced; a true return value stops generation there (a
     server's stop string or a client that went away). `on_logits(token, row)`, called just before
     `on_token`, sees the target's logits row the token was drawn from (valid only during the call:
-    the buffer is reused); `on_prompt_row(i, row)` the prompt's rows, as `prefill`'s `visit`."""
+    the buffer is reused); `on_prompt_row(i, row)` the prompt's rows, as `prefill`'s `visit`.
+    `between_steps()` is called before each decoding step, after the last one's tokens were emitted:
+    outside any step and its timed window (adaptive length times a step's draft and verify), where
+    a server's sessions of one placed model hand each other the device (server/pool.py)."""
     stop_ids = model.tokenizer.eog_ids if stop_ids is None else stop_ids
     gen = make_generator(sampler.seed) if gen is None else gen
     stats = GenerationStats(n_prompt=len(prompt_ids))
@@ -167,6 +171,8 @@ def generate(model: Model, session: Session, prompt_ids: list[int], n_predict: i
         if session.n_past >= session.n_ctx:
             stats.stopped_by = "context"
             break
+        if between_steps is not None:
+            between_steps()
         if drafting is None:        # plain decoding: one forward of the certain token, nothing else
             row = session.eval([token], logits="last", out=logits_buf)[0]
             token = sample_token(row, sampler, gen)

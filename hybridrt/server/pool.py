@@ -7,6 +7,9 @@ arrival order by whichever session frees up first, and no more than N ever decod
 decoding runs in those threads (the quantized kernels and torch release the GIL), so the event
 loop only moves text.
 
+With a plan (--vram, --device cuda) the sessions take turns instead, one decoding step at a time
+(`Turns`): a placed model's steps share buffers that no two may write at once.
+
 A request's tokens go back to its handler through `Job`: the worker pushes events onto an asyncio
 queue via `loop.call_soon_threadsafe`. A client that goes away sets `Job.cancelled`, and the
 worker's `on_token` answers "stop" at the next token, which ends `generate` there and frees the
@@ -15,6 +18,7 @@ session for the next request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import queue
 import sys
@@ -48,6 +52,52 @@ class ServeConfig:
     threads: int | None = None   # Numba threads per session (None: Numba's default)
 
 
+class Turns:
+    """The sessions of a placed model decode one step at a time, first come first served.
+
+    A plan's steps write buffers that exist once per model, not per session: the executor's host
+    buffers (one pair per crossing layer: the activations that go to the CPU FFN worker and come
+    back) and op-offload staging, and the binder's one dequantization tile, which every device
+    QuantLinear writes before its matmul, the output head's and the MTP head's included. Two
+    sessions stepping at once from their worker threads would write over each other's activations.
+    A lock around the executor's forward alone would not do: the logits and the MTP head's drafts
+    run outside it, on the same tile. So a session holds the turn from the start of its request
+    to the end, and hands it on between two decoding steps (generate's `between_steps`, outside the
+    adaptive length's timed window); a long prompt is one turn. Tickets, not a plain Lock: a
+    released Lock usually goes straight back to the thread that released it, and the others would
+    starve. Without a plan the sessions decode at once: the CPU trunk's layers keep no buffers
+    between calls."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._issued = 0        # tickets given out
+        self._serving = 0       # the ticket whose holder may step
+
+    def _take(self) -> None:
+        with self._cond:
+            ticket = self._issued
+            self._issued += 1
+            self._cond.wait_for(lambda: self._serving == ticket)
+
+    def _give(self) -> None:
+        with self._cond:
+            self._serving += 1
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def turn(self):
+        self._take()
+        try:
+            yield
+        finally:
+            self._give()
+
+    def hand_on(self) -> None:
+        """Between two steps: every session already waiting takes a step first."""
+        self._give()
+        self._take()
+
+
 class Job:
     """One request on its way through the pool. Events: ("text", str), ("done", GenResult),
     ("error", APIError)."""
@@ -76,6 +126,10 @@ class SessionPool:
     def __init__(self, model: Model, cfg: ServeConfig, metrics: Metrics, draft_model: Model | None = None,
                  policies: dict | None = None):
         self.model, self.cfg, self.metrics, self.draft_model = model, cfg, metrics, draft_model
+        if model.plan is not None and cfg.n_parallel > model.plan.options.n_seq:
+            raise UserError(f"{cfg.n_parallel} sessions need more than the plan reserved "
+                            f"({model.plan.options.n_seq}): plan with --parallel {cfg.n_parallel}")
+        self.turns = Turns() if model.plan is not None else None
         k_max = cfg.spec.k_max if cfg.spec_type != "none" else 1     # as `run`: no ring without drafts
         self.sessions = [model.session(cfg.n_ctx, cfg.cache_type, k_max=k_max) for _ in range(cfg.n_parallel)]
         self._queue: queue.Queue[Job | None] = queue.Queue()
@@ -159,7 +213,8 @@ class SessionPool:
                 self._running.add(job)
             event: tuple[str, object]
             try:
-                event = ("done", self._run(session, job))
+                with self.turns.turn() if self.turns is not None else contextlib.nullcontext():
+                    event = ("done", self._run(session, job))
             except UserError as e:
                 event = ("error", bad_request(str(e)))
             except Exception as e:      # noqa: BLE001 - one bad request must not end the worker
@@ -255,7 +310,8 @@ class SessionPool:
         stop_ids = set() if req.ignore_eos else None        # None: the tokenizer's end-of-generation ids
         return generate(model, session, list(req.prompt_ids), req.max_tokens, req.sampler, source, cfg.spec,
                         on_token=on_token, stop_ids=stop_ids, on_logits=on_logits, on_prompt_row=on_prompt_row,
-                        policies=self._policies.setdefault((id(session), req.sampler.greedy), {}))
+                        policies=self._policies.setdefault((id(session), req.sampler.greedy), {}),
+                        between_steps=self.turns.hand_on if self.turns is not None else None)
 
 
 def _decoded_offsets(tokenizer, ids: list[int]) -> tuple[str, list[int]]:
