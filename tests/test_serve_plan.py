@@ -11,13 +11,16 @@ import dataclasses
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from hybridrt.runtime.place import PlacementRequest
 from placement import MiB, PlanError, PlanOptions, plan
 from tests.test_cli_errors import assert_one_line_error, run_cli
+from tests.test_placed_run import budget_for
 from tests.test_placement import fixed_gpu, synthetic_profile
+from tests.test_server import _free_port
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -107,3 +110,75 @@ def test_a_pool_refuses_more_sessions_than_the_plan_holds(tiny_qwen35_mtp):
     m = load_model(tiny_qwen35_mtp, placement=dataclasses.replace(REQUEST, vram_bytes=600 * MiB))
     with pytest.raises(UserError, match="plan with --parallel 2"):
         SessionPool(m, ServeConfig(n_ctx=256, cache_type="f16", n_parallel=2), Metrics(2))
+
+
+# ----------------------------------------------------------------------------- serve, in process
+def serve(monkeypatch, args: list[str], talk) -> object:
+    """`hybridrt serve ARGS` in this process, the app answered by a TestClient instead of uvicorn;
+    returns what `talk(client)` returns."""
+    import numba
+    import uvicorn
+    from starlette.testclient import TestClient
+
+    from hybridrt.cli.commands import app
+
+    said = []
+
+    def run_app(asgi, host, port, log_level):
+        with TestClient(asgi) as client:
+            said.append(talk(client))
+
+    monkeypatch.setattr(uvicorn, "run", run_app)
+    monkeypatch.setattr(numba.config, "THREADING_LAYER", numba.config.THREADING_LAYER)     # --parallel sets it
+    app(["serve", *args, "--port", str(_free_port()), "-t", "1"], standalone_mode=False)
+    return said[0]
+
+
+def chat(client, content: str, n: int) -> str:
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": content}], "max_tokens": n, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def placement_of(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.startswith("placement:")]
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
+def test_serve_runs_the_plan_run_runs(tiny_qwen35_mtp, monkeypatch, capsys):
+    vram = str(budget_for(tiny_qwen35_mtp, REQUEST, 3, 2.5))
+    flags = ["-m", str(tiny_qwen35_mtp), "-c", "256", "--vram", vram, "--device", "cpu", "--spec-draft-n-max", "3"]
+    content = serve(monkeypatch, flags, lambda client: chat(client, "hello world", 20))
+    served = capsys.readouterr().err
+    ran = run_cli("run", *flags, "-t", "1", "--chat", "-p", "hello world", "--temp", "0", "-n", "20", "--ignore-eos")
+    assert ran.returncode == 0, ran.stderr
+    assert placement_of(served) == placement_of(ran.stderr)
+    assert "offloaded 3/8 FFN layers + 64/128 units of layer 3 to cpu standing in for the GPU" in served
+    assert content == ran.stdout.removesuffix("\n") and len(content) > 10
+
+
+def test_serve_bad_vram_is_one_line(tiny_qwen35_mtp):
+    r = run_cli("serve", "-m", str(tiny_qwen35_mtp), "--vram", "lots", "--port", str(_free_port()))
+    assert_one_line_error(r, "bad --vram 'lots'")
+
+
+def test_parallel_sessions_take_turns_on_a_plan(tiny_qwen35_q4, monkeypatch, capsys):
+    """Two requests decoding at once on a placed model each get what they get alone: the sessions
+    share the executor's host buffers and the dequantization tile (quantized matrices on the device:
+    the trunk's, and the output head's and MTP head's outside the executor's forward), and take
+    turns at steps."""
+    vram = str(budget_for(tiny_qwen35_q4, dataclasses.replace(REQUEST, n_seq=2), 3, 2.5))
+    prompts = ["hello world", "the quick brown fox jumps over"]
+
+    def talk(client):
+        alone = [chat(client, p, 24) for p in prompts]
+        with ThreadPoolExecutor(2) as pool:
+            together = list(pool.map(lambda p: chat(client, p, 24), prompts))
+        return alone, together
+
+    alone, together = serve(monkeypatch, ["-m", str(tiny_qwen35_q4), "-c", "256", "--vram", vram, "-np", "2",
+                                          "--no-warmup"], talk)
+    assert "and the KV caches of 2 sessions on it" in placement_of(capsys.readouterr().err)
+    assert alone[0] != alone[1] and together == alone

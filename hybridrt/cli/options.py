@@ -4,7 +4,8 @@ A flag is one `typer.Option` here (its names, default and help), used as the def
 parameter that receives it in every command that takes it (`threads: Optional[int] = THREADS`);
 typer reads the declaration from there. Flags that go together are a frozen dataclass whose fields
 are such options (`KVFlags`: -ctk/-ctv; `SpecFlags`: the speculative decoding flags of run and
-serve; `LoadFlags`: where run's and bench's weights go and on what numerics). A command names a
+serve; `PlacementFlags`: where run's, bench's and serve's weights go and on what numerics;
+`LoadFlags`: those and --trace, for run and bench). A command names a
 group as one parameter (`spec: SpecFlags = GROUP`) and `@flag_groups` spreads the group's fields
 into the signature typer reads, then calls the command with one instance, whose methods hold the
 checks and conversions the commands share. A flag one command alone takes is declared in it.
@@ -182,43 +183,64 @@ class SpecFlags:
 
 
 @dataclass(frozen=True)
-class LoadFlags:
-    """Where run's and bench's weights go and on what numerics."""
+class PlacementFlags:
+    """Where the weights go and on what numerics (run, bench, serve): a plan when --vram or a GPU
+    asks for one, and the mmap'd matrices' activations."""
     device: str = DEVICE
     vram: Optional[str] = VRAM
     gpu_layers: Optional[int] = GPU_LAYERS
     margin: str = MARGIN
     no_op_offload: bool = NO_OP_OFFLOAD
     no_cuda_graphs: bool = NO_CUDA_GRAPHS
-    trace: Optional[Path] = TRACE
     exact_activations: bool = EXACT_ACTIVATIONS
     act_residual: Optional[bool] = ACT_RESIDUAL
 
+    traced = False      # whether the executor records a trace (LoadFlags: --trace)
+
     def check(self) -> str:
-        """The trunk's device (as -ngl implies it), and the trace's place, before anything loads."""
-        check_output_path(self.trace, "--trace")
+        """The trunk's device (as -ngl implies it), and the sizes read, before anything loads."""
+        from ..runtime.place import parse_size
+
+        if self.vram not in (None, "auto"):
+            parse_size(self.vram, "--vram")
+        parse_size(self.margin, "--margin")
         device = device_for_gpu_layers(self.gpu_layers, self.device)
         check_device(device)
         return device
 
     def load(self, model: Optional[str], device: str, threads: Optional[int], ctx_size: Optional[int], kv: KVFlags,
              spec_type: Optional[str], draft_n_max: int, model_draft: Optional[str], mtp_head: Optional[Path],
-             cpu_bw: float | None = None) -> "Model":
+             cpu_bw: float | None = None, n_seq: int = 1) -> "Model":
         """The target, placed by a plan when --vram is given or the device is a GPU (its line on
-        stderr); `cpu_bw` (bytes/s) the plan's CPU bandwidth where measured already."""
+        stderr); `cpu_bw` (bytes/s) the plan's CPU bandwidth where measured already; `n_seq` the
+        sessions the plan holds at once (serve's --parallel)."""
         from ..runtime.loader import load_model
         from ..runtime.place import placement_line
 
         request = placement_request(model, self.vram, device, ctx_size, kv, spec_type, draft_n_max, model_draft,
                                     self.margin, op_offload=not self.no_op_offload)
-        if request is not None and cpu_bw is not None:
-            request = dataclasses.replace(request, cpu_bw=cpu_bw)
-        m = load_model(model, device=device, threads=threads, placement=request, trace=self.trace is not None,
+        if request is not None:
+            request = dataclasses.replace(request, n_seq=n_seq, **({"cpu_bw": cpu_bw} if cpu_bw is not None else {}))
+        m = load_model(model, device=device, threads=threads, placement=request, trace=self.traced,
                        exact_activations=True if self.exact_activations else None, mtp_head=mtp_head,
                        act_residual=self.act_residual, cuda_graphs=False if self.no_cuda_graphs else None)
         if m.plan is not None:
             print(placement_line(m.plan, device), file=sys.stderr)
         return m
+
+
+@dataclass(frozen=True)
+class LoadFlags(PlacementFlags):
+    """PlacementFlags and --trace: run's and bench's."""
+    trace: Optional[Path] = TRACE
+
+    @property
+    def traced(self) -> bool:
+        return self.trace is not None
+
+    def check(self) -> str:
+        check_output_path(self.trace, "--trace")
+        return super().check()
 
     def write_trace(self, m: "Model") -> None:
         if self.trace is not None:
@@ -301,7 +323,7 @@ def check_device(device: str) -> None:
 def placement_request(model_path: Optional[str], vram: Optional[str], device: str, ctx_size: Optional[int],
                       kv: KVFlags, spec_type: Optional[str], draft_n_max: int, model_draft: Optional[str], margin: str,
                       op_offload: bool = True):
-    """The plan request of `run` / `bench`: None (everything in the mmap, the trunk on `device`)
+    """The plan request of `run`, `bench` and `serve`: None (everything in the mmap, the trunk on `device`)
     unless --vram is given or the device is a GPU (then the free VRAM is the budget)."""
     from ..runtime.place import PlacementRequest, parse_size
     from ..files.registry import resolve_model

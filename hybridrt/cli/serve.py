@@ -8,7 +8,8 @@ from typing import Optional
 
 import typer
 
-from .options import CTX_SIZE, GROUP, MODEL, MTP_HEAD, PARALLEL, WARMUP, KVFlags, SpecFlags, flag_groups
+from .options import (CTX_SIZE, GROUP, MODEL, MTP_HEAD, PARALLEL, WARMUP, KVFlags, PlacementFlags, SpecFlags,
+                      flag_groups)
 from ..errors import UserError
 INSTALL = "python3 -m pip install 'hybridrt[serve]'"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")      # uvicorn's
@@ -75,6 +76,10 @@ def serve(
     threads: Optional[int] = typer.Option(None, "-t", "--threads", show_default=False,
                                           help="CPU threads per session (default: the cores shared out over --parallel)."),
     drafts: SpecFlags = GROUP,
+    # run's placement and numerics flags, but no --trace: a trace keeps every step in memory (and a
+    # CUDA event pair per device span) until the end of a run writes it; a server has no such end
+    # and would grow without bound. `run` and `bench` with the same flags trace the same steps.
+    load: PlacementFlags = GROUP,
     log_level: str = typer.Option("info", "--log-level", help=f"uvicorn log level: {', '.join(LOG_LEVELS)} (warning: no access log)."),
     mtp_head: Optional[Path] = MTP_HEAD,
     warmup: bool = WARMUP,
@@ -82,7 +87,7 @@ def serve(
     """Serve the model over HTTP with OpenAI's API (/v1/chat/completions, /v1/completions, ...)."""
     uvicorn = _server_stack()
     from .options import check_ctx_size, context_size
-    from ..runtime.loader import load_model
+    from ..runtime.loader import load_draft_model
     from ..files.registry import KNOWN_MODELS, resolve_model
     from ..decoding.sampling import SamplerConfig
     from ..server import ServeConfig, SessionPool, create_app
@@ -100,6 +105,7 @@ def serve(
     _check_listen(host, port)
     drafts.check()
     check_ctx_size(ctx_size)
+    device = load.check()
     cache_type = kv.cache_type
     _threadsafe_kernels(parallel)
     path = resolve_model(model)
@@ -109,12 +115,14 @@ def serve(
     if threads is None:     # sessions decode at once: one pool of all cores each would oversubscribe
         threads = max(1, numba.config.NUMBA_NUM_THREADS // parallel)
     # a fixed count (no thread governor): the sessions' worker threads share the model's executor,
-    # and Numba's count is per launching thread
-    m = load_model(path, threads=threads, mtp_head=mtp_head)
-    n_ctx = context_size(ctx_size, m.n_ctx_train)
-    spec_type = drafts.source_type(m)
+    # and Numba's count is per launching thread. As `run` loads it, with a plan for all the sessions
+    m = load.load(path, device, threads, ctx_size, kv, drafts.spec_type, drafts.draft_n_max, drafts.model_draft,
+                  mtp_head, n_seq=parallel)
+    planned = m.plan.options if m.plan is not None else None
+    n_ctx = context_size(ctx_size, m.n_ctx_train, planned.n_ctx if planned else None)
+    spec_type = drafts.source_type(m, planned.spec_type if planned else None)
     spec = drafts.config(spec_type)
-    draft_model = load_model(drafts.model_draft, threads=threads) if drafts.model_draft else None
+    draft_model = load_draft_model(m, drafts.model_draft) if drafts.model_draft else None
     cfg = ServeConfig(n_ctx=n_ctx, cache_type=cache_type, spec_type=spec_type, spec=spec, ngram_n=drafts.ngram_n,
                       draft_vocab=drafts.draft_vocab,
                       n_parallel=parallel, max_queue=max_queue, threads=threads)
