@@ -20,7 +20,8 @@ Sessions (`n_seq`, serve's --parallel): every session holds its own KV cache, re
 snapshot ring and draft KV and state, so those lines count n_seq times; the weights, the activation
 scratch and the prompt staging count once, because the sessions' steps take turns on the device
 (hybridrt/server/pool.py: one step at a time, since they share the executor's buffers and the
-dequantization tile).
+dequantization tile). Not reserved by any line: the memory pools of captured steps (CUDA graphs,
+runtime/step_graphs.py), one per session and step size.
 
 Snapshot ring: N slots for N drafts. A verify batch is [last token, d1..dN]; after it the state must
 be the one after position m, m = accepted drafts in 0..N. m = N is the live state the kernel leaves
