@@ -169,7 +169,22 @@ def test_parallel_sessions_take_turns_on_a_plan(tiny_qwen35_q4, monkeypatch, cap
     share the executor's host buffers and the dequantization tile (quantized matrices on the device:
     the trunk's, and the output head's and MTP head's outside the executor's forward), and take
     turns at steps."""
-    vram = str(budget_for(tiny_qwen35_q4, dataclasses.replace(REQUEST, n_seq=2), 3, 2.5))
+    alone, together = alone_and_together(tiny_qwen35_q4, "cpu", monkeypatch)
+    assert "and the KV caches of 2 sessions on it" in placement_of(capsys.readouterr().err)
+    assert alone[0] != alone[1] and together == alone
+
+
+@pytest.mark.cuda
+def test_parallel_sessions_take_turns_on_a_gpu_plan(tiny_qwen35_q4, monkeypatch, capsys):
+    """On a GPU: real streams, and steps replayed from CUDA graphs captured per session."""
+    alone, together = alone_and_together(tiny_qwen35_q4, "cuda", monkeypatch)
+    assert "to cuda; trunk, output head and the KV caches of 2 sessions" in placement_of(capsys.readouterr().err)
+    assert alone[0] != alone[1] and together == alone
+
+
+def alone_and_together(path, device: str, monkeypatch) -> tuple[list[str], list[str]]:
+    """Two prompts' greedy answers from a placed -np 2 server: one after the other, then at once."""
+    vram = str(budget_for(path, dataclasses.replace(REQUEST, n_seq=2), 3, 2.5))
     prompts = ["hello world", "the quick brown fox jumps over"]
 
     def talk(client):
@@ -178,7 +193,5 @@ def test_parallel_sessions_take_turns_on_a_plan(tiny_qwen35_q4, monkeypatch, cap
             together = list(pool.map(lambda p: chat(client, p, 24), prompts))
         return alone, together
 
-    alone, together = serve(monkeypatch, ["-m", str(tiny_qwen35_q4), "-c", "256", "--vram", vram, "-np", "2",
-                                          "--no-warmup"], talk)
-    assert "and the KV caches of 2 sessions on it" in placement_of(capsys.readouterr().err)
-    assert alone[0] != alone[1] and together == alone
+    return serve(monkeypatch, ["-m", str(path), "-c", "256", "--vram", vram, "--device", device, "-np", "2",
+                               "--no-warmup"], talk)
