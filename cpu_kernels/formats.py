@@ -73,7 +73,7 @@ class DeviceKernel:
     """The type on the trunk device (gpu_kernels). dtype: a float type's torch dtype (its rows are
     that tensor's bytes); a quantized type has none and is decoded by `gpu_kernels.quant._<kernel>`.
     triton: triton_matvec has a fused dequantize-and-dot for it (`triton_matvec._<kernel>`).
-    rows_first: its fused kernel's pieces are [BLOCK_N, G, L] (triton_matvec.ROWS_FIRST_TYPES)."""
+    rows_first: its fused kernel's pieces are [BLOCK_N, G, L] (matvec_table.ROWS_FIRST_TYPES)."""
     dtype: str | None = None
     triton: bool = False
     rows_first: bool = False

@@ -13,21 +13,30 @@ past the row are zeroed before the dot.
 Bit stability: speculative decoding needs a token's row to be bitwise the same alone or inside a
 k-token verify batch. k is a runtime loop bound (never specialized), so every k runs the same
 compiled code; the per-token work in the loop body does not depend on k, and token t's accumulator
-row only ever receives its own partial sums, in chunk order. The launch shape (BLOCK_N, num_warps)
-depends on the matrix, never on k.
+row only ever receives its own partial sums, in chunk order. The launch comes from matvec_table:
+by card, type, shape class and k class, with the fields that order a row's float operations
+(matvec_table.BITS_FIELDS: tile order, split-K, dot mode) the same for every k of a matrix.
+
+Split-K (a launch's split_k > 1): a block of rows gets split_k programs, each summing a contiguous
+run of the row's chunks into a scratch slot; the last of them to finish (an atomic count per block)
+adds the slots in split order and writes y, so the sum's grouping depends on split_k, never on
+which program finished first or on k. Dot modes (MatvecParams.dot): "loop" takes each token in turn
+(a multiply, an add and a fixed-shape tree reduction per chunk); "ieee" and "tf32x3" multiply the
+decoded pieces with all K_MAX tokens' activations in one tl.dot (tokens past k read as zeros; a
+token's column of the product does not depend on the others).
 
 Exact decoding: every weight is computed as gguf-py computes it, the same float32 operations in the
 same order (e.g. Q4_K is (d*sc)*q - (dmin*m)), and kernels launch with enable_fp_fusion=False so the
 compiler cannot contract a multiply and an add into one FMA (which would round once where gguf-py
-rounds twice). The dot is float32: per chunk and token
-a fixed-shape tree reduction, added to the running sum chunk by chunk.
+rounds twice). The dot is float32: per chunk and token a fixed-shape tree reduction (or one tl.dot
+per piece), added to the running sum chunk by chunk.
 
 Layout: within a chunk the weights are taken as two pieces of G groups of L weights sharing one
 scale (G * L = 128), in whatever order the bytes pack them (e.g. a Q4_K piece is the low nibbles of
 its 128 quant bytes); each piece comes with the offsets of its weights inside the chunk, which pick
 the matching activations. So every quant byte is loaded once and the loads are contiguous runs
 within a row. A piece is [BLOCK_N, G, L] or [G, BLOCK_N, L] (rows in the middle), whichever lets
-Triton give each thread a single row for the type's load widths (see ROWS_FIRST_TYPES).
+Triton give each thread a single row for the type's load widths (matvec_table.ROWS_FIRST_TYPES).
 """
 from __future__ import annotations
 
@@ -35,11 +44,11 @@ import torch
 
 from cpu_kernels.formats import QUANT_TYPES, TRITON_DECODER, type_name
 
+from .matvec_table import K_MAX, MatvecParams, check_plan, table_for_device
 from .quant import IQ4_LEVELS, block_shape, row_bytes
 from .triton_support import Launches, have_triton, require_triton
 
-K_MAX = 16          # tokens per launch: the accumulator is [BLOCK_N, K_MAX] whatever k is
-CHUNK = 256         # weights per row decoded per loop step
+CHUNK = 256         # weights per row decoded per loop step; K_MAX (16) tokens per launch
 
 # the types with a fused kernel (formats.QUANT_TYPES rows with DeviceKernel.triton)
 TRITON_MATVEC_TYPES: frozenset[int] = frozenset(t.qtype for t in QUANT_TYPES if t.device.triton)
@@ -51,32 +60,6 @@ def _iq4_table() -> tuple[int, int]:
     lanes = [v & 0xFF for v in IQ4_LEVELS]
     lo, hi = (sum(b << (8 * i) for i, b in enumerate(lanes[h:h + 8])) for h in (0, 8))
     return lo - (1 << 64) * (lo >> 63), hi - (1 << 64) * (hi >> 63)      # as signed int64 literals
-
-
-# Tile order, from the sm_90 PTX of each type (no layout conversion is left inside the token loop
-# either way; what differs is the shuffles a token's reduction costs). Q4_K and Q5_K keep their
-# quant bytes at 16-byte aligned offsets (144- and 176-byte blocks, quants at 16 and 48): the byte
-# loads are 16-byte vectors and a [BLOCK_N, G, L] tile (rows first) gives each thread one row, 3
-# shuffles a token. The types that load bytes singly or in pairs get 4 rows a thread from a
-# rows-first tile (20 shuffles) but one row from a [G, BLOCK_N, L] tile (rows in the middle, 2
-# shuffles). Q4_1, Q5_1 and IQ4_XS (4- and 8-byte aligned) are not clean either way; rows first
-# needs fewer barriers per chunk.
-ROWS_FIRST_TYPES = frozenset(t.qtype for t in QUANT_TYPES if t.device.rows_first)      # DeviceKernel.rows_first
-
-
-def launch_config(qtype: int, n_out: int) -> tuple[int, int, bool]:
-    """(BLOCK_N, num_warps, rows_mid) for a matrix of n_out rows of this type.
-
-    GEMV is memory bound: the GPU needs many programs in flight to cover DRAM latency (an H100 has
-    132 SMs), and each program's chunk is BLOCK_N x 256 weights held in registers. Rows first: 16
-    rows and 4 warps keep that at 32 weights a thread (no spills) and give a 17408-row FFN matrix
-    1088 programs; a 5120-row matrix would get only 320 (2.4 per SM), so narrower matrices take 8
-    rows and 2 warps (640 programs, same weights per thread). Rows in the middle: 16 rows and
-    2 warps (64 weights a thread, 1088 and 320 programs), the shape whose PTX keeps one row a
-    thread without spills."""
-    if int(qtype) not in ROWS_FIRST_TYPES:
-        return 16, 2, True
-    return (16, 4, False) if n_out >= 8192 else (8, 2, False)
 
 
 def tail_slack(qtype: int, n_in: int) -> int:
@@ -108,10 +91,31 @@ def device_rows(raw: torch.Tensor, qtype: int, n_in: int, device: torch.device |
     return rows
 
 
-def matvec_grid(n_out: int, block_n: int) -> tuple[int]:
-    """The launch grid: one program per BLOCK_N output rows, all on axis 0 (CUDA allows 2^31 - 1
-    programs there, but only 65535 on axes 1 and 2: a 248320-row output head would not fit)."""
-    return (-(-n_out // block_n),)
+def matvec_grid(n_out: int, block_n: int, split_k: int = 1) -> tuple[int]:
+    """The launch grid: split_k programs per BLOCK_N output rows (a block's splits adjacent), all on
+    axis 0 (CUDA allows 2^31 - 1 programs there, but only 65535 on axes 1 and 2: a 248320-row output
+    head would not fit)."""
+    return (-(-n_out // block_n) * split_k,)
+
+
+_SPLIT_SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def split_scratch(device: torch.device, n_sums: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K's scratch on `device`: float32 slots for n_sums partial sums (each written before it
+    is read) and n_blocks int32 counts, zero between launches (a block's last program resets its
+    count). One buffer per device, grown on demand, serves every matrix: the device's launches run
+    one after another on one stream. A launch keeps the tensors it was given, so growing never
+    pulls them away."""
+    device = torch.device(device)
+    sums, counts = _SPLIT_SCRATCH.get(device, (None, None))
+    if sums is None or sums.numel() < n_sums or counts.numel() < n_blocks:
+        n_sums = max(n_sums, sums.numel() if sums is not None else 0)
+        n_blocks = max(n_blocks, counts.numel() if counts is not None else 0)
+        sums = torch.zeros(n_sums, dtype=torch.float32, device=device)
+        counts = torch.zeros(n_blocks, dtype=torch.int32, device=device)
+        _SPLIT_SCRATCH[device] = sums, counts
+    return sums, counts
 
 
 if have_triton():
@@ -376,16 +380,53 @@ if have_triton():
             acc = tl.where(tok == t, acc + part[:, None], acc)
         return acc
 
+    @triton.jit
+    def _chunk_mma(acc, wa, wb, xa, xb, xc, n_in, k, ROWS_MID: tl.constexpr, TAIL: tl.constexpr,
+                   DOT: tl.constexpr):
+        """acc += each piece, as [BLOCK_N, 128] rows, times the activations at its weights' offsets
+        for all KT tokens, [128, KT], in one tl.dot (input_precision DOT). Tokens past k (and with
+        TAIL activations past n_in) read as zeros: a token's column of a product depends on its own
+        activations only, so the zeros change no other token's bits."""
+        if ROWS_MID:
+            wa = tl.permute(wa, (1, 0, 2))
+            wb = tl.permute(wb, (1, 0, 2))
+            xa = tl.permute(xa, (1, 0, 2))
+            xb = tl.permute(xb, (1, 0, 2))
+        n: tl.constexpr = wa.shape[1] * wa.shape[2]
+        tok = tl.arange(0, acc.shape[1])[None, :]
+        oa = tl.reshape(xa, (n,))[:, None]
+        ob = tl.reshape(xb, (n,))[:, None]
+        live_a = tok < k
+        live_b = tok < k
+        if TAIL:
+            live_a = live_a & (oa < n_in)
+            live_b = live_b & (ob < n_in)
+        xva = tl.load(xc + tok * n_in + oa, mask=live_a, other=0.0)
+        xvb = tl.load(xc + tok * n_in + ob, mask=live_b, other=0.0)
+        acc = tl.dot(tl.reshape(wa, (wa.shape[0], n)), xva, acc, input_precision=DOT)
+        return tl.dot(tl.reshape(wb, (wb.shape[0], n)), xvb, acc, input_precision=DOT)
+
+    @triton.jit
+    def _chunk_sum(acc, wa, wb, xa, xb, xc, n_in, k, tok, ROWS_MID: tl.constexpr, TAIL: tl.constexpr,
+                   DOT: tl.constexpr):
+        if DOT == "loop":
+            return _chunk_dot(acc, wa, wb, xa, xb, xc, n_in, k, tok, ROWS_MID, TAIL)
+        else:
+            return _chunk_mma(acc, wa, wb, xa, xb, xc, n_in, k, ROWS_MID, TAIL, DOT)
+
     @triton.jit(do_not_specialize=["k"])
-    def _matvec_kernel(raw, x, y, n_out, n_in, row_bytes, k,
+    def _matvec_kernel(raw, x, y, n_out, n_in, row_bytes, k, sums, counts,
                        DECODE: tl.constexpr, CHUNK_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
-                       KT: tl.constexpr, ROWS_MID: tl.constexpr, TAIL: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+                       KT: tl.constexpr, ROWS_MID: tl.constexpr, TAIL: tl.constexpr,
+                       SPLIT_K: tl.constexpr, UNROLL: tl.constexpr, DOT: tl.constexpr):
+        block = tl.program_id(0) // SPLIT_K
+        split = tl.program_id(0) % SPLIT_K
+        rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
         # the last program re-reads row n_out - 1 for its missing rows instead of masking every
         # load; those rows are not stored
         src = tl.minimum(rows, n_out - 1).to(tl.int64) * row_bytes
         # the decoders' tiles broadcast p against [G, 1] and [1, L] offsets: [BLOCK_N, G, L] for
-        # p [BLOCK_N, 1, 1], [G, BLOCK_N, L] for p [1, BLOCK_N, 1] (see ROWS_FIRST_TYPES)
+        # p [BLOCK_N, 1, 1], [G, BLOCK_N, L] for p [1, BLOCK_N, 1] (matvec_table.ROWS_FIRST_TYPES)
         if ROWS_MID:
             p = raw + src[None, :, None]
         else:
@@ -395,23 +436,54 @@ if have_triton():
         # reduction left them in (the transpose costs a trip through shared memory per token)
         acc = tl.zeros((BLOCK_N, KT), dtype=tl.float32)
         n_full = n_in // 256
-        for c in range(0, n_full):
+        # this program's run of chunks: runs of cdiv(n_full, SPLIT_K), the last ones shorter or empty
+        per = tl.cdiv(n_full, SPLIT_K)
+        c0 = tl.minimum(split * per, n_full)
+        c1 = tl.minimum(c0 + per, n_full)
+        if UNROLL == 2:
+            # two chunks decoded before either meets the tokens: twice the loads in flight. Each
+            # token's sum still takes chunk c, then c + 1 (the same operations as one at a time)
+            c_pairs = c0 + (c1 - c0) // 2 * 2
+            for c in range(c0, c_pairs, 2):
+                wa, wb, xa, xb = DECODE(p + c * CHUNK_BYTES)
+                wa2, wb2, xa2, xb2 = DECODE(p + (c + 1) * CHUNK_BYTES)
+                acc = _chunk_sum(acc, wa, wb, xa, xb, x + c * 256, n_in, k, tok, ROWS_MID, False, DOT)
+                acc = _chunk_sum(acc, wa2, wb2, xa2, xb2, x + (c + 1) * 256, n_in, k, tok, ROWS_MID, False, DOT)
+            c0 = c_pairs
+        for c in range(c0, c1):
             wa, wb, xa, xb = DECODE(p + c * CHUNK_BYTES)
-            acc = _chunk_dot(acc, wa, wb, xa, xb, x + c * 256, n_in, k, tok, ROWS_MID, False)
+            acc = _chunk_sum(acc, wa, wb, xa, xb, x + c * 256, n_in, k, tok, ROWS_MID, False, DOT)
         if TAIL:
-            # rows of 32-weight blocks whose width is not a multiple of 256 (SmolLM2's 576, Gemma
-            # 3's 640): the last chunk is decoded whole, over the next row's first bytes (or the
-            # slack past the last row, tail_slack), and what lies past the row is zeroed
-            wa, wb, xa, xb = DECODE(p + n_full * CHUNK_BYTES)
-            wa = tl.where(n_full * 256 + xa < n_in, wa, 0.0)
-            wb = tl.where(n_full * 256 + xb < n_in, wb, 0.0)
-            acc = _chunk_dot(acc, wa, wb, xa + n_full * 256, xb + n_full * 256, x, n_in, k, tok, ROWS_MID, True)
-        tl.store(y + tok * n_out + rows[:, None], acc, mask=(tok < k) & (rows[:, None] < n_out))
+            if split == SPLIT_K - 1:
+                # rows of 32-weight blocks whose width is not a multiple of 256 (SmolLM2's 576,
+                # Gemma 3's 640): the last chunk is decoded whole, over the next row's first bytes
+                # (or the slack past the last row, tail_slack), and what lies past the row is zeroed
+                wa, wb, xa, xb = DECODE(p + n_full * CHUNK_BYTES)
+                wa = tl.where(n_full * 256 + xa < n_in, wa, 0.0)
+                wb = tl.where(n_full * 256 + xb < n_in, wb, 0.0)
+                acc = _chunk_sum(acc, wa, wb, xa + n_full * 256, xb + n_full * 256, x, n_in, k, tok, ROWS_MID,
+                                 True, DOT)
+        out = y + tok * n_out + rows[:, None]
+        live = (tok < k) & (rows[:, None] < n_out)
+        if SPLIT_K == 1:
+            tl.store(out, acc, mask=live)
+        else:
+            # this run's sums into the block's slot for this split; the block's last program to
+            # count itself done adds the slots in split order (.cg: from L2, where the other
+            # programs' stores are, not a stale L1 line) and resets the count for the next launch
+            slots = sums + block * (SPLIT_K * BLOCK_N * KT) + tl.arange(0, BLOCK_N)[:, None] * KT + tok
+            tl.store(slots + split * (BLOCK_N * KT), acc, mask=tok < k)
+            tl.debug_barrier()          # every thread's slot stores before the count
+            if tl.atomic_add(counts + block, 1, sem="acq_rel") == SPLIT_K - 1:
+                total = tl.load(slots, mask=tok < k, other=0.0, cache_modifier=".cg")
+                for s in tl.static_range(1, SPLIT_K):
+                    total += tl.load(slots + s * (BLOCK_N * KT), mask=tok < k, other=0.0, cache_modifier=".cg")
+                tl.store(out, total, mask=live)
+                tl.store(counts + block, 0)
 
 
 def matvec_triton(raw: torch.Tensor, qtype: int, n_in: int, x: torch.Tensor,
-                  out: torch.Tensor | None = None, *, block_n: int | None = None,
-                  num_warps: int | None = None, rows_mid: bool | None = None,
+                  out: torch.Tensor | None = None, *, params: MatvecParams | None = None,
                   fp_fusion: bool = False) -> torch.Tensor:
     """y = x W^T with W as GGUF rows, uint8 [n_out, row_bytes] (ggml layout), in one Triton launch.
 
@@ -420,9 +492,9 @@ def matvec_triton(raw: torch.Tensor, qtype: int, n_in: int, x: torch.Tensor,
     `out`, a contiguous float32 [k, n_out] on the same device, when given). A token's row is bitwise
     the same for every k.
 
-    Tuning knobs for benchmarks: block_n / num_warps / rows_mid override `launch_config` (a token's
-    bits depend on them, never on k); fp_fusion=True lets the compiler contract multiply-adds into FMAs (fewer
-    instructions; weights then differ from gguf-py's by up to a rounding)."""
+    Tuning knobs for benchmarks and tests: params overrides the device's matvec_table launch (for
+    every k: a token's bits depend on it, never on k); fp_fusion=True lets the compiler contract
+    multiply-adds into FMAs (fewer instructions; weights then differ from gguf-py's by up to a rounding)."""
     require_triton("the fused quantized matvec")
     qtype = int(qtype)
     if qtype not in TRITON_MATVEC_TYPES:
@@ -448,10 +520,28 @@ def matvec_triton(raw: torch.Tensor, qtype: int, n_in: int, x: torch.Tensor,
                          f"got {out.dtype} {tuple(out.shape)} on {out.device}")
     if n_out == 0:
         return out
-    launch = MatvecLaunch(raw.contiguous(), qtype, n_in, block_n=block_n, num_warps=num_warps, rows_mid=rows_mid,
-                          fp_fusion=fp_fusion)
+    launch = MatvecLaunch(raw.contiguous(), qtype, n_in, plan=params, fp_fusion=fp_fusion)
     launch(x.contiguous(), out)
     return out
+
+
+class _Launch:
+    """One MatvecParams' launch of one matrix: the grid, the kernel's constexprs and options, the
+    scratch it passes, and its Launches (the JIT, then the checked direct runner)."""
+
+    def __init__(self, raw: torch.Tensor, qtype: int, n_in: int, params: MatvecParams, tail: bool, fp_fusion: bool):
+        elems, nbytes = block_shape(qtype)
+        n_out = raw.shape[0]
+        n_blocks = -(-n_out // params.block_n)
+        self.grid = matvec_grid(n_out, params.block_n, params.split_k)
+        # without split-K the scratch is passed and never touched
+        self.scratch = split_scratch(raw.device, n_blocks * params.split_k * params.block_n * K_MAX
+                                     if params.split_k > 1 else 1, n_blocks if params.split_k > 1 else 1)
+        self.constexprs = dict(DECODE=_DECODERS[int(qtype)], CHUNK_BYTES=CHUNK // elems * nbytes,
+                               BLOCK_N=params.block_n, KT=K_MAX, ROWS_MID=params.rows_mid, TAIL=tail,
+                               SPLIT_K=params.split_k, UNROLL=params.unroll, DOT=params.dot)
+        self.options = dict(num_warps=params.num_warps, num_stages=params.num_stages, enable_fp_fusion=fp_fusion)
+        self.launches = Launches(_matvec_kernel)
 
 
 class MatvecLaunch:
@@ -459,30 +549,48 @@ class MatvecLaunch:
     each matrix once per layer, and the per-call checks and configuration were a fifth of the
     host time of a call (scripts/bench_gpu_launch.py --stub). `launch(x, out)` takes what
     matvec_triton takes, unchecked: x contiguous float32 [k <= K_MAX, n_in], out contiguous
-    float32 [k, n_out], both on raw's device."""
+    float32 [k, n_out], both on raw's device.
 
-    def __init__(self, raw: torch.Tensor, qtype: int, n_in: int, *, block_n: int | None = None,
-                 num_warps: int | None = None, rows_mid: bool | None = None, fp_fusion: bool = False):
-        elems, nbytes = block_shape(qtype)
+    plan: the launch for each k (a sequence of K_MAX MatvecParams, index k - 1, or one for every
+    k); by default the device's matvec_table plan for this type and shape. Its launches must agree
+    on matvec_table.BITS_FIELDS (ValueError otherwise)."""
+
+    def __init__(self, raw: torch.Tensor, qtype: int, n_in: int, *,
+                 plan: MatvecParams | tuple[MatvecParams, ...] | None = None, fp_fusion: bool = False):
         n_out = raw.shape[0]
-        default_n, default_warps, default_mid = launch_config(qtype, n_out)
-        block_n, num_warps = block_n or default_n, num_warps or default_warps
+        if plan is None:
+            plan = table_for_device(raw.device).plan(qtype, n_out, n_in)
+        elif isinstance(plan, MatvecParams):
+            plan = (plan,) * K_MAX
+        if len(plan) != K_MAX:
+            raise ValueError(f"matvec plan: {len(plan)} launches, one per k = 1..{K_MAX} expected")
+        check_plan(plan, f"matvec plan for {type_name(qtype)} {n_out}x{n_in}")
         slack = tail_slack(qtype, n_in)
         if slack and readable_past_end(raw) < slack:
             raise ValueError(f"matvec_triton: rows of {n_in} {type_name(qtype)} weights need {slack} readable bytes "
                              f"past the last row (allocate them with device_rows)")
         self.raw, self.n_out, self.n_in, self.row_bytes = raw, n_out, n_in, raw.shape[1]
-        self.grid = matvec_grid(n_out, block_n)
-        self.constexprs = dict(DECODE=_DECODERS[int(qtype)], CHUNK_BYTES=CHUNK // elems * nbytes, BLOCK_N=block_n,
-                               KT=K_MAX, ROWS_MID=default_mid if rows_mid is None else rows_mid, TAIL=slack > 0)
-        self.options = dict(num_warps=num_warps, enable_fp_fusion=fp_fusion)
-        self.launches = Launches(_matvec_kernel)
+        self.plan = tuple(plan)
+        launches: dict[MatvecParams, _Launch] = {}
+        for params in self.plan:
+            if params not in launches:
+                launches[params] = _Launch(raw, qtype, n_in, params, slack > 0, fp_fusion)
+        self.by_k = (None,) + tuple(launches[params] for params in self.plan)      # index k
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
         if not self.n_out:
             return
-        args = (self.raw, x, out, self.n_out, self.n_in, self.row_bytes, x.shape[0])
+        launch = self.by_k[x.shape[0]]
+        args = (self.raw, x, out, self.n_out, self.n_in, self.row_bytes, x.shape[0], *launch.scratch)
         # what Triton specializes on among the arguments that change: the alignment of x and out
         # (k is not specialized)
         key = (x.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0)
-        self.launches(key, self.grid, args, self.constexprs, self.options, 2)
+        launch.launches(key, launch.grid, args, launch.constexprs, launch.options, 2)
+
+    def compile(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Compile every launch of the plan for x's and out's specialization without running it
+        (Triton's warmup): inside triton.runtime's AsyncCompileMode the compiles run on its executor,
+        which is how the sweep compiles its variants in parallel."""
+        for launch in set(self.by_k[1:]):
+            args = (self.raw, x, out, self.n_out, self.n_in, self.row_bytes, x.shape[0], *launch.scratch)
+            _matvec_kernel.warmup(*args, grid=launch.grid, **launch.constexprs, **launch.options)

@@ -87,7 +87,8 @@ def bench(args: argparse.Namespace, device: torch.device) -> dict:
     from gguf.constants import GGMLQuantizationType as T
 
     from gpu_kernels.qlinear import QuantLinear
-    from gpu_kernels.triton_matvec import launch_config, matvec_triton
+    from gpu_kernels.matvec_table import DEFAULT, MatvecParams
+    from gpu_kernels.triton_matvec import matvec_triton
 
     timer = make_timer(device)
     ks = [int(k) for k in args.ks.split(",")]
@@ -103,7 +104,8 @@ def bench(args: argparse.Namespace, device: torch.device) -> dict:
         exact = QuantLinear(raw, qtype, n_in, n_out, torch.float32, kernel="torch")     # the check, untimed
         dense = torch.randn(n_out, n_in, dtype=torch.float16, device=device)
         x_all = torch.randn(max(ks), n_in, device=device)
-        default = launch_config(qtype, n_out)
+        first = DEFAULT.plan(qtype, n_out, n_in)[0]
+        default = (first.block_n, first.num_warps, first.rows_mid)
         shapes = [default + (False,)]
         if args.sweep:
             shapes += [(bn, w, mid, False) for bn, w in SWEEP for mid in (False, True) if (bn, w, mid) != default]
@@ -116,8 +118,8 @@ def bench(args: argparse.Namespace, device: torch.device) -> dict:
             dense_ms = timer(lambda: torch.matmul(x16, dense.t()))
             for block_n, warps, rows_mid, fusion in shapes:
                 def fused():
-                    return matvec_triton(raw, qtype, n_in, x, block_n=block_n, num_warps=warps,
-                                         rows_mid=rows_mid, fp_fusion=fusion)
+                    return matvec_triton(raw, qtype, n_in, x, params=MatvecParams(block_n, warps, rows_mid),
+                                         fp_fusion=fusion)
                 err = ((fused() - ref).abs().max() / ref.abs().max()).item()
                 ms = timer(fused)
                 gbps = raw.numel() / (ms / 1e3) / 1e9

@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             sync()
             best = min(best, (time.perf_counter() - t) / args.n)
         print(f"  {name:36s} {best * 1e6:7.1f}")
-    direct = [k for k, runner in lin._launch.launches.direct.items() if runner is not None]
+    # the calls above were all of one token: the matrix's k = 1 launch
+    direct = [k for k, runner in lin._launch.by_k[1].launches.direct.items() if runner is not None]
     print(f"matvec launches through the compiled kernel's own launcher (checked_runner): "
           f"{'on' if direct else 'off'} (HYBRIDRT_DIRECT_LAUNCH={os.environ.get('HYBRIDRT_DIRECT_LAUNCH', '1')})")
     return 0

@@ -182,8 +182,9 @@ def meta(*shape, dtype=None):
 # ----------------------------------------------------------------------------------- cases
 
 def matvec_cases() -> list[Case]:
-    """Every type with a fused kernel at each 27B shape, through MatvecLaunch (launch_config's
-    BLOCK_N, num_warps and tile order, fp fusion off). B/iter: BLOCK_N rows x one chunk's bytes."""
+    """Every type with a fused kernel at each 27B shape, through MatvecLaunch (the matvec table's
+    launch for one token: BLOCK_N, num_warps, tile order..., fp fusion off). B/iter: BLOCK_N rows x
+    one chunk's bytes."""
     import torch
     from cpu_kernels.formats import type_name
     from gpu_kernels import triton_matvec as m
@@ -194,7 +195,7 @@ def matvec_cases() -> list[Case]:
         for matrix, n_out, n_in in MATVEC_SHAPES:
             launch = m.MatvecLaunch(meta(n_out, row_bytes(qtype, n_in), dtype=torch.uint8), qtype, n_in)
             seen = capture(m._matvec_kernel, lambda: launch(meta(1, n_in), meta(1, n_out)))
-            c = launch.constexprs
+            c = launch.by_k[1].constexprs
             cases.append(Case("matvec", f"{type_name(qtype)} {n_out}x{n_in} ({matrix})", m._matvec_kernel, seen,
                               "256-weight chunk", c["BLOCK_N"] * c["CHUNK_BYTES"]))
     return cases

@@ -11,6 +11,7 @@ Runs as its own process: the suite's TRITON_INTERPRET=1 must not be set when Tri
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -114,25 +115,35 @@ def attention() -> list[str]:
 
 
 def matvec() -> list[str]:
-    """Every type's decoder in every launch shape `launch_config` picks (FFN-sized matrices both
-    ways: 17408 and 5120 rows), as matvec_triton launches it: fp fusion off, k not specialized."""
+    """Every type's decoder in every launch the default and committed matvec tables pick (any shape
+    class, any k), and each kernel variant the sweep can pick (split-K with two chunks a step, the
+    tl.dot modes) for a rows-first type, a rows-in-the-middle type and a 32-weight type with and
+    without a partial last chunk; as matvec_triton launches them: fp fusion off, k not specialized."""
     from gguf.constants import GGMLQuantizationType as T
+    from gpu_kernels import matvec_table as mt
     from gpu_kernels import triton_matvec as m
     from gpu_kernels.quant import block_shape
 
+    launches = {(int(qtype), params) for table in (mt.DEFAULT, *mt.committed_tables())
+                for qtype in m._DECODERS for shape in mt.SHAPE_CLASSES for params in table.plan_for(qtype, shape)}
+    for qtype in (T.Q4_K, T.Q6_K, T.Q8_0):
+        base = mt.default_params(qtype, "long")
+        launches |= {(int(qtype), dataclasses.replace(base, **variant))
+                     for variant in ({"split_k": 2, "unroll": 2}, {"block_n": 16, "dot": "tf32x3"})}
+    launches.add((int(T.Q4_K), mt.MatvecParams(16, 4, False, dot="ieee")))
     done = []
-    for qtype, decode in m._DECODERS.items():
-        elems, nbytes = block_shape(int(qtype))
-        for shape in sorted({m.launch_config(int(qtype), n_out) for n_out in (17408, 5120)}):
-            block_n, num_warps, rows_mid = shape
-            # a partial last chunk (rows of 576 or 640) exists for the 32-weight types only
-            for tail in (False, True) if elems == 32 else (False,):
-                constexprs = {"DECODE": decode, "CHUNK_BYTES": m.CHUNK // elems * nbytes, "BLOCK_N": block_n,
-                              "KT": m.K_MAX, "ROWS_MID": rows_mid, "TAIL": tail}
-                compile_for_sm90(m._matvec_kernel, constexprs, num_warps, False,
-                                 pointer_types={"raw": "*u8", "x": "*fp32", "y": "*fp32"},
-                                 not_divisible=frozenset({"n_out", "row_bytes", "k"}))
-                done.append(f"{T(qtype).name} {shape}" + (" tail" if tail else ""))
+    for qtype, params in sorted(launches, key=lambda qp: (qp[0], qp[1].label())):
+        elems, nbytes = block_shape(qtype)
+        # a partial last chunk (rows of 576 or 640) exists for the 32-weight types only
+        for tail in (False, True) if elems == 32 else (False,):
+            constexprs = {"DECODE": m._DECODERS[qtype], "CHUNK_BYTES": m.CHUNK // elems * nbytes,
+                          "BLOCK_N": params.block_n, "KT": m.K_MAX, "ROWS_MID": params.rows_mid, "TAIL": tail,
+                          "SPLIT_K": params.split_k, "UNROLL": params.unroll, "DOT": params.dot}
+            compile_for_sm90(m._matvec_kernel, constexprs, params.num_warps, False,
+                             pointer_types={"raw": "*u8", "x": "*fp32", "y": "*fp32", "sums": "*fp32",
+                                            "counts": "*i32"},
+                             not_divisible=frozenset({"n_out", "row_bytes", "k"}), num_stages=params.num_stages)
+            done.append(f"{T(qtype).name} {params.label()}" + (" tail" if tail else ""))
     return done
 
 

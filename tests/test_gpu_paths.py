@@ -10,7 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gpu_kernels import attention
 from gpu_kernels.attention import ROWWISE_MAX, attend
 from gpu_kernels.norms import l2_norm, rms_norm
-from gpu_kernels.triton_matvec import TRITON_MATVEC_TYPES, launch_config, matvec_grid
+from gpu_kernels.matvec_table import DEFAULT, committed_tables
+from gpu_kernels.triton_matvec import TRITON_MATVEC_TYPES, matvec_grid
 from kv_helpers import random_kv_caches
 
 CUDA_GRID_MAX = (2**31 - 1, 65535, 65535)      # programs per launch axis on CUDA
@@ -39,9 +40,12 @@ def fits_cuda(grid: tuple) -> bool:
 @pytest.mark.parametrize("n_out", [1, 5120, 17408, 248320, 262144, 10240 * 3])
 def test_matvec_grid_fits_cuda_at_real_shapes(n_out):
     for qtype in TRITON_MATVEC_TYPES:
-        block_n = launch_config(qtype, n_out)[0]
-        grid = matvec_grid(n_out, block_n)
-        assert fits_cuda(grid) and grid[0] * block_n >= n_out > (grid[0] - 1) * block_n
+        for n_in in (640, 5120, 17408):
+            for params in {p for table in (DEFAULT, *committed_tables()) for p in table.plan(qtype, n_out, n_in)}:
+                grid = matvec_grid(n_out, params.block_n, params.split_k)
+                blocks = grid[0] // params.split_k
+                assert fits_cuda(grid) and grid[0] % params.split_k == 0
+                assert blocks * params.block_n >= n_out > (blocks - 1) * params.block_n
 
 
 def test_delta_net_grids_fit_cuda_at_real_shapes():
@@ -227,8 +231,8 @@ def test_matvec_launch_passes_the_constexprs_in_the_kernels_order():
     raw = triton_matvec.device_rows(torch.zeros(4, row_bytes(T.Q8_0, 576), dtype=torch.uint8), T.Q8_0, 576, "cpu")
     launch = triton_matvec.MatvecLaunch(raw, T.Q8_0, 576)
     names = triton_matvec._matvec_kernel.arg_names
-    assert names[:7] == ["raw", "x", "y", "n_out", "n_in", "row_bytes", "k"]
-    assert list(launch.constexprs) == names[7:]
+    assert names[:9] == ["raw", "x", "y", "n_out", "n_in", "row_bytes", "k", "sums", "counts"]
+    assert all(list(run.constexprs) == names[9:] for run in launch.by_k[1:])
 
 
 def test_launches_take_the_checked_runner_after_the_first_jit_launch():

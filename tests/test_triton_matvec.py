@@ -20,8 +20,8 @@ from cpu_kernels.quantize import quantize
 from gpu_kernels import triton_support
 from gpu_kernels.qlinear import QuantLinear
 from gpu_kernels.quant import dequantize_torch, row_bytes
-from gpu_kernels.triton_matvec import (K_MAX, TRITON_MATVEC_TYPES, device_rows, launch_config, matvec_triton,
-                                       tail_slack)
+from gpu_kernels.matvec_table import DEFAULT, MatvecParams
+from gpu_kernels.triton_matvec import K_MAX, TRITON_MATVEC_TYPES, device_rows, matvec_triton, tail_slack
 from gpu_kernels.triton_support import TritonMissing, have_triton, interpreting, require_triton
 from tests.sm90_compile import run_in_subprocess as compile_for_sm90
 from tests.test_gpu_quant import random_bytes
@@ -105,10 +105,12 @@ def test_out_buffer_and_wide_programs():
     out = torch.full((4, 40), float("nan"))
     assert matvec_triton(raw, T.Q4_K, N_IN, x, out=out) is out
     assert_close_to_gguf(out, raw_np, T.Q4_K, x, "out")
-    wide = matvec_triton(raw, T.Q4_K, N_IN, x, block_n=16, num_warps=4)
+    wide = matvec_triton(raw, T.Q4_K, N_IN, x, params=MatvecParams(16, 4, False))
     assert_close_to_gguf(wide, raw_np, T.Q4_K, x, "block_n=16")
-    assert launch_config(T.Q4_K, 17408) == (16, 4, False) and launch_config(T.Q4_K, 5120) == (8, 2, False)
-    assert launch_config(T.Q6_K, 5120) == (16, 2, True)
+    # the default table's launches are the old launch_config's
+    assert DEFAULT.plan(T.Q4_K, 17408, 5120) == (MatvecParams(16, 4, False),) * K_MAX
+    assert DEFAULT.plan(T.Q4_K, 5120, 17408) == (MatvecParams(8, 2, False),) * K_MAX
+    assert DEFAULT.plan(T.Q6_K, 5120, 17408) == DEFAULT.plan(T.Q6_K, 17408, 5120) == (MatvecParams(16, 2, True),) * K_MAX
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
@@ -118,9 +120,10 @@ def test_either_tile_order(qtype):
     raw_np = weights(qtype, 16, N_IN, seed=5)
     raw, x = torch.from_numpy(raw_np), tokens(3, N_IN, seed=6)
     for rows_mid in (False, True):
-        y = matvec_triton(raw, qtype, N_IN, x, rows_mid=rows_mid)
+        params = MatvecParams(16, 2, rows_mid)
+        y = matvec_triton(raw, qtype, N_IN, x, params=params)
         assert_close_to_gguf(y, raw_np, qtype, x, f"rows_mid={rows_mid}")
-        assert torch.equal(matvec_triton(raw, qtype, N_IN, x[1:2], rows_mid=rows_mid)[0], y[1])
+        assert torch.equal(matvec_triton(raw, qtype, N_IN, x[1:2], params=params)[0], y[1])
 
 
 def test_bad_inputs_are_named():
