@@ -186,6 +186,53 @@ def test_classes():
         MatvecParams(12, 4, False)
 
 
+# ---------------------------------------------------------------- the sweep
+
+def test_choose_plan_takes_the_best_bits_group_and_the_fastest_launch_per_k_class():
+    import bench_gpu_kernels as bench
+
+    a, a2, b = MatvecParams(8, 2, False), MatvecParams(16, 4, False), MatvecParams(16, 4, False, split_k=2)
+    ms = {a: {1: 1.0, 4: 2.0, 16: 8.0}, a2: {1: 1.2, 4: 1.5, 16: 6.0}, b: {1: 0.9, 4: 3.0, 16: 9.0}}
+    outputs = {p: {"ms": t} for p, t in ms.items()}
+    plan = bench.choose_plan([([b], outputs), ([a, a2], outputs)], [1, 4, 16])
+    # group {a, a2}: 1.0/0.9 + 1.5/1.5 + 6/6 = 3.11 against b's 1 + 2 + 1.5 = 4.5
+    assert [plan[k] for k in (1, 2, 4, 5, 8, 9, 16)] == [a, a2, a2, a2, a2, a2, a2]
+    assert bench.choose_plan([], [1]) is None
+    # a class without a measured k takes the nearest measured one's choice (5-8: k = 4)
+    plan = bench.choose_plan([([a, a2], outputs)], [1, 16])
+    assert plan[5] == plan[1] == a and plan[9] == a2
+
+
+def test_dry_sweep_writes_a_table_that_loads(tmp_path, capsys):
+    import bench_gpu_kernels as bench
+
+    path = tmp_path / "dry.json"
+    assert bench.main(["--dry-run", "--sweep", "--ks", "1,4", "--write-table", str(path), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [s["status"] for s in result["summaries"]] == ["ok", "ok"] and not result["skipped"]
+    assert all(r["status"] == "ok" and r["max_error"] <= 1e-5 for r in result["rows"]), result["rows"]
+    assert {r["launch"] for r in result["rows"]} >= {"16x4", "16x4-k2", "16x4-u2", "16x4-tf32x3", "16x2m-tf32x3"}
+    table = MatvecTable.load(path)
+    assert table.card == result["device"] and table.rows == MatvecTable.from_json(result["table"]).rows
+    assert {(t, s) for t, s, _ in table.rows} == {("Q4_K", "tall"), ("Q6_K", "long")}
+    assert {k for (_, _, k), m in table.measured.items()} == {"1", "2-4"}
+    # a time bound already passed: no matrix is measured and the table is empty
+    assert bench.main(["--dry-run", "--sweep", "--ks", "1", "--max-seconds", "0", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["summaries"] == [] and len(result["skipped"]) == 2 and result["table"]["rows"] == []
+
+
+@pytest.mark.parametrize("argv,message", [(["--ks", "0,4"], "--ks"), (["--ks", "x"], "--ks"),
+                                          (["--write-table", "t.json"], "needs --sweep"),
+                                          (["--sweep", "--types", "Q2_K"], "--types")])
+def test_bad_arguments_are_one_error_line(capsys, argv, message):
+    import bench_gpu_kernels as bench
+
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0]
+
+
 # ---------------------------------------------------------------- on a real GPU
 
 @CUDA

@@ -245,9 +245,10 @@ def test_gpu_kernels_import_without_triton():
 def test_bench_script_runs_interpreted(capsys):
     import bench_gpu_kernels
 
-    assert bench_gpu_kernels.main(["--interpret-smoke", "--ks", "1", "--json"]) == 0
+    assert bench_gpu_kernels.main(["--dry-run", "--ks", "1", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert len(result["rows"]) == 3 and all(r["max_rel_diff_vs_torch_f32"] < 1e-5 for r in result["rows"])
+    assert [r["launch"] for r in result["rows"]] == ["8x2", "16x2m", "16x2m"]      # the default table's
     if not torch.cuda.is_available():
         assert bench_gpu_kernels.main([]) == 0
         lines = capsys.readouterr().out.splitlines()
