@@ -235,20 +235,27 @@ def test_bad_arguments_are_one_error_line(capsys, argv, message):
 
 # ---------------------------------------------------------------- on a real GPU
 
-@CUDA
-@pytest.mark.parametrize("params", [MatvecParams(8, 2, False, split_k=4), MatvecParams(8, 2, False, split_k=3, unroll=2),
-                                    MatvecParams(16, 4, False, dot="tf32x3"), MatvecParams(16, 4, False, dot="ieee"),
-                                    MatvecParams(16, 4, False, split_k=4, dot="tf32x3")], ids=lambda p: p.label())
-def test_cuda_variants_at_the_27b_down_shape(params):
-    """Split-K's count and fix-up (atomics, .cg loads) and the tl.dot modes compiled for the card, at
-    Qwen3.6-27B's ffn_down (5120 x 17408, Q4_K): exact, every k bitwise the first rows of k = 16."""
+@pytest.fixture(scope="module")
+def down_27b():
+    """Qwen3.6-27B's ffn_down on the GPU (5120 x 17408, Q4_K, random payload with finite scales), 16
+    tokens, their float64 product with the gguf-py weights and its error scale sum |x||w|."""
     from gpu_kernels.quant import dequantize_torch
     from tests.test_gpu_quant import random_bytes
 
     raw = torch.from_numpy(random_bytes(np.random.default_rng(4), T.Q4_K, 5120, 17408)).cuda()
     x = tokens(K_MAX, 17408, device="cuda")
     w = dequantize_torch(raw, T.Q4_K, 17408).double()
-    ref, bound = x.double() @ w.t(), x.double().abs() @ w.abs().t()
+    return raw, x, x.double() @ w.t(), x.double().abs() @ w.abs().t()
+
+
+@CUDA
+@pytest.mark.parametrize("params", [MatvecParams(8, 2, False, split_k=4), MatvecParams(8, 2, False, split_k=3, unroll=2),
+                                    MatvecParams(16, 4, False, dot="tf32x3"), MatvecParams(16, 4, False, dot="ieee"),
+                                    MatvecParams(16, 4, False, split_k=4, dot="tf32x3")], ids=lambda p: p.label())
+def test_cuda_variants_at_the_27b_down_shape(down_27b, params):
+    """Split-K's count and fix-up (atomics, .cg loads) and the tl.dot modes compiled for the card, at
+    Qwen3.6-27B's ffn_down: exact, every k bitwise the first rows of k = 16."""
+    raw, x, ref, bound = down_27b
     launch = MatvecLaunch(raw, T.Q4_K, 17408, plan=params)
     full = run(launch, x)
     assert ((full.double() - ref).abs() / bound.clamp_min(1e-300)).max().item() <= 1e-5
