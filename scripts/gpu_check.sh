@@ -22,7 +22,7 @@
 #      background from the start) and run at --vram 12GiB -c 32768: `bench` plain and speculative
 #      (forced acceptance) measured vs predicted with pp512, bench_mission's t(k) and alpha-0.8
 #      speculation, and one traced run summarized (device busy, CPU FFN, copies, host gaps);
-#   5. the kernel benches: the host time per call of each device piece (scripts/bench_gpu_launch.py:
+#   5. the kernel benches (the matvec sweep last: it writes the card's launch table): the host time per call of each device piece (scripts/bench_gpu_launch.py:
 #      what bounds a decode step today; again with HYBRIDRT_DIRECT_LAUNCH=0), fused dequantize-dot vs torch dequantize+matmul at the 27B
 #      FFN shapes (scripts/bench_gpu_kernels.py), the Gated DeltaNet step (scripts/bench_gpu_delta_net.py).
 # The plan path comes before the kernel benches: on a short lease it is the part that matters most.
@@ -244,6 +244,7 @@ step plan_smollm2_jit jit_bench smollm2-135m
 step trace traced_run
 step trace_summary python3 scripts/trace_summary.py "$OUTDIR/trace-smollm2.json"
 if [ "$DEVICE" != cuda ]; then
+  step bench_gpu_kernels_sweep_dry python3 scripts/bench_gpu_kernels.py --dry-run --sweep --ks 1,4 --write-table "$OUTDIR"
   if [ ${#FAILED[@]} -eq 0 ]; then echo "gpu_check (dry run): every step passed"; exit 0; fi
   echo "gpu_check (dry run): FAILED steps: ${FAILED[*]}"; exit 1
 fi
@@ -252,7 +253,11 @@ step bench_gpu_launch python3 scripts/bench_gpu_launch.py
 step bench_gpu_launch_jit env HYBRIDRT_DIRECT_LAUNCH=0 python3 scripts/bench_gpu_launch.py
 step bench_gpu_kernels python3 scripts/bench_gpu_kernels.py
 step bench_gpu_delta_net python3 scripts/bench_gpu_delta_net.py
-step bench_gpu_kernels_sweep python3 scripts/bench_gpu_kernels.py --sweep --ks 1,4,16
+# every launch variant per (type, shape class, k), checked against float64 and across k; the winners
+# as $OUTDIR/<card>.json, to commit into gpu_kernels/matvec_tables/ once reviewed (no new matrix
+# after 75 s; the timeout is the hard stop)
+step bench_gpu_kernels_sweep timeout --kill-after=10 150 python3 scripts/bench_gpu_kernels.py --sweep --ks 1,4,16 \
+  --max-seconds 75 --write-table "$OUTDIR"
 
 if [ ${#FAILED[@]} -eq 0 ]; then
   echo "gpu_check: every step passed; logs in $OUTDIR"
