@@ -31,8 +31,11 @@
 # the gguf wheel (and starlette, uvicorn: the server's extras, for test files that import it):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #   --platform manylinux_2_17_x86_64 -d .whl gguf starlette uvicorn   (pure Python: any platform)
-# and run:  bash scripts/gpu_check.sh   with carry [".whl"]. The script installs .whl/*.whl into
-# /tmp/site when present and puts the checkout on PYTHONPATH (no pip install of hybridrt needed).
+# and run, with carry [".whl"] and a timeout that leaves room for one rerun (the lease is 15 minutes,
+# its start included; at most 8 files come back from $OUT, and the 27B must not be among them):
+#   timeout 540 bash scripts/gpu_check.sh /tmp/gc; tar czf $OUT/gpu_check.tgz -C /tmp/gc --exclude=models .
+# The script installs .whl/*.whl into /tmp/site when present and puts the checkout on PYTHONPATH
+# (no pip install of hybridrt needed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
