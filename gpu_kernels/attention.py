@@ -135,6 +135,10 @@ def _attend_at(q: torch.Tensor, k_cache, v_cache, at: torch.Tensor, scale: float
     n_tok, n_head, d = q.shape
     if n_tok <= ROWWISE_MAX and q.is_cuda and triton_attention_fits(q, k_cache, v_cache):
         return attention_rows_triton(q, k_cache, v_cache, at[:1], scale, window, first)
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        # reading every cached row each step is no way to run a GPU's long contexts: such a step
+        # (a q8_0 cache, which the fused kernel does not read) is not captured and stays eager
+        raise RuntimeError("attention over this KV cache has no graph form (the fused kernel reads float caches)")
     n_ctx, n_kv, d_v = k_cache.shape[0], k_cache.shape[1], v_cache.shape[2]
     group = n_head // n_kv
     keys = _float_rows(k_cache, 0, n_ctx).permute(1, 2, 0)       # [n_kv, d, T]

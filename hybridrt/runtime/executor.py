@@ -123,7 +123,7 @@ class Executor:
             self._graphs_off.add(graph.k)
             print(f"warning: CUDA graph capture of a {graph.k}-token step failed ({str(e).splitlines()[0]}); "
                   f"steps of {graph.k} tokens run eagerly", file=sys.stderr)
-            return self._forward_at(model, state, graph, start_pos)
+            return model.forward(state, tokens, start_pos)
         finally:
             self._capture = None
         torch.cuda.current_stream(self.device).wait_stream(stream)
