@@ -1,12 +1,15 @@
 """Where a decode step's time goes, fused CPU trunk next to the torch trunk, in one run.
 
     python scripts/profile_decode.py [MODEL] [-t 2] [-n 40] [--reps 3] [--cpu-time]
+    python scripts/profile_decode.py MODEL -t 1 --cpu-time --k 1,2,3,4,5,6,7,8 [-n 4] [--reps 2]
 Loads the model twice: with the fused layer kernels (cpu_kernels/layer_fused.py and gdn_block.py:
 one Numba call per attention half, FFN half, Gated DeltaNet half and MoE FFN half) and with HYBRIDRT_FUSED_LAYERS=0's torch trunk ops. Their entry
 points are wrapped with timers; the two alternate, n decode steps each after a warm-up, best of
 --reps, and the output head is also timed alone. --cpu-time: the calling thread's CPU time instead
 of wall time (use with -t 1, where all the work is on that thread; immune to other processes'
-load on a shared machine).
+load on a shared machine). --k: the fused trunk alone, verify-sized batches of each k instead (each
+step keeps its first token, as a verify does, so a recurrent state rolls back within its ring), the
+parts of a step per k.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ def main() -> None:
     ap.add_argument("-n", "--n-steps", type=int, default=40)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--cpu-time", action="store_true")
+    ap.add_argument("--k", default="", help="comma-separated batch sizes: the fused trunk's verify-sized steps")
     args = ap.parse_args()
     clock = time.thread_time if args.cpu_time else time.perf_counter
 
@@ -49,6 +53,9 @@ def main() -> None:
     cpu_backends.matvec = timed("matvec", cpu_backends.matvec)
     cpu_backends.ffn_glu = timed("ffn_glu", cpu_backends.ffn_glu)
 
+    if args.k:
+        by_batch(args, [int(k) for k in args.k.split(",")], clock, spent, parts)
+        return
     runs = {}
     for fused in (True, False):
         runs["fused" if fused else "torch trunk"] = load_model(args.model, threads=args.threads, fused_layers=fused)
@@ -82,6 +89,35 @@ def main() -> None:
         kernels = " + ".join(f"{k} {v:.2f}" for k, v in p.items() if v > 0)
         print(f"  {name:12s} {total:6.2f} ms/token = {kernels} + other {total - sum(p.values()):.2f}")
     print(f"  fused / torch trunk speed: {best['torch trunk'][0] / best['fused'][0]:.2f}x")
+
+
+def by_batch(args, ks: list[int], clock, spent: dict, parts: tuple) -> None:
+    """Steps of k tokens (each keeps its first: the next starts one position on), best of --reps."""
+    m = load_model(args.model, threads=args.threads)
+    s = m.session(256, k_max=max(ks))
+    s.eval(list(range(100, 120)), logits="last")
+    best: dict[int, tuple[float, dict]] = {}
+
+    def step(k: int) -> None:
+        p = s.n_past
+        s.eval(list(range(300, 300 + k)), logits="all")
+        s.truncate(p + 1)
+
+    for _ in range(args.reps):
+        for k in ks:
+            step(k)                                 # warm this batch size's kernels
+            spent.update(dict.fromkeys(parts, 0.0))
+            t0 = clock()
+            for _ in range(args.n_steps):
+                step(k)
+            total = (clock() - t0) / args.n_steps * 1e3
+            if k not in best or total < best[k][0]:
+                best[k] = (total, {p: v / args.n_steps * 1e3 for p, v in spent.items()})
+    print(f"{m.gguf.path}, {args.threads} threads, {'CPU' if args.cpu_time else 'wall'} time, "
+          f"best of {args.reps} x {args.n_steps} steps of k tokens")
+    for k, (total, p) in best.items():
+        kernels = " + ".join(f"{name} {v:.1f}" for name, v in p.items() if v > 0)
+        print(f"  k = {k}: {total:7.1f} ms = {kernels} + other {total - sum(p.values()):.1f}")
 
 
 if __name__ == "__main__":
