@@ -5,9 +5,11 @@ position P, drawn from the logits of P - 1 and never drawn again: it is emitted 
 generation), then the target runs at P. Without a source that is one forward of c, and the next
 certain token is drawn from its row; with one, `speculative.loop.Speculation` has the source
 propose drafts after c, verifies them in one forward and keeps what the acceptance rule keeps
-(greedy: token for token plain decoding's output; sampled: the same distribution). The stop rules
-(an end-of-generation token, the -n cap, the caller's `on_token`, a full context) and the figures
-(`GenerationStats`) are this module's alone.
+(greedy: token for token plain decoding's output; sampled: the same distribution). Under a
+constraint (constraint.py) every row a token is drawn from is masked with the grammar's state
+before that token, drafts and verify rows included, so the same holds of constrained decoding. The
+stop rules (an end-of-generation token, a complete grammar, the -n cap, the caller's `on_token`, a
+full context) and the figures (`GenerationStats`) are this module's alone.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from ..runtime.session import Session
 from .speculative.loop import SpecConfig, Speculation
 
 if TYPE_CHECKING:
+    from .constraint import Constraint
     from .speculative.adaptive import DraftLengthPolicy
     from .speculative.draft import DraftSource
     from .speculative.stats import SpecStats
@@ -38,7 +41,8 @@ class GenerationStats:
     prompt_s: float = 0.0
     n_decode: int = 0            # tokens produced after the first one (llama.cpp's "eval" count)
     decode_s: float = 0.0
-    stopped_by: str = ""         # "eog", "n_predict", "context" or "callback" (on_token said stop)
+    stopped_by: str = ""         # "eog", "grammar" (complete: only an end-of-generation token could
+                                 # follow), "n_predict", "context" or "callback" (on_token said stop)
     extra: dict = field(default_factory=dict)
     spec: "SpecStats | None" = None     # the draft source's figures (None: no source)
 
@@ -54,13 +58,15 @@ class GenerationStats:
 @dataclass
 class Output:
     """The tokens a generation emits and the rules that end it: an end-of-generation token (not
-    emitted), the -n cap, or `on_token` asking to stop. The context's end is the loop's to check:
-    it knows the position of its next forward."""
+    emitted), a complete grammar (the constraint has consumed each token before it is emitted),
+    the -n cap, or `on_token` asking to stop. The context's end is the loop's to check: it knows
+    the position of its next forward."""
     stats: GenerationStats
     stop_ids: set[int]
     n_predict: int
     on_token: Callable[[int], None] | None = None
     on_logits: Callable[[int, torch.Tensor], None] | None = None
+    constraint: "Constraint | None" = None
     tokens: list[int] = field(default_factory=list)
 
     def emit(self, token: int, row: torch.Tensor) -> bool:
@@ -74,6 +80,9 @@ class Output:
             self.on_logits(token, row)
         if self.on_token is not None and self.on_token(token):
             self.stats.stopped_by = "callback"
+            return True
+        if self.constraint is not None and self.constraint.finished(len(self.tokens)):
+            self.stats.stopped_by = "grammar"
             return True
         if 0 <= self.n_predict <= len(self.tokens):
             self.stats.stopped_by = "n_predict"
@@ -125,6 +134,15 @@ def prefill(session: Session, prompt_ids: list[int], source: "DraftSource | None
     return logits[0]
 
 
+def draw(row: torch.Tensor, sampler: SamplerConfig, gen: torch.Generator, constraint: "Constraint | None") -> int:
+    """The next token from the target's row (masked in place under a constraint, which then
+    consumes it)."""
+    token = sample_token(row, sampler, gen, constraint)
+    if constraint is not None:
+        constraint.advance(token)
+    return token
+
+
 def generate(model: Model, session: Session, prompt_ids: list[int], n_predict: int, sampler: SamplerConfig,
              source: "DraftSource | None" = None, spec: SpecConfig | None = None, *,
              on_token: Callable[[int], bool | None] | None = None, stop_ids: set[int] | None = None,
@@ -132,7 +150,8 @@ def generate(model: Model, session: Session, prompt_ids: list[int], n_predict: i
              on_logits: Callable[[int, torch.Tensor], None] | None = None,
              on_prompt_row: Callable[[int, torch.Tensor], None] | None = None,
              policies: "dict[str, DraftLengthPolicy] | None" = None,
-             between_steps: Callable[[], None] | None = None) -> tuple[list[int], GenerationStats]:
+             between_steps: Callable[[], None] | None = None,
+             constraint: "Constraint | None" = None) -> tuple[list[int], GenerationStats]:
     """Generate up to n_predict tokens (n_predict < 0: until an end-of-generation token or the
     context is full; 0: the prompt is evaluated, nothing is generated). Stop tokens (`stop_ids`,
     default the tokenizer's end-of-generation ids) are not included in the output.
@@ -151,21 +170,25 @@ def generate(model: Model, session: Session, prompt_ids: list[int], n_predict: i
     the buffer is reused); `on_prompt_row(i, row)` the prompt's rows, as `prefill`'s `visit`.
     `between_steps()` is called before each decoding step, after the last one's tokens were emitted:
     outside any step and its timed window (adaptive length times a step's draft and verify), where
-    a server's sessions of one placed model hand each other the device (server/pool.py)."""
+    a server's sessions of one placed model hand each other the device (server/pool.py).
+
+    `constraint`: a fresh constraint.Constraint for this sequence (None: unconstrained). Every token
+    is drawn from its row masked with the grammar's state; the output ends where the grammar is
+    complete (stopped_by "grammar") or at an end-of-generation token it allows."""
     stop_ids = model.tokenizer.eog_ids if stop_ids is None else stop_ids
     gen = make_generator(sampler.seed) if gen is None else gen
     stats = GenerationStats(n_prompt=len(prompt_ids))
     drafting = None if source is None else Speculation(model, session, source, spec or SpecConfig(), sampler,
-                                                       gen, trace, policies)
+                                                       gen, trace, policies, constraint)
     # every forward writes its logits into this buffer: a verify's k_max rows, or a plain step's one
     logits_buf = torch.empty(1, model.n_vocab) if drafting is None else drafting.logits
 
     t0 = time.perf_counter()
     row = prefill(session, prompt_ids, source, logits_buf, on_prompt_row)
-    token = sample_token(row, sampler, gen)     # the certain token, drawn from `row`
+    token = draw(row, sampler, gen, constraint)     # the certain token, drawn from `row`
     stats.prompt_s = time.perf_counter() - t0
 
-    out = Output(stats, stop_ids, n_predict, on_token, on_logits)
+    out = Output(stats, stop_ids, n_predict, on_token, on_logits, constraint)
     t0 = time.perf_counter()
     while n_predict != 0 and not out.emit(token, row):
         if session.n_past >= session.n_ctx:
@@ -175,7 +198,7 @@ def generate(model: Model, session: Session, prompt_ids: list[int], n_predict: i
             between_steps()
         if drafting is None:        # plain decoding: one forward of the certain token, nothing else
             row = session.eval([token], logits="last", out=logits_buf)[0]
-            token = sample_token(row, sampler, gen)
+            token = draw(row, sampler, gen, constraint)
         else:
             step = drafting.step(token, out)
             if step is None:        # a stop rule ended the generation inside the kept window

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -14,6 +15,9 @@ import torch
 from cpu_kernels.top_k import top_k_bits
 
 from ..errors import UserError
+
+if TYPE_CHECKING:
+    from .constraint import Constraint
 
 TOP_K_KERNEL_MAX = 256      # cpu_kernels.top_k keeps its k best sorted by insertion: for small k
 
@@ -106,7 +110,14 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     return torch.argmax(logits, dim=-1).reshape(-1).tolist()
 
 
-def sample_token(logits_row: torch.Tensor, cfg: SamplerConfig, gen: torch.Generator) -> int:
+def sample_token(logits_row: torch.Tensor, cfg: SamplerConfig, gen: torch.Generator,
+                 constraint: "Constraint | None" = None) -> int:
+    """A token from logits_row [V]: its argmax at temp 0, else a draw from filtered_probs. Under a
+    constraint the row's forbidden tokens are set to -inf first (in place): greedy is the argmax over
+    the allowed tokens, a draw comes from the distribution renormalized over them (the chain runs on
+    the masked row, as llama.cpp applies a grammar before its other samplers)."""
+    if constraint is not None:
+        constraint.apply(logits_row)
     if cfg.greedy:
         return argmax_rows(logits_row)[0]
     ids, probs = filtered_probs(logits_row.unsqueeze(0), cfg)

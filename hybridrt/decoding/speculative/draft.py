@@ -9,12 +9,15 @@ source's own state (MTP KV, draft-model KV, n-gram index) only has to stay consi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import numpy as np
 import torch
 
 from ..sampling import SamplerConfig, argmax_rows, filtered_probs
+
+if TYPE_CHECKING:
+    from ..constraint import Constraint
 
 
 @dataclass
@@ -37,6 +40,14 @@ class Draft:
     @property
     def gated(self) -> bool:
         return self.refused is not None
+
+    def cut(self, n: int) -> "Draft":
+        """The first n drafts (itself when that is all of them): a lookup's proposal up to the first
+        token a constraint forbids. A refused draft no longer follows the last kept one."""
+        if n >= len(self.tokens):
+            return self
+        return Draft(self.tokens[:n], None if self.q_ids is None else self.q_ids[:n],
+                     None if self.q_probs is None else self.q_probs[:n], self.conf[:n], None, self.source)
 
 
 ONE = torch.ones(1)     # a greedy draft's q: its argmax with probability 1 (never written)
@@ -113,16 +124,22 @@ class DraftPicker:
     (set by the adaptive length policy): gate(i, top-1 probability) decides whether draft i is
     worth its place in the verify batch; a refusal ends the draft too. Neither changes which
     token a kept draft is, so outputs stay exact. `worth` (set with the gate): worth(i) decides,
-    before a source computes row i >= 1, whether it could pay even if the head were sure of it."""
+    before a source computes row i >= 1, whether it could pay even if the head were sure of it.
+    `constraint` (set by the loop for a constrained generation, speculative/loop.py): each row is
+    masked with the constraint's state after the drafts before it and the chosen token advances
+    it, so a draft the grammar forbids is never proposed and q is the masked distribution."""
 
     def __init__(self, cfg: SamplerConfig, gen: torch.Generator, p_min: float = 0.0,
                  gate: Callable[[int, float], bool] | None = None):
         self.cfg, self.gen, self.p_min, self.gate = cfg, gen, p_min, gate
         self.worth: Callable[[int], bool] | None = None
+        self.constraint: "Constraint | None" = None
 
     def wants(self, i: int) -> bool:
-        """Whether to compute the row of draft i (i >= 1) at all."""
-        return self.worth is None or self.worth(i)
+        """Whether to compute the row of draft i (i >= 1) at all (not after a draft that completes
+        the grammar: only an end-of-generation token could follow)."""
+        c = self.constraint
+        return (self.worth is None or self.worth(i)) and (c is None or not c.finished(c.depth))
 
     def _admit(self, draft: Draft, top1: float, ids: torch.Tensor, probs: torch.Tensor) -> bool:
         if top1 < self.p_min:
@@ -137,8 +154,21 @@ class DraftPicker:
     def start(self) -> Draft:
         return Draft([], None, None) if self.cfg.greedy else Draft([], [], [])
 
-    def add(self, draft: Draft, logits_row: torch.Tensor) -> bool:
-        """Append a token chosen from logits_row [V]; False (nothing appended) when p_min stops it."""
+    def add(self, draft: Draft, logits_row: torch.Tensor, row_ids: torch.Tensor | None = None) -> bool:
+        """Append a token chosen from logits_row [V]; False (nothing appended) when p_min stops it
+        or the constraint allows none of the row's tokens. `row_ids`: the token id of each row (a
+        draft vocabulary's head), None for the whole vocabulary; the appended draft is a row index."""
+        c = self.constraint
+        if c is not None and not c.apply(logits_row, row_ids):
+            return False
+        if not self._choose(draft, logits_row):
+            return False
+        if c is not None:
+            row = draft.tokens[-1]
+            c.advance(row if row_ids is None else int(row_ids[row]))
+        return True
+
+    def _choose(self, draft: Draft, logits_row: torch.Tensor) -> bool:
         if self.cfg.greedy:
             if self.p_min > 0.0 or self.gate is not None:
                 best, top1 = argmax_top1(logits_row)

@@ -109,7 +109,7 @@ class MTPSource(DraftSource):
         """Append the token the picker chooses from the head's logits row; with a draft vocabulary
         the chosen row (and q's candidate rows, or a refused draft's) are renamed to token ids."""
         ids = self.draft_ids
-        if not self.picker.add(draft, logits_row):
+        if not self.picker.add(draft, logits_row, ids):
             if draft.refused is not None and ids is not None:
                 draft.refused.ids = ids[draft.refused.ids]
             return False

@@ -8,9 +8,17 @@ the bonus token). There is no separate commit pass. Rollback after keeping a dra
 `session.truncate(P + 1 + a)`: attention KV by length, recurrent state from the snapshot ring.
 Only kept tokens are shown to the source, so its state follows the committed sequence.
 
-A stop token or the -n cap inside the kept window ends generation there, and the target (and
-through `observe`, the source) is rewound to the last emitted token. Without a source the loop
-takes no such step: a plain step is one forward of c.
+A stop token, a complete grammar or the -n cap inside the kept window ends generation there, and
+the target (and through `observe`, the source) is rewound to the last emitted token. Without a
+source the loop takes no such step: a plain step is one forward of c.
+
+Under a constraint (constraint.py) the drafts are proposed under it (a model source's picker masks
+each row with the state after the drafts before it; a lookup's drafts are cut at the first one the
+grammar forbids), verify row i is masked with the state after c and d1..di, acceptance runs on the
+masked rows as on any others, and the constraint rolls back to the kept tokens with the KV. Every
+row a kept token or the next certain token comes from is then the row plain constrained decoding
+draws it from, so greedy output is plain constrained decoding's and sampled output keeps its
+distribution.
 """
 from __future__ import annotations
 
@@ -31,6 +39,7 @@ from .draft import Draft, DraftSource
 from .stats import SpecStats
 
 if TYPE_CHECKING:
+    from ..constraint import Constraint
     from ..generate import Output
 
 # plain steps after which a source's deferred work is done apart from the next proposal (and not
@@ -92,11 +101,12 @@ class Speculation:
     """The steps of one generation with a draft source: propose, verify in one forward, accept,
     roll back what was not kept, show the source the kept tokens; `step` is one of them, `finish`
     completes the figures (SpecStats). Holds the verify buffer (`logits`, spec.k_max rows) that
-    the prompt's last row is written into as well."""
+    the prompt's last row is written into as well. `constraint`: the generation's (None: none); its
+    state is the emitted tokens' when a step starts and ends."""
 
     def __init__(self, model: Model, session: Session, source: DraftSource, spec: SpecConfig,
                  sampler: SamplerConfig, gen: torch.Generator, trace: Tracer | None = None,
-                 policies: dict[str, DraftLengthPolicy] | None = None):
+                 policies: dict[str, DraftLengthPolicy] | None = None, constraint: "Constraint | None" = None):
         if session.k_max < spec.k_max:
             raise UserError(f"the session's k_max {session.k_max} is below --spec-draft-n-max + 1 = {spec.k_max}")
         self.session, self.source, self.spec, self.sampler, self.trace = session, source, spec, sampler, trace
@@ -107,6 +117,10 @@ class Speculation:
         self.policies = length_policies(source, spec, policies)
         self.plain_run = CATCH_UP_AFTER     # steps since the last one that verified drafts (the prompt: many)
         self.no_draft = Draft()
+        self.constraint = constraint
+        for s in source.members():          # model sources draft under the constraint's masks
+            if s.picker is not None:
+                s.picker.constraint = constraint
 
     def step(self, certain: int, out: "Output") -> tuple[int, torch.Tensor] | None:
         """One step from the emitted certain token at the session's end: the next certain token and
@@ -127,15 +141,23 @@ class Speculation:
             # cost (after a drafting step, or a few plain ones, the deferred tokens go in one batch
             # with the proposal, and count in it)
             source.catch_up()
+        constraint = self.constraint
+        base = constraint.depth if constraint is not None else 0     # the emitted tokens, c the last
         t0 = time.perf_counter()
         with maybe_span(self.trace, "draft", "spec"):
             draft = source.propose(certain, pos, room) if room > 0 else self.no_draft
+            if constraint is not None:
+                draft = draft.cut(constraint.follow(base, draft.tokens))
         gated = draft.gated         # a row computed, its token turned down by the confidence gate
         if 0 < len(draft) < spec.n_min:
             draft = self.no_draft   # too short: a plain step (and a refused draft after it goes unjudged)
+            if constraint is not None:
+                constraint.rollback_to(base)
         t1 = time.perf_counter()
         with maybe_span(self.trace, f"verify {1 + len(draft)}", "spec"):
             logits = session.eval([certain] + draft.tokens, start_pos=pos, logits="all", out=self.logits)
+            if constraint is not None:
+                constraint.mask_rows(logits, base, len(draft) + 1)
         t2 = time.perf_counter()
         verdict: Verdict = self.accept(logits, draft)
         refused = None
@@ -155,6 +177,8 @@ class Speculation:
         n_emit = len(out.tokens) - n_before
         if session.n_past > pos + 1 + n_emit:
             session.truncate(pos + 1 + n_emit)
+        if constraint is not None:
+            constraint.rollback_to(base + n_emit)
         source.observe(pos, [certain] + kept[:n_emit], session.hidden[:1 + n_emit])
         self.plain_run = 0 if len(draft) else self.plain_run + 1
         stats.record(len(draft), verdict.n_accepted, chosen, draft.source)
@@ -168,6 +192,8 @@ class Speculation:
         stats.verify_s += t2 - t1
         if out.stats.stopped_by:
             return None
+        if constraint is not None:
+            constraint.advance(verdict.next_token)
         return verdict.next_token, logits[verdict.n_accepted]
 
     def finish(self, decode_s: float) -> SpecStats:
