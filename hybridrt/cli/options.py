@@ -5,10 +5,11 @@ parameter that receives it in every command that takes it (`threads: Optional[in
 typer reads the declaration from there. Flags that go together are a frozen dataclass whose fields
 are such options (`KVFlags`: -ctk/-ctv; `SpecFlags`: the speculative decoding flags of run and
 serve; `PlacementFlags`: where run's, bench's and serve's weights go and on what numerics;
-`LoadFlags`: those and --trace, for run and bench). A command names a
-group as one parameter (`spec: SpecFlags = GROUP`) and `@flag_groups` spreads the group's fields
-into the signature typer reads, then calls the command with one instance, whose methods hold the
-checks and conversions the commands share. A flag one command alone takes is declared in it.
+`LoadFlags`: those and --trace, for run and bench; `GrammarFlags`: a constraint on the output). A
+command names a group as one parameter (`spec: SpecFlags = GROUP`) and `@flag_groups` spreads the
+group's fields into the signature typer reads, then calls the command with one instance, whose
+methods hold the checks and conversions the commands share. A flag one command alone takes is
+declared in it.
 
 No torch at import: `info` and `plan` start without it.
 """
@@ -30,6 +31,7 @@ from placement.constants import CACHE_TYPES
 from ..errors import UserError
 
 if TYPE_CHECKING:
+    from ..decoding.constraint import Grammar
     from ..models.base import Model
     from ..decoding.speculative.loop import SpecConfig
 
@@ -72,6 +74,14 @@ WARMUP = typer.Option(True, "--warmup/--no-warmup", help="Before the run (serve:
                       "tokens through the steps it takes, so that first calls (kernels loaded or compiled) are not "
                       "timed or paid by the first request, and adaptive length starts from timed verify sizes, as "
                       "llama.cpp does.")
+
+GRAMMAR = typer.Option(None, "--grammar", "--grammar-file", help="Constrain the output to a grammar file: Lark "
+                       "(llguidance's syntax) or llama.cpp's GBNF. Needs llguidance (pip install 'hybridrt[grammar]').")
+JSON_SCHEMA = typer.Option(None, "-j", "--json-schema", "--json-schema-file", help="Constrain the output to JSON "
+                           "valid against a JSON schema: a file, or the schema itself ({...}, as llama.cpp's -j). "
+                           "Needs llguidance.")
+REGEX = typer.Option(None, "--regex", help="Constrain the whole output to match a regular expression (Rust regex "
+                     "syntax). Needs llguidance.")
 
 PARALLEL = typer.Option(1, "-np", "--parallel", help="Sessions at once (serve's), each with its own KV cache, "
                         "recurrent state and draft state; a plan reserves those once per session.")
@@ -183,6 +193,30 @@ class SpecFlags:
 
 
 @dataclass(frozen=True)
+class GrammarFlags:
+    """--grammar / --json-schema / --regex: what the output must match (at most one)."""
+    grammar: Optional[Path] = GRAMMAR
+    json_schema: Optional[str] = JSON_SCHEMA
+    regex: Optional[str] = REGEX
+
+    def check(self) -> "Grammar | None":
+        """The grammar, read and compiled before anything loads, so a bad one fails first (None:
+        unconstrained). --json-schema's value is the schema itself when it starts with "{", as
+        llama.cpp's -j takes it, else a file."""
+        given = [(kind, value) for kind, value in (("grammar", self.grammar), ("json_schema", self.json_schema),
+                                                   ("regex", self.regex)) if value is not None]
+        if not given:
+            return None
+        from ..decoding.constraint import KINDS, compile_grammar
+
+        if len(given) > 1:
+            raise UserError(f"pass one of {', '.join(KINDS[kind] for kind, _ in given)}, not several")
+        kind, value = given[0]
+        inline = kind == "regex" or (kind == "json_schema" and value.lstrip().startswith("{"))
+        return compile_grammar(kind, value if inline else read_text_file(Path(value), KINDS[kind]))
+
+
+@dataclass(frozen=True)
 class PlacementFlags:
     """Where the weights go and on what numerics (run, bench, serve): a plan when --vram or a GPU
     asks for one, and the mmap'd matrices' activations."""
@@ -284,6 +318,18 @@ def context_size(ctx_size: Optional[int], n_ctx_train: int, default: Optional[in
     if ctx_size == 0:
         return n_ctx_train
     return ctx_size or default or min(4096, n_ctx_train)
+
+
+def read_text_file(path: Path, flag: str) -> str:
+    """The UTF-8 text of the file a flag names (-f's prompt, a grammar), or a UserError saying why not."""
+    if path.is_dir():
+        raise UserError(f"{flag} {path}: is a directory, not a file")
+    if not path.is_file():
+        raise UserError(f"{flag} {path}: no such file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{flag} {path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
 
 
 def check_output_path(path: Optional[Path], flag: str) -> None:

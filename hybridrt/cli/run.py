@@ -7,8 +7,8 @@ from typing import Optional
 
 import typer
 
-from .options import (CTX_SIZE, GROUP, MODEL, MTP_HEAD, THREADS, WARMUP, KVFlags, LoadFlags, SpecFlags,
-                          check_ctx_size, context_size, flag_groups)
+from .options import (CTX_SIZE, GROUP, MODEL, MTP_HEAD, THREADS, WARMUP, GrammarFlags, KVFlags, LoadFlags,
+                      SpecFlags, check_ctx_size, context_size, flag_groups, read_text_file)
 from .options import MAX_DRAFTS, adaptive_default  # noqa: F401  (tests read them here, where they were)
 from ..errors import UserError
 from ..runtime.warmup import compile_notice, warm_up
@@ -18,14 +18,7 @@ def read_prompt(prompt: Optional[str], file: Optional[Path]) -> str:
     if file is not None:
         if prompt is not None:
             raise UserError("pass the prompt with -p or with -f, not both")
-        if file.is_dir():
-            raise UserError(f"-f {file}: is a directory, not a prompt file")
-        if not file.is_file():
-            raise UserError(f"-f {file}: no such prompt file")
-        try:
-            return file.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise UserError(f"-f {file}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+        return read_text_file(file, "-f")
     if prompt is None:
         raise UserError("no prompt: pass -p TEXT or -f FILE")
     return prompt
@@ -50,6 +43,7 @@ def run(
     display_prompt: bool = typer.Option(True, "--display-prompt/--no-display-prompt", help="Echo the prompt before the output."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="End-of-generation tokens do not stop generation (-n tokens or a full context do)."),
     drafts: SpecFlags = GROUP,
+    constrain: GrammarFlags = GROUP,
     mtp_head: Optional[Path] = MTP_HEAD,
     warmup: bool = WARMUP,
 ):
@@ -68,6 +62,7 @@ def run(
         # the flags' values are checked (the sampling and speculation ones by their configs) before
         # anything loads
         drafts.check()
+        grammar = constrain.check()
         check_ctx_size(ctx_size)
         device = load.check()
         sampler = SamplerConfig(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
@@ -96,6 +91,11 @@ def run(
         session = m.session(n_ctx, cache_type, k_max=spec.k_max if spec_type != "none" else 1)
         source = build_source(spec_type, session, sampler, spec, draft_model, ngram_n_max=drafts.ngram_n,
                               cache_type=cache_type, draft_vocab=drafts.draft_vocab)
+        constraint = None
+        if grammar is not None:
+            from ..decoding.constraint import Constraint
+
+            constraint = Constraint(grammar, m.tokenizer, m.n_vocab)
         if display_prompt and not chat:
             sys.stdout.write(text)
             notice.partial_line = not text.endswith("\n")
@@ -107,7 +107,7 @@ def run(
 
         stop_ids = set() if ignore_eos else None      # None: the tokenizer's end-of-generation ids
         out, stats = generate(m, session, ids, n_predict, sampler, source, spec, on_token=emit, stop_ids=stop_ids,
-                              trace=m.executor.trace, policies=policies)
+                              trace=m.executor.trace, policies=policies, constraint=constraint)
         sys.stdout.write(stream.flush() + "\n")
         sys.stdout.flush()
         if stats.stopped_by == "context":
