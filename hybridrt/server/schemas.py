@@ -3,7 +3,9 @@
 Validation is by hand rather than with a model library: the rules are few, and each failure must
 name the offending field in the OpenAI error's `param`. Unknown fields are ignored, as OpenAI's
 clients send several (`user`, `stream_options`) that change nothing here; the penalties, which
-would change the distribution, are refused unless neutral (presence / frequency 0, repeat 1).
+would change the distribution, are refused unless neutral (presence / frequency 0, repeat 1), and so
+are structured output and tool calls (`tools`, `response_format`, llama-server's `grammar` /
+`json_schema`) until the server implements them.
 Sampling defaults are llama-server's (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05).
 """
 from __future__ import annotations
@@ -24,6 +26,11 @@ from .logprobs import MAX_TOP_CHAT, MAX_TOP_COMPLETION, TokenLogprob, chat_logpr
 MAX_STOPS = 16
 # sampling penalties clients may send, and the value that means none (llama.cpp's repeat_penalty too)
 PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repeat_penalty": 1.0}
+# structured output and tool calls: `hybridrt run` constrains (--json-schema, --grammar, --regex),
+# the server does not yet; a client that sends these expects them honoured, so each is refused by
+# name rather than answered with free text (absent, null or its "off" value passes)
+NOT_YET = {"tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+           "response_format": ({"type": "text"},), "grammar": ("",), "json_schema": ({},)}
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -137,6 +144,10 @@ def _common(body: dict, card: ModelCard, kind: Literal["chat", "text"], prompt_i
     for key, neutral in PENALTIES.items():
         if _number(body, key, neutral, -math.inf, math.inf) != neutral:
             raise bad_request(f"'{key}' is not supported: only {neutral:g} (no penalty)", key)
+    for key, off in NOT_YET.items():
+        if body.get(key) is not None and body[key] not in off:
+            raise bad_request(f"'{key}' is not supported by the server yet (no structured output or tool calls; "
+                              f"`hybridrt run` takes --json-schema / --grammar / --regex)", key)
     return GenRequest(kind, card.check(body), prompt_ids, -1 if max_tokens is None else max_tokens, sampler,
                       _stops(body), stream, ignore_eos, _logprobs(body, kind), echo)
 
