@@ -34,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import make_model  # noqa: E402
+from gpu_check_budget import fraction_budget  # noqa: E402
 
 STAND_INS = {   # name -> (arch, mtp, layer count): the real models' depth and structure, tiny widths
     "smollm2-135m": ("llama", False, 30),
@@ -44,20 +45,6 @@ STAND_INS = {   # name -> (arch, mtp, layer count): the real models' depth and s
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def half_budget(path: Path, request) -> int:
-    """A VRAM budget that puts about half of the FFN bytes on the "device" (gpu_check_budget's rule)."""
-    import dataclasses
-
-    from hybridrt.files.model_profile import load_profile
-    from hybridrt.runtime.place import plan_for
-
-    roomy = plan_for(str(path), dataclasses.replace(request, vram_bytes=1 << 40), "cpu")
-    fixed = sum(line.gpu_bytes for line in roomy.lines if line.stage < 4)
-    ffn = roomy.line("ffn").gpu_bytes + roomy.line("ffn").cpu_bytes
-    staging = max(load_profile(str(path)).ffn_layer_bytes().values())
-    return int(fixed + staging + 0.5 * ffn)
 
 
 def step_times(session, n: int, token: int = 7) -> list[float]:
@@ -77,7 +64,7 @@ def measure(name: str, path: Path, steps: int) -> dict:
     from hybridrt.runtime.step_graphs import HostJob, Wait
 
     base = PlacementRequest(n_ctx=steps * 3 + 64, cache_type_k="f32", cache_type_v="f32", spec_type="none")
-    m = load_model(path, threads=1, placement=dataclasses.replace(base, vram_bytes=half_budget(path, base)))
+    m = load_model(path, threads=1, placement=dataclasses.replace(base, vram_bytes=fraction_budget(path, 0.5, base)))
     plan = m.plan
     row = {"model": name, "layers": m.n_layer, "ffn_device_layers": len(plan.ffn_gpu_layers),
            "ffn_cpu_layers": len(plan.ffn_cpu_layers) + (plan.ffn_split is not None)}

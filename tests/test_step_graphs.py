@@ -29,6 +29,7 @@ from hybridrt.runtime.backends import HostExperts, HostFFN, SplitFFN
 from hybridrt.runtime.loader import load_model
 from hybridrt.runtime.place import PlacementRequest, plan_for
 from hybridrt.runtime.step_graphs import CaptureError, HostJob, Wait
+from tests.test_placed_run import budget_for
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -38,20 +39,9 @@ BASE = PlacementRequest(n_ctx=128, cache_type_k="f32", cache_type_v="f32", spec_
                         spec_draft_n_max=3)
 
 
-def budget_for(path, whole_layers: int, extra_units: float) -> int:
-    """Stages 1-3, `whole_layers` FFN layers and `extra_units` granules of the next (a split)."""
-    roomy = plan_for(str(path), dataclasses.replace(BASE, vram_bytes=1 << 40), "cpu")
-    fixed = sum(line.gpu_bytes for line in roomy.lines if line.stage < 4)
-    profile = load_profile(str(path))
-    ffn = profile.ffn_layer_bytes()
-    fixed += max(ffn.values()) if BASE.op_offload and not profile.n_expert else 0
-    granule = 256 if profile.n_ff % 256 == 0 else 32
-    return int(fixed + sum(ffn[i] for i in range(whole_layers)) + extra_units * ffn[whole_layers] * granule / profile.n_ff)
-
-
 @pytest.fixture(scope="module")
 def placed(tiny_qwen35_mtp):
-    m = load_model(tiny_qwen35_mtp, placement=dataclasses.replace(BASE, vram_bytes=budget_for(tiny_qwen35_mtp, 3, 2.5)))
+    m = load_model(tiny_qwen35_mtp, placement=dataclasses.replace(BASE, vram_bytes=budget_for(tiny_qwen35_mtp, BASE, 3, 2.5)))
     assert m.plan.ffn_gpu_layers == [0, 1, 2] and m.plan.ffn_split.layer == 3
     assert m.executor.graphs is None            # the CPU standing in: no graphs unless asked (below)
     return m
@@ -206,14 +196,14 @@ def test_cuda_graph_replays_equal_the_eager_steps(tiny_qwen35_mtp):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     m = load_model(tiny_qwen35_mtp, device="cuda",
-                   placement=dataclasses.replace(BASE, vram_bytes=budget_for(tiny_qwen35_mtp, 3, 2.5)))
+                   placement=dataclasses.replace(BASE, vram_bytes=budget_for(tiny_qwen35_mtp, BASE, 3, 2.5)))
     assert m.executor.graphs == "cuda"
     want, want_hidden, _ = spec_run(m, None)
     got, got_hidden, counts = spec_run(m, "cuda")
     assert got == want and any(c > 0 for c in counts.values()), counts
     assert all(torch.equal(a, b) for a, b in zip(got_hidden, want_hidden))
     plain = load_model(tiny_qwen35_mtp, device="cuda", cuda_graphs=False,
-                       placement=dataclasses.replace(BASE, vram_bytes=budget_for(tiny_qwen35_mtp, 3, 2.5)))
+                       placement=dataclasses.replace(BASE, vram_bytes=budget_for(tiny_qwen35_mtp, BASE, 3, 2.5)))
     assert plain.executor.graphs is None
 
 

@@ -98,7 +98,7 @@ class Executor:
     def _capture_step(self, model, state, graph: StepGraph, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
         self._fill(graph, tokens, start_pos)
         if self.graphs == "record":         # the stand-in computes while it records: this step is done
-            self._capture = _Capture(graph, RecordedSegment, computes=True)
+            self._capture = _Capture(graph, RecordedSegment)
             try:
                 graph.hidden = self._capture.run(lambda: self._forward_at(model, state, graph, start_pos))
             except BaseException:
@@ -112,7 +112,7 @@ class Executor:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        self._capture = _Capture(graph, lambda: CudaSegment(pool), computes=False)
+        self._capture = _Capture(graph, lambda: CudaSegment(pool))
         try:
             with torch.cuda.stream(stream):
                 graph.hidden = self._capture.run(lambda: self._forward_at(model, state, graph, start_pos))
@@ -251,12 +251,14 @@ class Executor:
 class _Capture:
     """A step being captured: the current segment, cut at every host piece."""
 
-    def __init__(self, graph: StepGraph, new_segment, computes: bool):
-        self.graph, self.new_segment, self.computes = graph, new_segment, computes
+    def __init__(self, graph: StepGraph, new_segment):
+        self.graph, self.new_segment = graph, new_segment
         self.segment = None
+        self.computes = False       # whether capturing computes too (the segments' runs_on_capture)
 
     def run(self, forward) -> torch.Tensor:
         self._begin()
+        self.computes = self.segment.runs_on_capture
         out = forward()
         self._end()
         return out
