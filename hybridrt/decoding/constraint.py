@@ -38,6 +38,7 @@ NEG_INF_BITS = int(np.array([-np.inf], np.float32).view(np.int32)[0])
 # "\n"{1,2} [ \t]{0,20}`): llguidance's default allows any run of it, and a small model can spend the
 # whole -n on newlines inside an object. A schema's own "x-guidance" options override it.
 JSON_OPTIONS = {"whitespace_pattern": r"( |\n{1,2}[ \t]{0,20})?"}
+MAX_DIGITS_INTEGER = 10**16 - 1     # bounded_integers: an unbounded integer's largest value
 # grammar flags as `run` names them, for messages
 KINDS = {"json_schema": "--json-schema", "regex": "--regex", "grammar": "--grammar"}
 
@@ -91,9 +92,43 @@ def compile_grammar(kind: str, text: str) -> Grammar:
             raise UserError(f"--json-schema: not JSON ({e})") from None
         if not isinstance(schema, dict):
             raise UserError(f"--json-schema: a schema is a JSON object, got {type(schema).__name__}")
+        text = json.dumps(bounded_integers(schema), ensure_ascii=False)
     grammar = Grammar(kind, text)
     grammar.compiled
     return grammar
+
+
+def bounded_integers(schema):
+    """The schema with every integer that has no bound of its own held to 16 digits, as llama.cpp's
+    schema grammars hold them: a small model can repeat a digit until -n runs out, and JSON parsers
+    lose integers past 2**53 anyway. Everything else is kept as it is."""
+    if isinstance(schema, list):
+        return [bounded_integers(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: bounded_integers(v) if k not in ("enum", "const", "default", "examples") else v for k, v in schema.items()}
+    if out.get("type") == "integer":
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = MAX_DIGITS_INTEGER
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -MAX_DIGITS_INTEGER
+    return out
+
+
+def _special(piece: bytes, kind: int) -> bool:
+    """Whether llguidance sees a token as special: control and unknown tokens, and a user-defined
+    one where it reads as a tag (<start_of_image>, <tool_call>), as llama.cpp's own llguidance
+    binding marks them. Grammar text never matches a special token; a Lark rule names it."""
+    return kind in (CONTROL, UNKNOWN) or (kind == USER_DEFINED and piece.startswith(b"<") and piece.endswith(b">"))
+
+
+def lark_literal(tokenizer: Tokenizer, text: str) -> str:
+    """Lark for `text` in a grammar: a reference to the special token that spells it where the
+    vocabulary has one (Qwen's <tool_call>), else the quoted text."""
+    ids = tokenizer.encode(text, add_special=False, parse_special=True)
+    if len(ids) == 1 and _special(tokenizer.token_to_piece(ids[0]), int(tokenizer.token_types[ids[0]])):
+        return f"<[{ids[0]}]>"
+    return json.dumps(text)
 
 
 class _Vocabulary:
@@ -106,11 +141,8 @@ class _Vocabulary:
         self.tokens = [tokenizer.token_to_piece(i) for i in range(tokenizer.n_vocab)]
         # rows past the tokenizer's (a padded output matrix) are never allowed: no bytes
         self.tokens += [b""] * (n_vocab - len(self.tokens))
-        # control and unknown tokens are special; a user-defined one too where it reads as a tag
-        # (<start_of_image>), as llama.cpp's own llguidance binding marks them
         self.special_token_ids = [i for i, (t, kind) in enumerate(zip(self.tokens, types.tolist()))
-                                  if kind in (CONTROL, UNKNOWN)
-                                  or (kind == USER_DEFINED and t.startswith(b"<") and t.endswith(b">"))]
+                                  if _special(t, kind)]
         self.eos_token_id = tokenizer.eos_id if tokenizer.eos_id is not None else min(tokenizer.eog_ids)
         self.bos_token_id = tokenizer.bos_id
         self._tokenizer = tokenizer

@@ -4,6 +4,8 @@ Every endpoint runs inside `_guarded`, which turns any exception into an OpenAI-
 (APIError with its status, anything else a 500 with one log line) and counts the request, so no
 request can take the server down or show a traceback. Streaming answers are server-sent events in
 OpenAI's chunk shapes ending with `data: [DONE]`; the last chunk carries `usage` and `timings`.
+Tool calls stream as OpenAI's `delta.tool_calls` (per call: its id and name, then its arguments),
+after the reply's plain content and before the last chunk.
 
 A client that disconnects: while streaming, Starlette cancels the response's body iterator, whose
 `finally` cancels the job; while waiting for a non-streaming answer, the handler polls
@@ -28,7 +30,7 @@ from .errors import APIError, bad_request, internal
 from .metrics import Metrics
 from .pool import Job, SessionPool
 from .schemas import (GenRequest, GenResult, ModelCard, chunk_body, completion_body, model_list, new_id, now,
-                      parse_chat, parse_completion)
+                      parse_chat, parse_completion, tool_call_chunks)
 
 DISCONNECT_POLL_S = 0.25
 
@@ -77,6 +79,9 @@ async def _stream(job: Job, rid: str, created: int, tokenizer) -> AsyncIterator[
             if kind == "text":
                 text, entries = payload
                 yield _sse(chunk_body(req, rid, created, text=text, entries=entries, tokenizer=tokenizer))
+            elif kind == "tool_calls":
+                for body in tool_call_chunks(req, rid, created, payload):
+                    yield _sse(body)
             elif kind == "done":
                 yield _sse(chunk_body(req, rid, created, result=payload))
                 break

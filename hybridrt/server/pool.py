@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import UserError
+from ..decoding.constraint import Constraint
 from ..decoding.generate import GenerationStats, generate, prefill
 from ..models.base import Model
 from ..runtime.session import Session
@@ -37,6 +38,7 @@ from .metrics import Metrics
 from .logprobs import LogprobTrack, TokenLogprob, token_logprob
 from .schemas import GenRequest, GenResult
 from .stops import StopScanner
+from .tools import ReplySplitter
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,8 @@ class Turns:
 
 
 class Job:
-    """One request on its way through the pool. Events: ("text", str), ("done", GenResult),
+    """One request on its way through the pool. Events: ("text", (str, logprob entries)),
+    ("tool_calls", [ToolCall]) (streaming: the parsed calls, before "done"), ("done", GenResult),
     ("error", APIError)."""
 
     def __init__(self, request: GenRequest, loop: asyncio.AbstractEventLoop):
@@ -271,13 +274,20 @@ class SessionPool:
         def on_logits(token: int, row) -> None:
             pending.append(token_logprob(row, token, req.n_logprobs))
 
+        # tool calls: the reply's text goes through the splitter, which passes plain content on and
+        # holds what may be a call until the end (then parsed into GenResult.tool_calls)
+        splitter = ReplySplitter(req.tools) if req.tools is not None else None
+
+        def show(text: str) -> None:
+            emit(splitter.push(text) if splitter is not None else text)
+
         def on_token(token: int) -> bool:
             if job.cancelled.is_set():
                 return True
             text = decoder.push(token)
             if track is not None:
                 track.add(pending.pop(), len(text))
-            emit(scanner.push(text))
+            show(scanner.push(text))
             return scanner.stopped
 
         if req.max_tokens == 0:         # echo alone: the prompt is scored (or just shown), nothing generated
@@ -288,8 +298,14 @@ class SessionPool:
         else:
             out, stats = self._generate(session, req, on_token, on_logits if want_logprobs else None, on_prompt_row)
         if not scanner.stopped:
-            emit(scanner.push(decoder.flush()))
-            emit(scanner.flush())
+            show(scanner.push(decoder.flush()))
+            show(scanner.flush())
+        calls = None
+        if splitter is not None:
+            rest, calls = splitter.finish()
+            emit(rest)
+            if calls and req.stream:
+                job.put("tool_calls", calls)
         if track is not None:
             # tokens that showed no text of their own (a stop string's, or bytes of a character
             # never completed) go out with the end: all of them unless a stop string cut the text
@@ -298,8 +314,11 @@ class SessionPool:
                 emit("", rest)
         cancelled = job.cancelled.is_set()
         self.metrics.generation(stats, len(out), cancelled)
-        finish = "stop" if scanner.stopped or stats.stopped_by == "eog" else "length"
-        return GenResult("".join(pieces), finish, stats, len(out), released if want_logprobs else None)
+        # a complete grammar ends the reply as an end-of-generation token would
+        finish = "stop" if scanner.stopped or stats.stopped_by in ("eog", "grammar") else "length"
+        if calls:
+            finish = "tool_calls"
+        return GenResult("".join(pieces), finish, stats, len(out), released if want_logprobs else None, calls or None)
 
     def _generate(self, session: Session, req: GenRequest, on_token, on_logits, on_prompt_row):
         cfg, model = self.cfg, self.model
@@ -308,10 +327,12 @@ class SessionPool:
         source = build_source(cfg.spec_type, session, req.sampler, cfg.spec, self.draft_model,
                               ngram_n_max=cfg.ngram_n, cache_type=cfg.cache_type, draft_vocab=cfg.draft_vocab)
         stop_ids = set() if req.ignore_eos else None        # None: the tokenizer's end-of-generation ids
+        constraint = Constraint(req.grammar, model.tokenizer, model.n_vocab) if req.grammar is not None else None
         return generate(model, session, list(req.prompt_ids), req.max_tokens, req.sampler, source, cfg.spec,
                         on_token=on_token, stop_ids=stop_ids, on_logits=on_logits, on_prompt_row=on_prompt_row,
                         policies=self._policies.setdefault((id(session), req.sampler.greedy), {}),
-                        between_steps=self.turns.hand_on if self.turns is not None else None)
+                        between_steps=self.turns.hand_on if self.turns is not None else None,
+                        constraint=constraint)
 
 
 def _decoded_offsets(tokenizer, ids: list[int]) -> tuple[str, list[int]]:

@@ -4,34 +4,39 @@ Validation is by hand rather than with a model library: the rules are few, and e
 name the offending field in the OpenAI error's `param`. Unknown fields are ignored, as OpenAI's
 clients send several (`user`, `stream_options`) that change nothing here; the penalties, which
 would change the distribution, are refused unless neutral (presence / frequency 0, repeat 1), and so
-are structured output and tool calls (`tools`, `response_format`, llama-server's `grammar` /
-`json_schema`) until the server implements them.
+are the legacy `functions` / `function_call` (use `tools`). Structured output (`response_format`,
+llama-server's `grammar` / `json_schema`) and tool calls (`tools`, `tool_choice`) become a
+`Grammar` and a `ToolRequest` here, checked and compiled before the request is queued, so a bad
+schema or an unknown tool is a 400 naming its field.
 Sampling defaults are llama-server's (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05).
 """
 from __future__ import annotations
 
+import json
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Literal
 
+from ..decoding.constraint import Grammar, compile_grammar, lark_literal
+from ..errors import UserError
 from ..files.chat_template import ChatTemplateError
 from ..decoding.generate import GenerationStats
 from ..models.base import Model
 from ..decoding.sampling import SamplerConfig
 from .errors import bad_request
 from .logprobs import MAX_TOP_CHAT, MAX_TOP_COMPLETION, TokenLogprob, chat_logprobs, completion_logprobs
+from .tools import Tool, ToolCall, ToolRequest, template_messages, tool_format, tool_grammar
 
 MAX_STOPS = 16
 # sampling penalties clients may send, and the value that means none (llama.cpp's repeat_penalty too)
 PENALTIES = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repeat_penalty": 1.0}
-# structured output and tool calls: `hybridrt run` constrains (--json-schema, --grammar, --regex),
-# the server does not yet; a client that sends these expects them honoured, so each is refused by
-# name rather than answered with free text (absent, null or its "off" value passes)
-NOT_YET = {"tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-           "response_format": ({"type": "text"},), "grammar": ("",), "json_schema": ({},)}
+# OpenAI's legacy function calling: clients send `tools` now; refused by name rather than ignored
+NOT_YET = {"functions": ([],), "function_call": ("none",)}
 ROLES = ("system", "user", "assistant", "tool", "developer")
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")      # OpenAI's rule for a function's name
 
 
 @dataclass(frozen=True)
@@ -64,15 +69,18 @@ class GenRequest:
     ignore_eos: bool = False     # llama.cpp server's extension: end-of-generation tokens do not stop
     n_logprobs: int | None = None   # None: no logprobs; else how many top alternatives per token
     echo: bool = False           # completions: the prompt's text (and, with logprobs, its scores) first
+    grammar: Grammar | None = None       # the constraint every drawn token obeys (None: free text)
+    tools: ToolRequest | None = None     # chat: the tools whose calls the reply is parsed for
 
 
 @dataclass
 class GenResult:
     text: str                    # the whole completion (non-streaming responses)
-    finish_reason: str           # "stop" or "length"
+    finish_reason: str           # "stop", "length" or "tool_calls"
     stats: GenerationStats
     n_completion: int            # tokens generated, a stop string's tokens included
     logprobs: list[tuple[TokenLogprob, int]] | None = None    # (entry, text offset) per shown token
+    tool_calls: list[ToolCall] | None = None                 # the calls parsed from the reply
 
 
 # ------------------------------------------------------------------------------- fields
@@ -120,7 +128,7 @@ def _stops(body: dict) -> tuple[str, ...]:
 
 
 def _common(body: dict, card: ModelCard, kind: Literal["chat", "text"], prompt_ids: list[int],
-            prompt_param: str) -> GenRequest:
+            prompt_param: str, grammar: Grammar | None = None, tools: ToolRequest | None = None) -> GenRequest:
     if not prompt_ids:
         raise bad_request("the prompt is empty", prompt_param)
     if len(prompt_ids) >= card.n_ctx:
@@ -146,10 +154,10 @@ def _common(body: dict, card: ModelCard, kind: Literal["chat", "text"], prompt_i
             raise bad_request(f"'{key}' is not supported: only {neutral:g} (no penalty)", key)
     for key, off in NOT_YET.items():
         if body.get(key) is not None and body[key] not in off:
-            raise bad_request(f"'{key}' is not supported by the server yet (no structured output or tool calls; "
-                              f"`hybridrt run` takes --json-schema / --grammar / --regex)", key)
+            raise bad_request(f"'{key}' (legacy function calling) is not supported: send 'tools' and 'tool_choice'",
+                              key)
     return GenRequest(kind, card.check(body), prompt_ids, -1 if max_tokens is None else max_tokens, sampler,
-                      _stops(body), stream, ignore_eos, _logprobs(body, kind), echo)
+                      _stops(body), stream, ignore_eos, _logprobs(body, kind), echo, grammar, tools)
 
 
 def _logprobs(body: dict, kind: Literal["chat", "text"]) -> int | None:
@@ -177,22 +185,134 @@ def _content(message: dict, i: int) -> str:
     raise bad_request(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
 
 
+def _message(m, i: int) -> dict:
+    """A message as the template reads it: role and text, an assistant's earlier tool calls, a tool
+    result's call id and name."""
+    if not isinstance(m, dict) or m.get("role") not in ROLES:
+        raise bad_request(f"messages[{i}] must be an object with a role in {', '.join(ROLES)}", f"messages[{i}]")
+    out = {"role": m["role"], "content": _content(m, i)}
+    calls = m.get("tool_calls")
+    if m["role"] == "assistant" and calls:
+        ok = isinstance(calls, list) and all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+            and isinstance(c["function"].get("arguments", ""), (str, dict)) for c in calls)
+        if not ok:
+            raise bad_request(f"messages[{i}].tool_calls must be a list of {{id, type, function: {{name, arguments}}}}",
+                              f"messages[{i}].tool_calls")
+        out["tool_calls"] = [{"id": c.get("id"), "type": "function",
+                              "function": {"name": c["function"]["name"], "arguments": c["function"].get("arguments", "{}")}}
+                             for c in calls]
+    if m["role"] == "tool":
+        for key in ("tool_call_id", "name"):
+            if isinstance(m.get(key), str):
+                out[key] = m[key]
+    return out
+
+
+def _structured(body: dict, tools: bool) -> tuple[Grammar | None, dict | None]:
+    """What `response_format` or llama-server's `grammar` / `json_schema` ask for: the compiled
+    grammar, and the JSON schema itself (tools under "auto" allow it beside their calls)."""
+    asked = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            schema = fmt.get("schema") or {"type": "object"}      # llama-server also reads a schema here
+            asked.append(("response_format", "json_schema", schema))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise bad_request("'response_format.json_schema' must be an object with a 'schema' object",
+                                  "response_format")
+            asked.append(("response_format", "json_schema", spec.get("schema") or {"type": "object"}))
+        elif kind != "text":
+            raise bad_request("'response_format.type' must be 'text', 'json_object' or 'json_schema'", "response_format")
+    if body.get("json_schema") not in (None, {}):
+        if not isinstance(body["json_schema"], dict):
+            raise bad_request("'json_schema' must be a JSON schema object", "json_schema")
+        asked.append(("json_schema", "json_schema", body["json_schema"]))
+    if body.get("grammar") not in (None, ""):
+        if not isinstance(body["grammar"], str):
+            raise bad_request("'grammar' must be a string (GBNF or Lark)", "grammar")
+        asked.append(("grammar", "grammar", body["grammar"]))
+    if len(asked) > 1:
+        raise bad_request(f"give one of response_format, json_schema and grammar, not {' and '.join(a[0] for a in asked)}",
+                          asked[1][0])
+    if not asked:
+        return None, None
+    field, kind, value = asked[0]
+    if kind == "grammar" and tools:
+        raise bad_request("'grammar' cannot be combined with tools (the tool calls have a grammar of their own)", field)
+    text = value if kind == "grammar" else json.dumps(value)
+    return _compile(field, kind, text), value if kind == "json_schema" else None
+
+
+def _compile(field: str, kind: str, text: str) -> Grammar:
+    try:
+        return compile_grammar(kind, text)
+    except UserError as e:
+        # compile_grammar names run's flag ("--json-schema: ..."); a client reads its field
+        reason = str(e).split(": ", 1)[1] if str(e).startswith("--") else str(e)
+        raise bad_request(f"'{field}': {reason}", field) from None
+
+
+def _tools(body: dict, model: Model) -> ToolRequest | None:
+    """The request's tools and tool_choice, or None when no call may be made."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools in (None, []):
+        if choice not in (None, "none", "auto"):
+            raise bad_request("'tool_choice' needs 'tools'", "tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise bad_request("'tools' must be a list of {type: function, function: {name, description, parameters}}", "tools")
+    parsed = []
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise bad_request(f"tools[{i}] must be {{type: function, function: {{name, ...}}}} with a name of "
+                              f"letters, digits, _ and - (at most 64)", f"tools[{i}]")
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(params, dict):
+            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object", f"tools[{i}]")
+        parsed.append(Tool(name, str(fn.get("description") or ""), params))
+    if len({t.name for t in parsed}) != len(parsed):
+        raise bad_request("'tools' has two functions of the same name", "tools")
+    if choice in (None, "auto", "required", "none"):
+        choice = choice or "auto"
+    elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        choice = choice["function"].get("name")
+        if choice not in {t.name for t in parsed}:
+            raise bad_request(f"'tool_choice' names {choice!r}, which is not in 'tools'", "tool_choice")
+    else:
+        raise bad_request("'tool_choice' must be 'none', 'auto', 'required' or {type: function, function: {name}}",
+                          "tool_choice")
+    if choice == "none":
+        return None
+    return ToolRequest(tool_format(model.tokenizer.chat_template), tuple(parsed), choice,
+                       _boolean(body, "parallel_tool_calls") if body.get("parallel_tool_calls") is not None else True)
+
+
 def parse_chat(body: dict, model: Model, card: ModelCard) -> GenRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages")
-    plain = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise bad_request(f"messages[{i}] must be an object with a role in {', '.join(ROLES)}", f"messages[{i}]")
-        plain.append({"role": m["role"], "content": _content(m, i)})
+    plain = [_message(m, i) for i, m in enumerate(messages)]
     card.check(body)       # a bad `model` is a 400 before any template work
+    tools = _tools(body, model)
+    grammar, response_schema = _structured(body, tools is not None)
+    if tools is not None:
+        found = tool_grammar(tools, lambda text: lark_literal(model.tokenizer, text), response_schema)
+        # the response schema, if any, is part of the tools' grammar (None: a native format's free reply)
+        grammar = _compile("tools", *found) if found is not None else None
+    rendered, extra = template_messages(plain, tools)
     try:
-        text = model.tokenizer.apply_chat_template(plain, add_generation_prompt=True)
+        text = model.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, **extra)
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from None
     # as `hybridrt run --chat`: the rendered template's control tokens are parsed as such
-    return _common(body, card, "chat", model.tokenize(text, add_special=True, parse_special=True), "messages")
+    return _common(body, card, "chat", model.tokenize(text, add_special=True, parse_special=True), "messages",
+                   grammar, tools)
 
 
 def parse_completion(body: dict, model: Model, card: ModelCard) -> GenRequest:
@@ -207,7 +327,10 @@ def parse_completion(body: dict, model: Model, card: ModelCard) -> GenRequest:
         ids = list(prompt)
     else:
         raise bad_request("'prompt' must be a string, a list of one string or a list of token ids", "prompt")
-    return _common(body, card, "text", ids, "prompt")
+    if body.get("tools") not in (None, []):
+        raise bad_request("'tools' are for /v1/chat/completions", "tools")
+    grammar, _ = _structured(body, tools=False)
+    return _common(body, card, "text", ids, "prompt", grammar)
 
 
 # ------------------------------------------------------------------------------- responses
@@ -255,6 +378,9 @@ def completion_body(req: GenRequest, rid: str, created: int, result: GenResult, 
     choice = {"index": 0, "finish_reason": result.finish_reason, "logprobs": logprobs_body(req, result.logprobs, tokenizer)}
     if req.kind == "chat":
         choice["message"] = {"role": "assistant", "content": result.text}
+        if result.tool_calls:
+            choice["message"] = {"role": "assistant", "content": result.text or None,
+                                 "tool_calls": [c.openai() for c in result.tool_calls]}
     else:
         choice["text"] = result.text
     return {**_envelope(req, rid, created, chunk=False), "choices": [choice],
@@ -281,6 +407,19 @@ def chunk_body(req: GenRequest, rid: str, created: int, text: str | None = None,
         body["usage"] = usage(len(req.prompt_ids), result.n_completion)
         body["timings"] = timings(result.stats, result.n_completion)
     return body
+
+
+def tool_call_chunks(req: GenRequest, rid: str, created: int, calls: list[ToolCall]) -> list[dict]:
+    """The streamed chunks of a reply's tool calls, in OpenAI's delta shape: per call, one chunk
+    with its index, id, type and name (arguments ""), then one with its arguments."""
+    out = []
+    for i, call in enumerate(calls):
+        head = {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+        for delta in (head, {"index": i, "function": {"arguments": call.arguments}}):
+            out.append({**_envelope(req, rid, created, chunk=True),
+                        "choices": [{"index": 0, "delta": {"tool_calls": [delta]}, "finish_reason": None,
+                                     "logprobs": None}]})
+    return out
 
 
 def model_list(card: ModelCard) -> dict:
