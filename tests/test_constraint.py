@@ -17,7 +17,7 @@ import torch
 
 import make_model
 from hybridrt.cli.options import GrammarFlags
-from hybridrt.decoding.constraint import Constraint, Grammar, ll_tokenizer
+from hybridrt.decoding.constraint import MAX_DIGITS_INTEGER, Constraint, Grammar, generation_schema, ll_tokenizer
 from hybridrt.decoding.generate import generate
 from hybridrt.decoding.sampling import SamplerConfig, dense_probs
 from hybridrt.decoding.speculative.acceptance import SampledAcceptor
@@ -121,6 +121,24 @@ def test_masks_advance_and_roll_back(qwen3):
 
 def flags(grammar=None, json_schema=None, regex=None):
     return GrammarFlags(grammar, json_schema, regex).check()
+
+
+def test_generation_schema_closes_listed_objects_and_bounds_integers():
+    """llama.cpp's defaults, only where the schema leaves things open: what generation reads still
+    accepts nothing the schema refuses (the outputs stay valid against the schema as given)."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "m": {"type": "integer", "maximum": 3},
+                                               "any": {"type": "object"},
+                                               "open": {"type": "object", "properties": {"a": {}},
+                                                        "additionalProperties": True}},
+              "$defs": {"x": {"type": "integer", "enum": [1]}}}
+    out = generation_schema(schema)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["n"] == {"type": "integer", "maximum": MAX_DIGITS_INTEGER, "minimum": -MAX_DIGITS_INTEGER}
+    assert out["properties"]["m"]["maximum"] == 3 and out["properties"]["m"]["minimum"] == -MAX_DIGITS_INTEGER
+    assert out["properties"]["any"] == {"type": "object"} and out["properties"]["open"]["additionalProperties"] is True
+    assert out["$defs"]["x"]["enum"] == [1] and schema["properties"]["n"] == {"type": "integer"}     # a copy
+    assert flags(json_schema='{"type": "object", "properties": {"a": {}}}').text == \
+        '{"type": "object", "properties": {"a": {}}, "additionalProperties": false}'
 
 
 def test_bad_grammars_are_user_errors(tmp_path):

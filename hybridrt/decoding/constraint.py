@@ -38,7 +38,7 @@ NEG_INF_BITS = int(np.array([-np.inf], np.float32).view(np.int32)[0])
 # "\n"{1,2} [ \t]{0,20}`): llguidance's default allows any run of it, and a small model can spend the
 # whole -n on newlines inside an object. A schema's own "x-guidance" options override it.
 JSON_OPTIONS = {"whitespace_pattern": r"( |\n{1,2}[ \t]{0,20})?"}
-MAX_DIGITS_INTEGER = 10**16 - 1     # bounded_integers: an unbounded integer's largest value
+MAX_DIGITS_INTEGER = 10**16 - 1     # generation_schema: an unbounded integer's largest value
 # grammar flags as `run` names them, for messages
 KINDS = {"json_schema": "--json-schema", "regex": "--regex", "grammar": "--grammar"}
 
@@ -92,26 +92,33 @@ def compile_grammar(kind: str, text: str) -> Grammar:
             raise UserError(f"--json-schema: not JSON ({e})") from None
         if not isinstance(schema, dict):
             raise UserError(f"--json-schema: a schema is a JSON object, got {type(schema).__name__}")
-        text = json.dumps(bounded_integers(schema), ensure_ascii=False)
+        text = json.dumps(generation_schema(schema), ensure_ascii=False)
     grammar = Grammar(kind, text)
     grammar.compiled
     return grammar
 
 
-def bounded_integers(schema):
-    """The schema with every integer that has no bound of its own held to 16 digits, as llama.cpp's
-    schema grammars hold them: a small model can repeat a digit until -n runs out, and JSON parsers
-    lose integers past 2**53 anyway. Everything else is kept as it is."""
+def generation_schema(schema):
+    """The schema as generation reads it, with llama.cpp's two defaults for what it leaves open: an
+    object that lists its properties gets no others (no `additionalProperties` of its own: a small
+    model asked for a tool's arguments went on inventing keys until max_tokens), and an integer
+    without bounds of its own at most 16 digits (a small model can repeat a digit until -n runs out;
+    JSON parsers lose integers past 2**53 anyway). Whatever this allows, the schema allows: every
+    output still validates against the schema as given."""
     if isinstance(schema, list):
-        return [bounded_integers(s) for s in schema]
+        return [generation_schema(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: bounded_integers(v) if k not in ("enum", "const", "default", "examples") else v for k, v in schema.items()}
+    out = {k: generation_schema(v) if k not in ("enum", "const", "default", "examples") else v
+           for k, v in schema.items()}
     if out.get("type") == "integer":
         if "maximum" not in out and "exclusiveMaximum" not in out:
             out["maximum"] = MAX_DIGITS_INTEGER
         if "minimum" not in out and "exclusiveMinimum" not in out:
             out["minimum"] = -MAX_DIGITS_INTEGER
+    if isinstance(out.get("properties"), dict) and out["properties"] and not (
+            {"additionalProperties", "patternProperties", "unevaluatedProperties"} & out.keys()):
+        out["additionalProperties"] = False
     return out
 
 

@@ -25,7 +25,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from ..decoding.constraint import JSON_OPTIONS, bounded_integers
+from ..decoding.constraint import JSON_OPTIONS, generation_schema
 
 # the reply's JSON in the generic format: whitespace as the schema constraint allows it
 _GENERIC_SYSTEM = (
@@ -151,8 +151,8 @@ def _call_with_object(call: dict) -> dict:
 
 # ------------------------------------------------------------------------------- grammars
 def _schema(schema: dict) -> str:
-    """An inline JSON schema for a Lark grammar, with the whitespace and integers `run`'s schemas get."""
-    return json.dumps({**bounded_integers(schema), "x-guidance": JSON_OPTIONS}, ensure_ascii=False)
+    """An inline JSON schema for a Lark grammar, read as `run`'s schemas are (whitespace, defaults)."""
+    return json.dumps({**generation_schema(schema), "x-guidance": JSON_OPTIONS}, ensure_ascii=False)
 
 
 def _call_object(tool: Tool, args_key: str = "arguments") -> dict:
