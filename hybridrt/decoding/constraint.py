@@ -225,10 +225,12 @@ class Constraint:
         """Set the logits of forbidden tokens to -inf, in place: a row over the vocabulary, or over
         the tokens `ids` (a draft head's rows). False when it allows none of them."""
         bias = self.bias(depth)
+        if bias.device != logits_row.device:        # a placed model's output head on the device
+            bias = bias.to(logits_row.device, non_blocking=True)
         if ids is None:
             logits_row.add_(bias)
             return True
-        bias = bias[ids]
+        bias = bias[ids.to(bias.device)]
         logits_row.add_(bias)
         return bool((bias == 0).any())
 
