@@ -354,15 +354,44 @@ def attention_block(h, n_threads, int_types, float_path, attn_norm, post_norm, h
     blocks uint8 (n_ctx, n_kv, d / 32, 34). Weights: raw ggml rows
     (readonly uint8, one type each), with e*/i* as `_project` takes them; int_types, float_path:
     `kernel_types` of (at least) these matrices. gated (qwen35): wq's rows hold [q_h | gate_h] per
-    head, and each head's output is multiplied by sigmoid(gate_h) before the output projection."""
-    k, n_embd = h.shape
-    nq, nk = n_head * d, n_kv * d
-    nq_rows = 2 * nq if gated else nq
+    head, and each head's output is multiplied by sigmoid(gate_h) before the output projection.
+    The three steps are the ones a batch of several sequences runs (attention_qkv and attention_out
+    over all its rows, attention_rows once per sequence on its own cache)."""
+    qkv = attention_qkv(h, n_threads, int_types, float_path, attn_norm, eps, wq, tq, eq, iq, wk, tk, ek, ik,
+                        wv, tv, ev, iv, n_head, n_kv, d, dv, gated)
+    k = h.shape[0]
+    q = np.empty((k, n_head * d), np.float32)
+    o = np.empty((k, n_head * dv), np.float32)
+    attention_rows(n_threads, qkv, q, o, q_norm, k_norm, qk_norm, gated, eps, cos, sin, n_rot, neox,
+                   k_cache, v_cache, start, n_head, n_kv, d, dv, scale, window, first)
+    return attention_out(h, qkv, o, n_threads, int_types, float_path, post_norm, has_post, eps, wo, to, eo, io,
+                         gated, n_head, d, dv)
+
+
+@njit(cache=CACHE, nogil=True)
+def attention_qkv(h, n_threads, int_types, float_path, attn_norm, eps, wq, tq, eq, iq, wk, tk, ek, ik,
+                  wv, tv, ev, iv, n_head, n_kv, d, dv, gated):
+    """attention_block's projections: rms_norm(h) times q, k and v side by side, (k, nq_rows +
+    n_kv d + n_kv dv) with nq_rows = n_head d (2 n_head d when gated: [q_h | gate_h] per head)."""
+    k = h.shape[0]
+    nq_rows = 2 * n_head * d if gated else n_head * d
+    nk = n_kv * d
     x = rms_norm_rows(h, attn_norm, eps)
     qkv = np.empty((k, nq_rows + nk + n_kv * dv), np.float32)
     _project(n_threads, int_types, float_path, wq, tq, eq, iq, nq_rows, wk, tk, ek, ik, nk, wv, tv, ev, iv,
              n_kv * dv, x, qkv)
-    q = np.empty((k, nq), np.float32)
+    return qkv
+
+
+@njit(cache=CACHE, nogil=True)
+def attention_rows(n_threads, qkv, q, o, q_norm, k_norm, qk_norm, gated, eps, cos, sin, n_rot, neox,
+                   k_cache, v_cache, start, n_head, n_kv, d, dv, scale, window, first):
+    """What attention_block does for one sequence's rows of qkv (attention_qkv's), token t at
+    position start + t on that sequence's caches and rotary table: the queries (q-normed, rotated)
+    into q (k, n_head d), the keys (k-normed, rotated) and values into the caches, and the attention
+    output into o (k, n_head dv). q and o are scratch rows of the caller's."""
+    k = qkv.shape[0]
+    nq_rows = 2 * n_head * d if gated else n_head * d
     for t in range(k):
         pos = start + t
         for hd in range(n_head):
@@ -376,8 +405,15 @@ def attention_block(h, n_threads, int_types, float_path, attn_norm, post_norm, h
                     q[t, hd * d + i] = (q[t, hd * d + i] * r) * q_norm[i]
             _rotate(q[t], hd * d, cos, sin, pos, n_rot, neox)
     _store_kv(qkv, nq_rows, k_norm, qk_norm, eps, cos, sin, n_rot, neox, k_cache, v_cache, start, n_kv, d, dv)
-    o = np.empty((k, n_head * dv), np.float32)
     attend(n_threads, q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale, window, first)
+
+
+@njit(cache=CACHE, nogil=True)
+def attention_out(h, qkv, o, n_threads, int_types, float_path, post_norm, has_post, eps, wo, to, eo, io,
+                  gated, n_head, d, dv):
+    """attention_block's end: o (attention_rows' outputs of every row) gated by sigmoid(gate_h)
+    where gated (qkv's gate columns), times wo, [post-normed,] added to h."""
+    k, n_embd = h.shape
     if gated:
         for t in range(k):
             for hd in range(n_head):
