@@ -8,6 +8,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from gpu_kernels.attention import ROWWISE_MAX
+
 from ..runtime.backends import WeightBinder
 from ..errors import UserError
 from ..files.gguf_file import GGUFFile
@@ -156,6 +158,40 @@ class Model:
         h = self.embed(tokens)
         for layer in self.layers:
             h = layer.ffn(layer.mixer(h, state, pos_list))
+        return self.final_norm(h)
+
+    def batch_refusal(self) -> str | None:
+        """Why forward_batch cannot run this model now, None where it can: a plan (its device
+        segments and CPU crossings take one sequence per step), a trunk off the CPU (its kernels'
+        bit identity across a mixed batch is unchecked), or recurrent layers (each sequence's
+        Gated DeltaNet state and snapshot ring would have to advance in its own rows)."""
+        if self.plan is not None:
+            return "a placed model (--vram / a plan) runs one sequence per step"
+        if self.device.type != "cpu":
+            return f"a trunk on {self.device.type} runs one sequence per step (only a CPU trunk batches sequences)"
+        if self.spec.recurrent:
+            return f"{self.arch} keeps a recurrent state per sequence: its steps run one sequence at a time"
+        return None
+
+    def forward_batch(self, batch, tokens: torch.Tensor) -> torch.Tensor:
+        """forward() of several sequences in one step (runtime.batch.StepBatch; tokens: its rows, one
+        sequence after another): every matrix runs once over all the rows, rotary, the KV writes and
+        attention sequence by sequence on its own cache (layer.mixer.batched). A row's result is the
+        one forward() gives it alone, bit for bit, while the batch holds at most ROWWISE_MAX rows:
+        more would make it a prompt batch, whose numerics are another path's (runtime/batch.py)."""
+        refusal = self.batch_refusal()
+        if refusal is not None:
+            raise UserError(f"cannot batch sequences: {refusal}")
+        if tokens.shape[0] != batch.n_rows:
+            raise ValueError(f"{tokens.shape[0]} tokens for a batch of {batch.n_rows} rows")
+        if len(batch.seqs) == 1:
+            seq = batch.seqs[0]
+            return self.forward(seq.state, tokens, seq.start)
+        if batch.n_rows > ROWWISE_MAX:
+            raise ValueError(f"a batch of {batch.n_rows} rows: sequences share a step of at most {ROWWISE_MAX} rows")
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer.ffn(layer.mixer.batched(h, batch))
         return self.final_norm(h)
 
     # --- description for the planner / bench ---------------------------------------------------

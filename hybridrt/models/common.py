@@ -125,6 +125,20 @@ class Attention:
             self.k_norm = w.dense(f"{prefix}.attn_k_norm.weight")
 
     def __call__(self, x: torch.Tensor, state: ModelState, pos_list: list[int]) -> torch.Tensor:
+        q, k, v, gate = self._heads(x)
+        return self._output(self._attend(q, k, v, state, pos_list), gate)
+
+    def batched(self, x: torch.Tensor, batch) -> torch.Tensor:
+        """__call__ over a batch of several sequences (runtime.batch.StepBatch): the projections
+        over all rows at once, rotary, KV writes and attention sequence by sequence on its cache."""
+        q, k, v, gate = self._heads(x)
+        o = torch.cat([self._attend(q[r], k[r], v[r], seq.state, seq.positions)
+                       for seq, r in zip(batch.seqs, batch.rows)])
+        return self._output(o, gate)
+
+    def _heads(self, x: torch.Tensor):
+        """q [n, n_head, d] (q-normed), k [n, n_kv, d], v [n, n_kv, dv] and the gate rows (None
+        unless gated) of x's rows."""
         s, n = self.spec, x.shape[0]
         q, k, v = self._project(x)
         gate = None
@@ -137,11 +151,18 @@ class Attention:
         v = v.reshape(n, s.n_kv, s.head_dim_v)
         if s.qk_norm:
             q = rms_norm(q, self.q_norm, s.eps)
-        rows = state.rotary_at(s.rope, pos_list[0], n, x.device)
+        return q, k, v, gate
+
+    def _attend(self, q, k, v, state: ModelState, pos_list: list[int]) -> torch.Tensor:
+        """One sequence's rows: rotary, the KV write, attention over its cache -> [n, n_head dv]."""
+        s, n = self.spec, q.shape[0]
+        rows = state.rotary_at(s.rope, pos_list[0], n, q.device)
         q = apply_rotary(q, rows)
         self._store(k, v, state, pos_list, rows)
-        o = self.attend(q, state.kv.k[self.cache_index], state.kv.v[self.cache_index], pos_list,
-                        s.scale, s.window, s.first_pos, at=state.positions).reshape(n, s.n_head * s.head_dim_v)
+        return self.attend(q, state.kv.k[self.cache_index], state.kv.v[self.cache_index], pos_list,
+                           s.scale, s.window, s.first_pos, at=state.positions).reshape(n, s.n_head * s.head_dim_v)
+
+    def _output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         if gate is not None:
             o = o * per_token(torch.sigmoid, gate)
         return self.wo(o)
@@ -199,6 +220,11 @@ class AttentionBlock:
 
     def __call__(self, h: torch.Tensor, state: ModelState, pos_list: list[int]) -> torch.Tensor:
         a = self.attn(rms_norm(h, self.norm, self.eps), state, pos_list)
+        return h + (a if self.post_norm is None else rms_norm(a, self.post_norm, self.eps))
+
+    def batched(self, h: torch.Tensor, batch) -> torch.Tensor:
+        """__call__ over a batch of several sequences (runtime.batch.StepBatch)."""
+        a = self.attn.batched(rms_norm(h, self.norm, self.eps), batch)
         return h + (a if self.post_norm is None else rms_norm(a, self.post_norm, self.eps))
 
     def write_kv(self, h: torch.Tensor, state: ModelState, pos_list: list[int]) -> None:

@@ -51,17 +51,29 @@ class Executor:
             k = tokens.shape[0]
             if self.graphs is not None and k <= GRAPH_MAX_TOKENS and k not in self._graphs_off:
                 return self._graph_step(model, state, tokens, start_pos)
-            if self.governor is None or tokens.shape[0] > GOVERNED_MAX_TOKENS:
-                return model.forward(state, tokens, start_pos)
-            import numba     # the kernels' pool; this thread launches them on a CPU trunk
+            return self._governed(k, lambda: model.forward(state, tokens, start_pos))
 
-            n = self.governor.threads()
-            if n != numba.get_num_threads():
-                numba.set_num_threads(n)
-            start = time.perf_counter()
-            out = model.forward(state, tokens, start_pos)
-            self.governor.record(tokens.shape[0], time.perf_counter() - start)
-            return out
+    def forward_batch(self, model, batch, tokens: torch.Tensor) -> torch.Tensor:
+        """One forward of several sequences' rows (runtime.batch.StepBatch; model.forward_batch):
+        decode steps, verify batches and short prompt chunks of different sessions sharing one read
+        of the weights. Steps of several sequences are never captured (a placed model refuses them)."""
+        seqs = ", ".join(f"{s.n} @ {s.start}" for s in batch.seqs)
+        with maybe_span(self.trace, f"forward batch [{seqs}]", "step"):
+            return self._governed(tokens.shape[0], lambda: model.forward_batch(batch, tokens))
+
+    def _governed(self, k: int, step):
+        """step() on the governor's thread count, timed for it (a decode or verify sized step)."""
+        if self.governor is None or k > GOVERNED_MAX_TOKENS:
+            return step()
+        import numba     # the kernels' pool; this thread launches them on a CPU trunk
+
+        n = self.governor.threads()
+        if n != numba.get_num_threads():
+            numba.set_num_threads(n)
+        start = time.perf_counter()
+        out = step()
+        self.governor.record(k, time.perf_counter() - start)
+        return out
 
     # --- captured steps (runtime/step_graphs.py) ------------------------------------------------------
     def _graph_step(self, model, state, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:

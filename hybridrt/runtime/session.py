@@ -1,5 +1,6 @@
 """A decoding session: one sequence's caches and position, and the single `eval` entry point that
-serves prefill, decode and k-token verify alike."""
+serves prefill, decode and k-token verify alike; `eval_batch` runs several sessions' evals in shared
+steps."""
 from __future__ import annotations
 
 from typing import Literal, Protocol, Sequence
@@ -9,6 +10,7 @@ import torch
 from placement.constants import PROMPT_CHUNK
 
 from ..errors import UserError
+from .batch import BatchSeq, StepBatch, pack_rows
 from .executor import Executor
 from .kv_cache import kv_cache_type
 
@@ -22,6 +24,8 @@ class Evaluable(Protocol):
 
     def new_state(self, n_ctx: int, cache_type: str, k_max: int): ...
     def forward(self, state, tokens: torch.Tensor, start_pos: int) -> torch.Tensor: ...
+    def forward_batch(self, batch, tokens: torch.Tensor) -> torch.Tensor: ...
+    def batch_refusal(self) -> str | None: ...
     def begin_step(self, state, start_pos: int, n: int) -> bool: ...
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor: ...
     def truncate_state(self, state, n: int) -> None: ...
@@ -51,26 +55,14 @@ class Session:
         what the session holds, and a smaller one first truncates. Returns float32 logits
         [n, n_vocab] ("all"), [1, n_vocab] ("last") or None; `out` is an optional buffer to write
         them into (decoding loops reuse one sized for k_max)."""
-        tok = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
-        n = tok.shape[0]
+        tok = _token_row(tokens)
         start = self.n_past if start_pos is None else start_pos
         if start > self.n_past:
             raise ValueError(f"start_pos {start} is past the {self.n_past} tokens in the session")
-        if start + n > self.n_ctx:
-            raise UserError(f"{start + n} tokens do not fit the context of {self.n_ctx} "
-                            f"(raise -c or shorten the prompt)")
-        if n == 0:
-            raise ValueError("eval needs at least one token")
+        self._check_fits(start, tok.shape[0])
         if start < self.n_past:
             self.truncate(start)
-        chunks = []
-        for lo in range(0, n, PROMPT_CHUNK):
-            chunk = tok[lo:lo + PROMPT_CHUNK]
-            h = self.executor.forward(self.model, self.state, chunk, start + lo)
-            self.n_past = start + lo + chunk.shape[0]
-            if logits == "all":
-                chunks.append(h)
-        self.hidden = h if logits != "all" else torch.cat(chunks) if len(chunks) > 1 else chunks[0]
+        self._advance(tok, logits == "all")
         if logits == "none":
             return None
         rows = self.hidden if logits == "all" else self.hidden[-1:]
@@ -78,12 +70,74 @@ class Session:
             out = out[:rows.shape[0]]
         return self.model.logits(rows, out=out)
 
+    def _check_fits(self, start: int, n: int) -> None:
+        if start + n > self.n_ctx:
+            raise UserError(f"{start + n} tokens do not fit the context of {self.n_ctx} "
+                            f"(raise -c or shorten the prompt)")
+        if n == 0:
+            raise ValueError("eval needs at least one token")
+
+    def _advance(self, tok: torch.Tensor, keep_all: bool) -> None:
+        """tok after the session's n_past tokens, in forwards of up to PROMPT_CHUNK; self.hidden:
+        every row's final hidden (keep_all), else the last forward's."""
+        chunks = []
+        for lo in range(0, tok.shape[0], PROMPT_CHUNK):
+            chunk = tok[lo:lo + PROMPT_CHUNK]
+            h = self.executor.forward(self.model, self.state, chunk, self.n_past)
+            self.n_past += chunk.shape[0]
+            if keep_all:
+                chunks.append(h)
+        self.hidden = h if not keep_all else torch.cat(chunks) if len(chunks) > 1 else chunks[0]
+
     def truncate(self, n: int) -> None:
         """Keep the first n tokens; everything after them is forgotten."""
         if not 0 <= n <= self.n_past:
             raise ValueError(f"cannot truncate {self.n_past} tokens to {n}")
         self.model.truncate_state(self.state, n)
         self.n_past = n
+
+
+def eval_batch(sessions: Sequence[Session], token_lists: Sequence[Sequence[int] | torch.Tensor],
+               logits: Literal["all", "last", "none"] = "all") -> list[torch.Tensor | None]:
+    """Session.eval for several sessions of one model in shared steps: session i's tokens run after
+    its n_past tokens, and its logits ([n_i, n_vocab], [1, n_vocab] or None as `logits` says) are
+    entry i of the list. Bit for bit what each session's own eval would return: sessions whose
+    tokens fit a decode / verify step share forwards of up to ROWWISE_MAX rows (every matrix read
+    once for all of them, runtime/batch.py), one with more (a prompt) runs its own, and the output
+    head runs once over every session's rows. Sessions roll back as before (Session.truncate)."""
+    if len(sessions) != len(token_lists):
+        raise ValueError(f"{len(sessions)} sessions, {len(token_lists)} token lists")
+    if not sessions:
+        return []
+    model = sessions[0].model
+    if any(s.model is not model for s in sessions):
+        raise ValueError("sessions of different models cannot share a step")
+    if len({id(s) for s in sessions}) != len(sessions):
+        raise ValueError("a session appears twice in one step")
+    refusal = model.batch_refusal()
+    if refusal is not None:
+        raise UserError(f"cannot batch sequences: {refusal}")
+    toks = [_token_row(t) for t in token_lists]
+    for s, tok in zip(sessions, toks):
+        s._check_fits(s.n_past, tok.shape[0])
+    for group in pack_rows([tok.shape[0] for tok in toks]):
+        if len(group) == 1:
+            s = sessions[group[0]]
+            s._advance(toks[group[0]], logits == "all")
+            continue
+        batch = StepBatch(tuple(BatchSeq(sessions[i].state, sessions[i].n_past, toks[i].shape[0]) for i in group))
+        h = sessions[group[0]].executor.forward_batch(model, batch, torch.cat([toks[i] for i in group]))
+        for i, rows in zip(group, batch.rows):
+            sessions[i].hidden = h[rows]
+            sessions[i].n_past += toks[i].shape[0]
+    if logits == "none":
+        return [None] * len(sessions)
+    rows = [s.hidden if logits == "all" else s.hidden[-1:] for s in sessions]
+    return list(model.logits(torch.cat(rows)).split([r.shape[0] for r in rows]))
+
+
+def _token_row(tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
 
 
 def _check_against_plan(options, n_ctx: int, cache_type: str, k_max: int) -> None:

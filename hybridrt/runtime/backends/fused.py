@@ -133,6 +133,32 @@ class FusedAttentionBlock:
                                           *self.kernel_args(views, pos_list[0]))
         return torch.from_numpy(out)
 
+    def batched(self, h: torch.Tensor, batch) -> torch.Tensor:
+        """__call__ over a batch of several sequences (runtime.batch.StepBatch, at most ROWWISE_MAX
+        rows): attention_block's own three steps, the projections (q, k, v; the output) once over all
+        rows and the rest sequence by sequence on its cache. Each step is the same code the one call
+        runs, and the projections' bits do not depend on the other rows, so every row comes out as
+        it would alone. Sequences whose caches the kernels cannot read (bf16) take `block`'s batched
+        path, as they would alone; a batch mixing both is refused (it would need both paths)."""
+        views = [self._views(seq.state, seq.n) for seq in batch.seqs]
+        if all(v is None for v in views):
+            return self.block.batched(h, batch)
+        if any(v is None for v in views):
+            raise ValueError("a batch mixes KV caches the fused attention reads with ones it does not (bf16)")
+        s, n_threads, x = self.attn.spec, numba.get_num_threads(), _rows_f32(h)
+        qkv = layer_fused.attention_qkv(x, n_threads, *self.kernel_types, self.norm, s.eps, *self.weights[:12],
+                                        s.n_head, s.n_kv, s.head_dim, s.head_dim_v, s.gated)
+        q = np.empty((x.shape[0], s.n_head * s.head_dim), np.float32)
+        o = np.empty((x.shape[0], s.n_head * s.head_dim_v), np.float32)
+        for seq, rows, (k_cache, v_cache, cos, sin) in zip(batch.seqs, batch.rows, views):
+            layer_fused.attention_rows(n_threads, qkv[rows], q[rows], o[rows], self.q_norm, self.k_norm, s.qk_norm,
+                                       s.gated, s.eps, cos, sin, s.rope.n_rot, s.rope.neox, k_cache, v_cache, seq.start,
+                                       s.n_head, s.n_kv, s.head_dim, s.head_dim_v, s.scale, s.window, s.first_pos)
+        out = layer_fused.attention_out(x, qkv, o, n_threads, *self.kernel_types, self.post_norm,
+                                        self.block.post_norm is not None, s.eps, *self.wo, s.gated, s.n_head,
+                                        s.head_dim, s.head_dim_v)
+        return torch.from_numpy(out)
+
     def kernel_args(self, views: tuple, start: int) -> tuple:
         """layer_fused.attention_block's arguments after float_path, for tokens from `start` on."""
         s = self.attn.spec
