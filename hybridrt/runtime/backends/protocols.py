@@ -68,6 +68,9 @@ class AttentionHalf(Protocol):
 
     def __call__(self, h: torch.Tensor, state, pos_list: list[int]) -> torch.Tensor: ...
 
+    def batched(self, h: torch.Tensor, batch) -> torch.Tensor:
+        """__call__ over several sequences' rows (runtime.batch.StepBatch), each on its own cache."""
+
     def write_kv(self, h: torch.Tensor, state, pos_list: list[int]) -> None: ...
 
 
