@@ -74,7 +74,12 @@ def serve(
     parallel: int = PARALLEL,
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for a session; more get 503."),
     threads: Optional[int] = typer.Option(None, "-t", "--threads", show_default=False,
-                                          help="CPU threads per session (default: the cores shared out over --parallel)."),
+                                          help="CPU threads of the shared steps, and of each session's own work "
+                                               "(default: all cores with continuous batching, else the cores shared "
+                                               "out over --parallel)."),
+    cont_batching: bool = typer.Option(True, "-cb/-nocb", "--cont-batching/--no-cont-batching",
+                                       help="Run the sessions' decoding steps as one forward (each weight read once "
+                                            "for all of them), as llama-server; not with a plan or a qwen35 model."),
     drafts: SpecFlags = GROUP,
     # run's placement and numerics flags, but no --trace: a trace keeps every step in memory (and a
     # CUDA event pair per device span) until the end of a run writes it; a server has no such end
@@ -91,6 +96,7 @@ def serve(
     from ..files.registry import KNOWN_MODELS, resolve_model
     from ..decoding.sampling import SamplerConfig
     from ..server import ServeConfig, SessionPool, create_app
+    from ..server.pool import shares_steps
     from ..server.metrics import Metrics
     from ..server.schemas import ModelCard
     from ..decoding.speculative.sources import build_source
@@ -112,12 +118,15 @@ def serve(
     announce_and_compile(path)
     import numba
 
-    if threads is None:     # sessions decode at once: one pool of all cores each would oversubscribe
-        threads = max(1, numba.config.NUMBA_NUM_THREADS // parallel)
     # a fixed count (no thread governor): the sessions' worker threads share the model's executor,
     # and Numba's count is per launching thread. As `run` loads it, with a plan for all the sessions
-    m = load.load(path, device, threads, ctx_size, kv, drafts.spec_type, drafts.draft_n_max, drafts.model_draft,
-                  mtp_head, n_seq=parallel)
+    m = load.load(path, device, threads or numba.config.NUMBA_NUM_THREADS, ctx_size, kv, drafts.spec_type,
+                  drafts.draft_n_max, drafts.model_draft, mtp_head, n_seq=parallel)
+    if threads is None:
+        # shared steps run on one thread, which takes every core; sessions that decode at once
+        # would oversubscribe with a pool of all cores each
+        shared = shares_steps(m, parallel, cont_batching)
+        threads = numba.config.NUMBA_NUM_THREADS if shared else max(1, numba.config.NUMBA_NUM_THREADS // parallel)
     planned = m.plan.options if m.plan is not None else None
     n_ctx = context_size(ctx_size, m.n_ctx_train, planned.n_ctx if planned else None)
     spec_type = drafts.source_type(m, planned.spec_type if planned else None)
@@ -125,7 +134,7 @@ def serve(
     draft_model = load_draft_model(m, drafts.model_draft) if drafts.model_draft else None
     cfg = ServeConfig(n_ctx=n_ctx, cache_type=cache_type, spec_type=spec_type, spec=spec, ngram_n=drafts.ngram_n,
                       draft_vocab=drafts.draft_vocab,
-                      n_parallel=parallel, max_queue=max_queue, threads=threads)
+                      n_parallel=parallel, max_queue=max_queue, threads=threads, cont_batching=cont_batching)
     metrics = Metrics(parallel)
     policies = None
     if warmup:
@@ -143,6 +152,7 @@ def serve(
     served = model if model in KNOWN_MODELS else Path(path).stem
     card = ModelCard(id=served, n_ctx=n_ctx, created=int(time.time()))
     print(f"hybridrt serve: {served} on http://{host}:{port}/v1 · {parallel} session(s) x {n_ctx} tokens, "
-          f"KV {cache_type}, spec {spec_type}" + (f" (n_max {spec.n_max})" if spec_type != "none" else ""),
+          f"KV {cache_type}, spec {spec_type}" + (f" (n_max {spec.n_max})" if spec_type != "none" else "")
+          + (", continuous batching" if pool.batcher is not None else ""),
           file=sys.stderr, flush=True)
     uvicorn.run(create_app(m, pool, card, metrics), host=host, port=port, log_level=log_level)

@@ -47,6 +47,9 @@ class Session:
         self.state = model.new_state(n_ctx, cache_type, k_max)
         self.n_past = 0
         self.hidden: torch.Tensor | None = None     # final-normed hidden states of the last eval
+        # set while the session's generation shares steps with other sessions (runtime/step_batcher.py):
+        # its evals go there, to run in one forward with theirs
+        self.stepper = None
 
     def eval(self, tokens: Sequence[int] | torch.Tensor, start_pos: int | None = None,
              logits: Literal["all", "last", "none"] = "all",
@@ -55,13 +58,9 @@ class Session:
         what the session holds, and a smaller one first truncates. Returns float32 logits
         [n, n_vocab] ("all"), [1, n_vocab] ("last") or None; `out` is an optional buffer to write
         them into (decoding loops reuse one sized for k_max)."""
-        tok = _token_row(tokens)
-        start = self.n_past if start_pos is None else start_pos
-        if start > self.n_past:
-            raise ValueError(f"start_pos {start} is past the {self.n_past} tokens in the session")
-        self._check_fits(start, tok.shape[0])
-        if start < self.n_past:
-            self.truncate(start)
+        tok = self.rewind_for(tokens, start_pos)
+        if self.stepper is not None:
+            return self.stepper.eval(self, tok, logits, out)
         self._advance(tok, logits == "all")
         if logits == "none":
             return None
@@ -69,6 +68,18 @@ class Session:
         if out is not None:
             out = out[:rows.shape[0]]
         return self.model.logits(rows, out=out)
+
+    def rewind_for(self, tokens: Sequence[int] | torch.Tensor, start_pos: int | None) -> torch.Tensor:
+        """eval's first half: the tokens as a row, checked to fit after start_pos (default: the
+        end), the session truncated to start_pos. They are then to run after n_past."""
+        tok = _token_row(tokens)
+        start = self.n_past if start_pos is None else start_pos
+        if start > self.n_past:
+            raise ValueError(f"start_pos {start} is past the {self.n_past} tokens in the session")
+        self._check_fits(start, tok.shape[0])
+        if start < self.n_past:
+            self.truncate(start)
+        return tok
 
     def _check_fits(self, start: int, n: int) -> None:
         if start + n > self.n_ctx:

@@ -7,8 +7,13 @@ arrival order by whichever session frees up first, and no more than N ever decod
 decoding runs in those threads (the quantized kernels and torch release the GIL), so the event
 loop only moves text.
 
-With a plan (--vram, --device cuda) the sessions take turns instead, one decoding step at a time
-(`Turns`): a placed model's steps share buffers that no two may write at once.
+Continuous batching (the default for attention-only models without a plan): the sessions' evals
+go to one `StepBatcher` thread, which runs those waiting as one forward (every weight read once
+for all of them) and hands each its logits; each session still runs its own generation loop
+(sampler, drafts, grammar, stop strings) on its worker thread. With a plan (--vram, --device cuda)
+the sessions take turns instead, one decoding step at a time (`Turns`): a placed model's steps
+share buffers that no two may write at once. Otherwise (qwen35's recurrent state, --no-cont-batching)
+they decode side by side, each its own forwards.
 
 A request's tokens go back to its handler through `Job`: the worker pushes events onto an asyncio
 queue via `loop.call_soon_threadsafe`. A client that goes away sets `Job.cancelled`, and the
@@ -31,6 +36,7 @@ from ..decoding.constraint import Constraint
 from ..decoding.generate import GenerationStats, generate, prefill
 from ..models.base import Model
 from ..runtime.session import Session
+from ..runtime.step_batcher import StepBatcher
 from ..decoding.speculative.loop import SpecConfig
 from ..decoding.speculative.sources import build_source
 from .errors import bad_request, internal, queue_full
@@ -51,7 +57,15 @@ class ServeConfig:
     draft_vocab: int = 0         # draft-mtp's reduced vocabulary (build_source; 0: the whole)
     n_parallel: int = 1
     max_queue: int = 64          # requests waiting for a session; one more is answered 503
-    threads: int | None = None   # Numba threads per session (None: Numba's default)
+    threads: int | None = None   # Numba threads per session, and of the shared steps (None: Numba's default)
+    cont_batching: bool = True   # sessions' steps run as one forward (runtime/step_batcher.py) where the model can
+
+
+def shares_steps(model: Model, n_parallel: int, cont_batching: bool = True) -> bool:
+    """Whether a pool's sessions run their steps as shared forwards (continuous batching): asked
+    for, more than one session, no plan (a placed model's sessions take turns) and a model whose
+    forward takes several sequences (not yet one with per-sequence recurrent state)."""
+    return cont_batching and n_parallel > 1 and model.plan is None and model.batch_refusal() is None
 
 
 class Turns:
@@ -133,6 +147,9 @@ class SessionPool:
             raise UserError(f"{cfg.n_parallel} sessions need more than the plan reserved "
                             f"({model.plan.options.n_seq}): plan with --parallel {cfg.n_parallel}")
         self.turns = Turns() if model.plan is not None else None
+        # continuous batching: the sessions' evals share forwards, every weight read once for all of
+        # them; not for a plan (its steps take turns) or a model with per-sequence recurrent state
+        self.batcher = StepBatcher(model, cfg.threads) if shares_steps(model, cfg.n_parallel, cfg.cont_batching) else None
         k_max = cfg.spec.k_max if cfg.spec_type != "none" else 1     # as `run`: no ring without drafts
         self.sessions = [model.session(cfg.n_ctx, cfg.cache_type, k_max=k_max) for _ in range(cfg.n_parallel)]
         self._queue: queue.Queue[Job | None] = queue.Queue()
@@ -178,6 +195,8 @@ class SessionPool:
             self._queue.put(None)
         for t in self._threads:
             t.join(timeout)
+        if self.batcher is not None:
+            self.batcher.stop()
 
     # ------------------------------------------------------------------ state
     @property
@@ -216,7 +235,8 @@ class SessionPool:
                 self._running.add(job)
             event: tuple[str, object]
             try:
-                with self.turns.turn() if self.turns is not None else contextlib.nullcontext():
+                with self.turns.turn() if self.turns is not None else \
+                        self.batcher.member(session) if self.batcher is not None else contextlib.nullcontext():
                     event = ("done", self._run(session, job))
             except UserError as e:
                 event = ("error", bad_request(str(e)))

@@ -1,0 +1,196 @@
+"""Shared steps for sessions decoding on their own threads (issue 57): each session's `eval` is
+handed to one batcher thread, which runs the evals that are waiting together (`eval_batch`: every
+weight read once for all of them) and hands each session its logits back.
+
+Why threads that wait rather than a scheduler that owns every generation: a generation is a loop
+with its own state (the sampler, the draft source and its adaptive length, the grammar, the stop
+strings, the rollback after a verify), and `generate` already is that loop. Each session keeps
+running it on its worker thread; only the forward is shared. A step starts when every session
+inside a generation has an eval waiting, or when the first one has waited `GATHER_S` (a session
+busy sampling, drafting or between requests does not hold the others up for long).
+
+Exactness: `eval_batch` gives each session the bits its own `eval` would (runtime/batch.py), and
+evals reach it at the same sizes `eval` would run them: a prompt in the PROMPT_CHUNK chunks
+`Session.eval` cuts it into. A prompt chunk runs alone (more than ROWWISE_MAX rows take the prompt
+path), at most one per step, so a long prompt delays the others' decoding by one chunk at a time.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from gpu_kernels.attention import ROWWISE_MAX
+from placement.constants import PROMPT_CHUNK
+
+from .session import Session, eval_batch
+
+GATHER_S = 0.002        # how long the first waiting eval waits for the other sessions' evals
+
+
+@dataclass
+class _Eval:
+    """One session's eval waiting for a step: the tokens still to run, and what comes back."""
+    session: Session
+    tokens: torch.Tensor
+    logits: Literal["all", "last", "none"]
+    since: float
+    done: threading.Event = field(default_factory=threading.Event)
+    rows: list[torch.Tensor] = field(default_factory=list)       # logits of the chunks run so far
+    error: BaseException | None = None
+
+    def next_chunk(self) -> torch.Tensor:
+        return self.tokens[:PROMPT_CHUNK]
+
+
+class StepBatcher:
+    """Runs the evals of several sessions of one model in shared steps, on its own thread.
+
+    A session takes part while inside `member(session)`; its `Session.eval` calls come here
+    (`Session.stepper`). `evals`, `steps` and `rows` count what came and what ran (metrics, tests):
+    evals over steps is how many sessions a step served on average."""
+
+    def __init__(self, model, threads: int | None = None):
+        """threads: the Numba threads the shared forwards run on (None: Numba's default)."""
+        refusal = model.batch_refusal()
+        if refusal is not None:
+            raise ValueError(f"cannot batch sequences: {refusal}")
+        self.model, self.threads = model, threads
+        self._cond = threading.Condition()
+        self._members: set[int] = set()                 # id(session) of sessions inside a generation
+        self._waiting: dict[int, _Eval] = {}
+        self._stopped = False
+        self.evals = 0
+        self.steps = 0
+        self.rows = 0
+        self._thread = threading.Thread(target=self._run, name="hybridrt-step-batcher", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ sessions' side
+    def member(self, session: Session):
+        return _Membership(self, session)
+
+    def eval(self, session: Session, tok: torch.Tensor, logits: Literal["all", "last", "none"],
+             out: torch.Tensor | None) -> torch.Tensor | None:
+        """Session.eval's second half (the session already rewound: `tok` runs after its n_past),
+        the forward shared with the other members' evals."""
+        job = _Eval(session, tok, logits, time.perf_counter())
+        with self._cond:
+            if self._stopped:
+                raise RuntimeError("the step batcher has stopped")
+            self._waiting[id(session)] = job
+            self.evals += 1
+            self._cond.notify_all()
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        if logits == "none":
+            return None
+        rows = torch.cat(job.rows) if len(job.rows) > 1 else job.rows[0]
+        if logits == "last":
+            rows = rows[-1:]
+        return rows if out is None else out[:rows.shape[0]].copy_(rows)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        self._thread.join(5.0)
+
+    # ------------------------------------------------------------------ the batcher's thread
+    def _ready(self) -> bool:
+        if not self._waiting:
+            return False
+        if len(self._waiting) >= len(self._members):
+            return True
+        oldest = min(j.since for j in self._waiting.values())
+        return time.perf_counter() - oldest >= GATHER_S
+
+    def _run(self) -> None:
+        if self.threads:
+            import numba
+
+            numba.set_num_threads(self.threads)     # per launching thread: this one runs every forward
+        while True:
+            with self._cond:
+                while not self._stopped and not self._ready():
+                    self._cond.wait(GATHER_S / 2 if self._waiting else None)
+                if self._stopped:
+                    for job in self._waiting.values():
+                        job.error = RuntimeError("the step batcher has stopped")
+                        job.done.set()
+                    return
+                jobs = self._take()
+            self._step(jobs)
+
+    def _take(self) -> list[_Eval]:
+        """The evals of this step: every decode / verify eval waiting, and at most one prompt chunk
+        (the one waiting longest)."""
+        small = [j for j in self._waiting.values() if j.tokens.shape[0] <= ROWWISE_MAX]
+        large = sorted((j for j in self._waiting.values() if j.tokens.shape[0] > ROWWISE_MAX), key=lambda j: j.since)
+        return small + large[:1]
+
+    @staticmethod
+    def _mode(job: _Eval, chunk: torch.Tensor) -> str:
+        """The logits this chunk's rows need: all of them for "all"; for "last", none before the last
+        chunk, and of the last chunk all rows when it is a small one (it shares the verify steps'
+        forward; its last row is taken), else the last."""
+        if job.logits == "all":
+            return "all"
+        if job.logits == "none" or chunk.shape[0] < job.tokens.shape[0]:
+            return "none"
+        return "all" if chunk.shape[0] <= ROWWISE_MAX else "last"
+
+    def _step(self, jobs: list[_Eval]) -> None:
+        chunks = [j.next_chunk() for j in jobs]
+        # one eval_batch per kind of logits asked (in practice one: decode and verify steps ask
+        # "all"), and the prompt chunk in one of its own: the output head's rows take the path its
+        # row count picks, so decode rows never share a head call with a prompt chunk's rows
+        keys = [(self._mode(j, c), c.shape[0] > ROWWISE_MAX) for j, c in zip(jobs, chunks)]
+        try:
+            for key in sorted(set(keys)):
+                group = [i for i, k in enumerate(keys) if k == key]
+                out = eval_batch([jobs[i].session for i in group], [chunks[i] for i in group], key[0])
+                for i, rows in zip(group, out):
+                    if rows is not None:
+                        jobs[i].rows.append(rows)
+        except BaseException as e:      # noqa: BLE001 - every session of the step hears of it
+            for j in jobs:
+                j.error = e
+            self._finish(jobs, all_done=True)
+            return
+        self.steps += 1
+        self.rows += sum(c.shape[0] for c in chunks)
+        for j, c in zip(jobs, chunks):
+            j.tokens = j.tokens[c.shape[0]:]
+        self._finish(jobs)
+
+    def _finish(self, jobs: list[_Eval], all_done: bool = False) -> None:
+        with self._cond:
+            for j in jobs:
+                if all_done or j.tokens.shape[0] == 0:
+                    del self._waiting[id(j.session)]
+                    j.done.set()
+                else:
+                    j.since = time.perf_counter()      # its next chunk waits its turn again
+
+
+class _Membership:
+    def __init__(self, batcher: StepBatcher, session: Session):
+        self.batcher, self.session = batcher, session
+
+    def __enter__(self):
+        with self.batcher._cond:
+            self.batcher._members.add(id(self.session))
+        self.session.stepper = self.batcher
+        return self.session
+
+    def __exit__(self, *exc):
+        self.session.stepper = None
+        with self.batcher._cond:
+            self.batcher._members.discard(id(self.session))
+            self.batcher._cond.notify_all()
+        return False

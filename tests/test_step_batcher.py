@@ -1,0 +1,104 @@
+"""Shared steps across sessions (runtime/step_batcher.py, issue 57 items 2-3): sessions decoding on
+their own threads, their evals run together, each output equal to the same request alone: greedy,
+with and without n-gram drafts, different prompt lengths (a prompt longer than a chunk among them),
+different arrival times, and a generation cancelled mid-way."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from hybridrt.decoding.generate import generate
+from hybridrt.decoding.sampling import SamplerConfig
+from hybridrt.decoding.speculative.loop import SpecConfig
+from hybridrt.decoding.speculative.sources import build_source
+from hybridrt.runtime.loader import load_model
+from hybridrt.runtime.step_batcher import StepBatcher
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+GREEDY = SamplerConfig(temp=0.0)
+SPEC = SpecConfig(n_max=3)
+
+
+def _prompt(seed: int, n: int, vocab: int) -> list[int]:
+    # repeats inside, so n-gram lookup finds drafts
+    base = [(seed * 7919 + 13 * i) % (vocab - 10) + 5 for i in range(max(4, n // 3))]
+    return (base * 4)[:n]
+
+
+def _generate(model, ids, n, spec_type, session=None, on_token=None):
+    session = session or model.session(1024, k_max=SPEC.k_max)
+    source = build_source(spec_type, session, GREEDY, SPEC) if spec_type != "none" else None
+    out, _ = generate(model, session, ids, n, GREEDY, source, SPEC if source else None, stop_ids=set(),
+                      on_token=on_token)
+    return out
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3"])
+def test_shared_steps_equal_each_request_alone(fixture, request):
+    model = load_model(request.getfixturevalue(fixture))
+    cases = [  # (prompt length, tokens, draft source, arrival delay s)
+        (5, 24, "none", 0.0), (40, 16, "ngram-simple", 0.0), (700, 12, "none", 0.01),
+        (9, 30, "ngram-simple", 0.02), (17, 8, "none", 0.0), (3, 20, "ngram-simple", 0.05)]
+    prompts = [_prompt(i, n, model.n_vocab) for i, (n, *_rest) in enumerate(cases)]
+    alone = [_generate(model, p, n, spec) for p, (_, n, spec, _) in zip(prompts, cases)]
+
+    batcher = StepBatcher(model)
+    results: dict[int, list[int]] = {}
+    errors = []
+
+    def serve(i):
+        _, n, spec, delay = cases[i]
+        time.sleep(delay)
+        session = model.session(1024, k_max=SPEC.k_max)
+        try:
+            with batcher.member(session):
+                results[i] = _generate(model, prompts[i], n, spec, session)
+        except BaseException as e:      # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=serve, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    batcher.stop()
+    assert not errors, errors
+    assert [results[i] for i in range(len(cases))] == alone
+    assert batcher.steps < batcher.evals, "no step was shared"
+    assert batcher.rows >= sum(n for n, *_ in cases)
+
+
+def test_a_cancelled_generation_leaves_and_the_others_go_on(tiny_llama):
+    model = load_model(tiny_llama)
+    prompts = [_prompt(i, 6 + i, model.n_vocab) for i in range(3)]
+    alone = [_generate(model, p, 20, "ngram-simple") for p in prompts]
+    batcher = StepBatcher(model)
+    results, seen = {}, {}
+
+    def serve(i):
+        session = model.session(1024, k_max=SPEC.k_max)
+        seen[i] = 0
+
+        def on_token(token):
+            seen[i] += 1
+            return i == 1 and seen[i] >= 5          # request 1's client goes away after 5 tokens
+
+        with batcher.member(session):
+            results[i] = _generate(model, prompts[i], 20, "ngram-simple", session, on_token)
+
+    threads = [threading.Thread(target=serve, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    batcher.stop()
+    assert results[0] == alone[0] and results[2] == alone[2]
+    assert results[1] == alone[1][:len(results[1])] and len(results[1]) < 20
+    assert not batcher._members and not batcher._waiting
+
+
+def test_models_that_cannot_batch_are_refused(tiny_qwen35):
+    with pytest.raises(ValueError, match="cannot batch"):
+        StepBatcher(load_model(tiny_qwen35))
