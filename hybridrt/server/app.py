@@ -129,7 +129,8 @@ def create_app(model: Model, pool: SessionPool, card: ModelCard, metrics: Metric
                              "requests_waiting": pool.waiting})
 
     async def prometheus(request: Request) -> Response:
-        return PlainTextResponse(metrics.render(pool.in_use, pool.waiting),
+        b = pool.batcher
+        return PlainTextResponse(metrics.render(pool.in_use, pool.waiting, (b.evals, b.steps, b.rows) if b else None),
                                  media_type="text/plain; version=0.0.4")
 
     async def http_error(request: Request, exc: HTTPException) -> Response:

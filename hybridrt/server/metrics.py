@@ -45,7 +45,8 @@ class Metrics:
                 self.spec_drafted += sum(stats.spec.drafted)
                 self.spec_accepted += sum(stats.spec.accepted)
 
-    def render(self, in_use: int, waiting: int) -> str:
+    def render(self, in_use: int, waiting: int, batch: tuple[int, int, int] | None = None) -> str:
+        """batch: the step batcher's (evals, steps, rows) with continuous batching, else None."""
         with self._lock:
             rows = [
                 ("hybridrt_sessions", "gauge", "decoding sessions (--parallel)", self.n_sessions),
@@ -70,6 +71,11 @@ class Metrics:
                 ("hybridrt_spec_tokens_per_step", "gauge", "tokens produced per verify step since start",
                  (self.spec_accepted + self.spec_steps) / self.spec_steps if self.spec_steps else 0.0),
             ]
+            if batch is not None:
+                evals, steps, n_rows = batch
+                rows += [("hybridrt_batch_evals_total", "counter", "sessions' forward calls handed to shared steps", evals),
+                         ("hybridrt_batch_steps_total", "counter", "shared steps run", steps),
+                         ("hybridrt_batch_rows_total", "counter", "token rows the shared steps ran", n_rows)]
             requests = sorted(self.requests.items())
         lines = ["# HELP hybridrt_requests_total HTTP requests by endpoint and status",
                  "# TYPE hybridrt_requests_total counter"]
