@@ -169,20 +169,32 @@ def check_args(args: argparse.Namespace) -> Path:
         raise UserError(f"--spec-accept {args.spec_accept!r}: expected comma-separated rates") from None
     if not args.accept_list or not all(0.0 <= a <= 1.0 for a in args.accept_list):
         raise UserError(f"--spec-accept {args.spec_accept!r}: rates between 0 and 1")
-    path = resolve_model(args.model, auto_pull=False)
+    path = gguf_path(args.model)
+    check_oracle(args.no_llamacpp)
+    return path
+
+
+def gguf_path(model: str) -> Path:
+    """A known name's or a path's GGUF file, read far enough to know it is one (else UserError)."""
+    path = resolve_model(model, auto_pull=False)
     if not path.is_file():
         raise UserError(f"model file not found: {path}")
     try:
         GGUFFile(path)
     except GGUFError as exc:
         raise UserError(str(exc)) from None
-    if not args.no_llamacpp and not oracle_python().exists():
-        raise UserError(f"llama.cpp oracle venv missing ({oracle_python()}): run bash scripts/oracle_setup.sh, "
-                        f"or pass --no-llamacpp")
     return path
 
 
-def machine(args: argparse.Namespace, argv: list[str], path: Path) -> dict:
+def check_oracle(no_llamacpp: bool) -> None:
+    if not no_llamacpp and not oracle_python().exists():
+        raise UserError(f"llama.cpp oracle venv missing ({oracle_python()}): run bash scripts/oracle_setup.sh, "
+                        f"or pass --no-llamacpp")
+
+
+def host(with_llamacpp: bool) -> dict:
+    """The machine and checkout a benchmark ran on: CPU, cores, memory, date, load, commit, and the
+    oracle's llama-cpp-python version (None without it)."""
     cpu = "unknown"
     try:
         with open("/proc/cpuinfo") as fh:
@@ -192,12 +204,16 @@ def machine(args: argparse.Namespace, argv: list[str], path: Path) -> dict:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     git = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True)
     oracle = sorted(oracle_python().parents[1].glob("lib/python*/site-packages/llama_cpp_python-*.dist-info"))
-    return {"command": ["scripts/bench_mission.py", *argv], "cpu": cpu, "cores": os.cpu_count(),
-            "mem_gib": round(mem / 2**30, 1), "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-            "load_avg": os.getloadavg()[0], "commit": git.stdout.strip() or None, "model": str(path),
-            "file_bytes": path.stat().st_size, "threads": args.threads, "sections": args.section_list,
-            "llamacpp": None if args.no_llamacpp else
+    return {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": round(mem / 2**30, 1),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "load_avg": os.getloadavg()[0],
+            "commit": git.stdout.strip() or None,
+            "llamacpp": None if not with_llamacpp else
             (oracle[-1].name.removesuffix(".dist-info").replace("_", "-") if oracle else "llama-cpp-python")}
+
+
+def machine(args: argparse.Namespace, argv: list[str], path: Path) -> dict:
+    return {"command": ["scripts/bench_mission.py", *argv], **host(not args.no_llamacpp), "model": str(path),
+            "file_bytes": path.stat().st_size, "threads": args.threads, "sections": args.section_list}
 
 
 def summary(values: list[float], digits: int = 2) -> tuple[float, float]:
