@@ -350,7 +350,7 @@ def bench_model(args, path: Path) -> list[dict]:
                     got = runners[engine](n, args.n_predict)
                     rounds[engine, n].append(got)
                     tps = got["decode_tps"] if engine == "llama.cpp" else decode_tps(got)
-                    log(f"  N={n} rep {rep + 1}/{args.reps} {engine}: {tps:.1f} t/s")
+                    log(f"  N={n} rep {rep + 1}/{args.reps} {engine}: {tps:.1f} t/s (load {os.getloadavg()[0]:.2f})")
     finally:
         for close in reversed(closers):
             close()
