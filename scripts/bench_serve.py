@@ -8,8 +8,9 @@ batched decode of the same model and N sequences, in one run.
 MODEL: known names (smollm2-135m, gemma3-270m: the default is both) or GGUF paths. For each model:
   * `hybridrt serve -m MODEL -t T --parallel max(N) --spec-type none` starts on a free loopback
     port (and, with --spec, a second server with those flags instead of `--spec-type none`;
-    `--spec` alone is `--spec-type ngram-simple`); the bench waits for /health. -t is serve's
-    threads per session: today each session decodes on its own worker thread with T threads.
+    `--spec` alone is `--spec-type ngram-simple`); the bench waits for /health. -t is serve's:
+    the threads of the shared steps (continuous batching, serve's default) and of each session's
+    own work; with serve's -nocb (--serve-args -nocb) each session decodes alone with T threads.
   * llama.cpp: scripts/bench_llamacpp_batched.py in the oracle venv (scripts/oracle_setup.sh
     builds it), the model loaded once with max(N) sequences and T threads: per request, the N
     prompts in one llama_decode, then one llama_decode per step for all N sequences.
@@ -280,7 +281,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     ap.add_argument("models", nargs="*", default=list(DEFAULT_MODELS), metavar="MODEL",
                     help=f"known names or GGUF paths (default: {' '.join(DEFAULT_MODELS)})")
-    ap.add_argument("-t", "--threads", type=int, default=2, help="serve's -t (per session) and llama.cpp's threads")
+    ap.add_argument("-t", "--threads", type=int, default=2, help="serve's -t and llama.cpp's threads")
     ap.add_argument("-npl", "--streams", dest="n_list", default="1,2,4,8",
                     help="concurrent streams N, comma-separated (llama-batched-bench's -npl)")
     ap.add_argument("-n", "--n-predict", type=int, default=64, help="tokens of every stream (>= 2)")
