@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -56,15 +56,21 @@ def llguidance():
 class Grammar:
     """What a constraint accepts: kind "json_schema" (a schema's JSON text), "regex" (Rust regex
     syntax, matched against the whole output) or "grammar" (Lark as llguidance reads it, or
-    llama.cpp's GBNF, which llguidance converts)."""
+    llama.cpp's GBNF, which llguidance converts). `source`: what errors name it by (run's flag by
+    default; the server's request field)."""
     kind: str
     text: str
+    source: str = field(default="", compare=False)
+
+    @property
+    def label(self) -> str:
+        return self.source or KINDS[self.kind]
 
     @functools.cached_property
     def compiled(self) -> str:
-        """llguidance's grammar; a UserError naming the flag when it is not valid."""
+        """llguidance's grammar; a UserError naming its source when it is not valid."""
         ll = llguidance()
-        flag = KINDS[self.kind]
+        flag = self.label
         try:
             if self.kind == "json_schema":
                 grammar = ll.LLMatcher.grammar_from_json_schema(self.text, defaults=JSON_OPTIONS)
@@ -82,18 +88,20 @@ def one_line(message: str) -> str:
     return " ".join(message.split())
 
 
-def compile_grammar(kind: str, text: str) -> Grammar:
-    """A Grammar of `kind` (a key of KINDS) checked and compiled: a UserError naming its flag for a
-    schema that is not a JSON object, a regex or grammar that does not parse, an unsatisfiable schema."""
+def compile_grammar(kind: str, text: str, source: str = "") -> Grammar:
+    """A Grammar of `kind` (a key of KINDS) checked and compiled: a UserError naming `source` (by
+    default run's flag) for a schema that is not a JSON object, a regex or grammar that does not
+    parse, an unsatisfiable schema."""
+    label = source or KINDS[kind]
     if kind == "json_schema":
         try:
             schema = json.loads(text)
         except json.JSONDecodeError as e:
-            raise UserError(f"--json-schema: not JSON ({e})") from None
+            raise UserError(f"{label}: not JSON ({e})") from None
         if not isinstance(schema, dict):
-            raise UserError(f"--json-schema: a schema is a JSON object, got {type(schema).__name__}")
+            raise UserError(f"{label}: a schema is a JSON object, got {type(schema).__name__}")
         text = json.dumps(generation_schema(schema), ensure_ascii=False)
-    grammar = Grammar(kind, text)
+    grammar = Grammar(kind, text, source)
     grammar.compiled
     return grammar
 
@@ -180,7 +188,7 @@ class Constraint:
         self.matcher = ll.LLMatcher(ll_tokenizer(tokenizer, n_vocab), grammar.compiled, log_level=0,
                                     limits=ll.LLParserLimits(verbose_errors=False))
         if self.matcher.is_error():
-            raise UserError(f"{KINDS[grammar.kind]}: {one_line(self.matcher.get_error())}")
+            raise UserError(f"{grammar.label}: {one_line(self.matcher.get_error())}")
         self.tokens: list[int] = []         # consumed, in order
         self.complete: list[bool] = []      # complete[j]: only EOS may follow tokens[:j + 1]
         # depth -> the mask as a logits bias [n_vocab] (float32: 0 allowed, -inf forbidden). Added

@@ -249,11 +249,9 @@ def _structured(body: dict, tools: bool) -> tuple[Grammar | None, dict | None]:
 
 def _compile(field: str, kind: str, text: str) -> Grammar:
     try:
-        return compile_grammar(kind, text)
+        return compile_grammar(kind, text, source=f"'{field}'")
     except UserError as e:
-        # compile_grammar names run's flag ("--json-schema: ..."); a client reads its field
-        reason = str(e).split(": ", 1)[1] if str(e).startswith("--") else str(e)
-        raise bad_request(f"'{field}': {reason}", field) from None
+        raise bad_request(str(e), field) from None
 
 
 def _tools(body: dict, model: Model) -> ToolRequest | None:
@@ -276,13 +274,14 @@ def _tools(body: dict, model: Model) -> ToolRequest | None:
         if not isinstance(params, dict):
             raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object", f"tools[{i}]")
         parsed.append(Tool(name, str(fn.get("description") or ""), params))
-    if len({t.name for t in parsed}) != len(parsed):
+    names = {t.name for t in parsed}
+    if len(names) != len(parsed):
         raise bad_request("'tools' has two functions of the same name", "tools")
     if choice in (None, "auto", "required", "none"):
         choice = choice or "auto"
     elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
         choice = choice["function"].get("name")
-        if choice not in {t.name for t in parsed}:
+        if choice not in names:
             raise bad_request(f"'tool_choice' names {choice!r}, which is not in 'tools'", "tool_choice")
     else:
         raise bad_request("'tool_choice' must be 'none', 'auto', 'required' or {type: function, function: {name}}",

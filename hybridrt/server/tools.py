@@ -197,11 +197,11 @@ def tool_grammar(req: ToolRequest, marker, response_schema: dict | None = None) 
     else:
         body = "(" + " | ".join(f"fn_{i}" for i in range(len(tools))) + ")"
         rules = [_xml_function_rule(i, t) for i, t in enumerate(tools)]
+        rules.append('xml_text[stop="\\n</parameter>"]: /(.|\\n)*/')    # a string value, up to its closing tag
     call = f'{marker(req.format.open)} "\\n" {body} "\\n" {marker(req.format.close)}'
     calls = 'call ("\\n" call)*' if req.parallel else "call"
     start = calls if req.forced else f"%json {_schema(response_schema)} | {calls}"
-    lines = [f"start: {start}", f"call: {call}", *rules,
-             'xml_text[stop="\\n</parameter>"]: /(.|\\n)*/']
+    lines = [f"start: {start}", f"call: {call}", *rules]
     return "grammar", "\n".join(lines) + "\n"
 
 
@@ -332,7 +332,6 @@ class ReplySplitter:
         self.req = req
         self.held = ""           # text not yet passed on
         self.calling = req.format.name == "generic"
-        self.passed = ""         # content passed on so far
 
     def push(self, text: str) -> str:
         self.held += text
@@ -356,7 +355,6 @@ class ReplySplitter:
 
     def _pass(self, n: int) -> str:
         out, self.held = self.held[:n], self.held[n:]
-        self.passed += out
         return out
 
     def finish(self) -> tuple[str, list[ToolCall]]:
