@@ -24,17 +24,22 @@ def test_defaults():
     assert args.section_list == ["tk", "spec"] and args.threads == 1 and args.spec_n == "1,4"
 
 
-def error_exit(capsys, argv: list[str]) -> str:
-    """main(argv) exits 2 with one `error: ...` line on stderr and nothing on stdout; that line."""
+def script_error(capsys, main, argv: list[str], alone: bool = True) -> str:
+    """A bench script's main(argv) exits 2 with nothing on stdout and an `error: ...` line as the
+    last line on stderr (alone: the only one); that line."""
     try:
-        code = bench_mission.main(argv)
+        code = main(argv)
     except SystemExit as exc:       # argparse's usage errors
         code = exc.code
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0]
+    assert (len(lines) == 1 or not alone) and lines[-1].startswith("error: "), err
+    return lines[-1]
+
+
+def error_exit(capsys, argv: list[str]) -> str:
+    return script_error(capsys, bench_mission.main, argv)
 
 
 def test_bad_input_exits_2(capsys, tmp_path, tiny_qwen35_mtp):

@@ -12,6 +12,7 @@ import pytest
 
 import bench_serve  # scripts/ is on sys.path (conftest)
 from real_models import SMOLLM2, require
+from test_bench_mission import script_error
 
 
 def stream(sent: float, chunks: list[float], n: int) -> bench_serve.Stream:
@@ -55,15 +56,7 @@ def test_prompts_are_distinct():
 
 def error_exit(capsys, argv: list[str]) -> str:
     """main(argv) exits 2, nothing on stdout, its last stderr line an `error: ...` line; that line."""
-    try:
-        code = bench_serve.main(argv)
-    except SystemExit as exc:       # argparse's usage errors
-        code = exc.code
-    out, err = capsys.readouterr()
-    assert code == 2 and out == ""
-    last = err.strip().splitlines()[-1]
-    assert last.startswith("error: "), err
-    return last
+    return script_error(capsys, bench_serve.main, argv, alone=False)
 
 
 def test_bad_input_exits_2(capsys, tmp_path):
