@@ -100,6 +100,7 @@ def serve(
     from ..server.metrics import Metrics
     from ..server.schemas import ModelCard
     from ..decoding.speculative.sources import build_source
+    from ..runtime.kernel_threads import on_own_thread
     from ..runtime.warmup import announce_and_compile, compile_notice, warm_up
 
     if parallel < 1 or max_queue < 0:
@@ -142,13 +143,19 @@ def serve(
         # a trained head's quant types, each verify size); before the pool's sessions are made, as
         # `run`'s before its own (a plan's VRAM holds them). Also a bad speculation setup is a
         # start-up error here, not a failure of every request.
+        # On a thread of its own that then exits: the steps launch their kernels from another thread,
+        # and a second launching thread's kernel pool, left alive, would slow every step of theirs
+        # (runtime/kernel_threads.py). At the steps' thread count, which its verify timings are for.
+        def warm() -> dict | None:
+            numba.set_num_threads(threads)
+            return warm_up(m, spec_type, spec, SamplerConfig(temp=0.0), cache_type, draft_model, drafts.ngram_n,
+                           draft_vocab=drafts.draft_vocab)
         with compile_notice():
-            policies = warm_up(m, spec_type, spec, SamplerConfig(temp=0.0), cache_type, draft_model, drafts.ngram_n,
-                               draft_vocab=drafts.draft_vocab)
+            policies = on_own_thread(warm)
     pool = SessionPool(m, cfg, metrics, draft_model, policies=policies)
     if not warmup:
-        build_source(spec_type, pool.sessions[0], SamplerConfig(), spec, draft_model, ngram_n_max=drafts.ngram_n,
-                     cache_type=cache_type, draft_vocab=drafts.draft_vocab)
+        on_own_thread(build_source, spec_type, pool.sessions[0], SamplerConfig(), spec, draft_model,
+                      ngram_n_max=drafts.ngram_n, cache_type=cache_type, draft_vocab=drafts.draft_vocab)
     served = model if model in KNOWN_MODELS else Path(path).stem
     card = ModelCard(id=served, n_ctx=n_ctx, created=int(time.time()))
     print(f"hybridrt serve: {served} on http://{host}:{port}/v1 · {parallel} session(s) x {n_ctx} tokens, "

@@ -57,7 +57,8 @@ class ServeConfig:
     draft_vocab: int = 0         # draft-mtp's reduced vocabulary (build_source; 0: the whole)
     n_parallel: int = 1
     max_queue: int = 64          # requests waiting for a session; one more is answered 503
-    threads: int | None = None   # Numba threads per session, and of the shared steps (None: Numba's default)
+    threads: int | None = None   # Numba threads of the shared steps, or of each session decoding alone (None: Numba's
+                                 # default); with shared steps a session's own kernels get threads // n_parallel
     cont_batching: bool = True   # sessions' steps run as one forward (runtime/step_batcher.py) where the model can
 
 
@@ -220,10 +221,16 @@ class SessionPool:
 
     # ------------------------------------------------------------------ workers
     def _work(self, session: Session) -> None:
-        if self.cfg.threads:
+        threads = self.cfg.threads
+        if threads and self.batcher is not None:
+            # the steps run on the batcher's thread at all `threads`; a worker's own kernels (a trained
+            # head's drafts) run beside the other workers', and a pool of every core per worker would
+            # stop libgomp's spinning for all of them (runtime/kernel_threads.py)
+            threads = max(1, threads // self.cfg.n_parallel)
+        if threads:
             import numba
 
-            numba.set_num_threads(self.cfg.threads)     # thread-local: the loader set only the main thread's
+            numba.set_num_threads(threads)     # thread-local: the loader set only the main thread's
         while True:
             job = self._queue.get()
             if job is None:
