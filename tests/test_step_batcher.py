@@ -102,3 +102,29 @@ def test_a_cancelled_generation_leaves_and_the_others_go_on(tiny_llama):
 def test_models_that_cannot_batch_are_refused(tiny_qwen35):
     with pytest.raises(ValueError, match="cannot batch"):
         StepBatcher(load_model(tiny_qwen35))
+
+
+def test_a_late_member_is_waited_for_half_a_step(tiny_llama):
+    """The gather window: at least GATHER_S, else half the last decode step's time, so a session a
+    little late still joins the step (step_batcher's docstring)."""
+    from hybridrt.runtime import step_batcher as sb
+
+    model = load_model(tiny_llama)
+    batcher = StepBatcher(model)
+    try:
+        early, late = model.session(64), model.session(64)
+        with batcher._cond:
+            batcher._members |= {id(early), id(late)}
+            batcher._step_s = 0.1
+            now = time.perf_counter()
+            batcher._waiting[id(early)] = sb._Eval(early, early.rewind_for([1], None), "all", now - 0.03)
+            assert not batcher._ready()             # 30 ms of a 50 ms window
+            batcher._waiting[id(early)].since = now - 0.06
+            assert batcher._ready()
+            batcher._step_s = 0.0                   # no step timed yet: GATHER_S
+            batcher._waiting[id(early)].since = time.perf_counter() - 2 * sb.GATHER_S
+            assert batcher._ready()
+            batcher._waiting.clear()
+            batcher._members.clear()
+    finally:
+        batcher.stop()

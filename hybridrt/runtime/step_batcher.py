@@ -6,8 +6,14 @@ Why threads that wait rather than a scheduler that owns every generation: a gene
 with its own state (the sampler, the draft source and its adaptive length, the grammar, the stop
 strings, the rollback after a verify), and `generate` already is that loop. Each session keeps
 running it on its worker thread; only the forward is shared. A step starts when every session
-inside a generation has an eval waiting, or when the first one has waited `GATHER_S` (a session
-busy sampling, drafting or between requests does not hold the others up for long).
+inside a generation has an eval waiting, or when the first one has waited half a decode step's time
+(`GATHER_FRACTION` of the last one, at least `GATHER_S`): a session busy sampling, drafting or
+streaming its token does not hold the others up for long, and one that comes back late still joins
+the step rather than running a step of its own after it, which would delay everyone's next one by
+more than the wait. In `serve` with 8 SmolLM2 streams on 2 cores the workers' own work between steps
+often took over 2 ms: a fixed 2 ms window ran ~45 % more steps than tokens asked for and decoded
+~220 t/s, half a step's window ~3 % more steps and ~260-280 t/s (BENCHMARKS.md, "Serving:
+concurrent streams").
 
 Exactness: `eval_batch` gives each session the bits its own `eval` would (runtime/batch.py), and
 evals reach it at the same sizes `eval` would run them: a prompt in the PROMPT_CHUNK chunks
@@ -28,7 +34,8 @@ from placement.constants import PROMPT_CHUNK
 
 from .session import Session, eval_batch
 
-GATHER_S = 0.002        # how long the first waiting eval waits for the other sessions' evals
+GATHER_S = 0.002        # the shortest wait of the first waiting eval for the other sessions' evals
+GATHER_FRACTION = 0.5   # ... and the usual one: this share of the last decode / verify step's time
 
 
 @dataclass
@@ -63,6 +70,7 @@ class StepBatcher:
         self._members: set[int] = set()                 # id(session) of sessions inside a generation
         self._waiting: dict[int, _Eval] = {}
         self._stopped = False
+        self._step_s = 0.0                              # the last step's time without a prompt chunk
         self.evals = 0
         self.steps = 0
         self.rows = 0
@@ -107,7 +115,7 @@ class StepBatcher:
         if len(self._waiting) >= len(self._members):
             return True
         oldest = min(j.since for j in self._waiting.values())
-        return time.perf_counter() - oldest >= GATHER_S
+        return time.perf_counter() - oldest >= max(GATHER_S, GATHER_FRACTION * self._step_s)
 
     def _run(self) -> None:
         if self.threads:
@@ -118,13 +126,17 @@ class StepBatcher:
             with self._cond:
                 while not self._stopped and not self._ready():
                     self._cond.wait(GATHER_S / 2 if self._waiting else None)
+                started = time.perf_counter()
                 if self._stopped:
                     for job in self._waiting.values():
                         job.error = RuntimeError("the step batcher has stopped")
                         job.done.set()
                     return
                 jobs = self._take()
+            decode = all(j.tokens.shape[0] <= ROWWISE_MAX for j in jobs)
             self._step(jobs)
+            if decode:
+                self._step_s = time.perf_counter() - started
 
     def _take(self) -> list[_Eval]:
         """The evals of this step: every decode / verify eval waiting, and at most one prompt chunk
