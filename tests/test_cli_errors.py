@@ -140,6 +140,7 @@ BAD_VALUES = [
     ("run --trace {tmp}/no/such/t.json", "no such directory"), ("run --trace {tmp}", "is a directory"),
     ("run -n abc", "Invalid value for '-n'"), ("run --no-such-flag 3", "No such option"),
     ("bench -p 0", "-p 0"), ("bench -r 0", "-r 0"), ("serve --log-level bogus", "--log-level bogus"),
+    ("serve --batch-tokens -1", "--batch-tokens >= 0"),
     ("plan -c 9999999", "training context"), ("plan --spec-draft-n-max 500", "--spec-draft-n-max"),
     ("run --spec-type ngram-simple,draft-mtp,draft-simple", "at most one"),
     ("plan --spec-type ngram-simple,bogus", "unknown --spec-type 'bogus'"),

@@ -35,8 +35,8 @@ def _generate(model, ids, n, spec_type, session=None, on_token=None):
     return out
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3"])
-def test_shared_steps_equal_each_request_alone(fixture, request):
+@pytest.mark.parametrize("fixture,max_tokens", [("tiny_llama", 0), ("tiny_qwen3", 0), ("tiny_llama", 6)])
+def test_shared_steps_equal_each_request_alone(fixture, max_tokens, request):
     model = load_model(request.getfixturevalue(fixture))
     cases = [  # (prompt length, tokens, draft source, arrival delay s)
         (5, 24, "none", 0.0), (40, 16, "ngram-simple", 0.0), (700, 12, "none", 0.01),
@@ -44,7 +44,7 @@ def test_shared_steps_equal_each_request_alone(fixture, request):
     prompts = [_prompt(i, n, model.n_vocab) for i, (n, *_rest) in enumerate(cases)]
     alone = [_generate(model, p, n, spec) for p, (_, n, spec, _) in zip(prompts, cases)]
 
-    batcher = StepBatcher(model)
+    batcher = StepBatcher(model, max_tokens=max_tokens)
     results: dict[int, list[int]] = {}
     errors = []
 
@@ -128,3 +128,33 @@ def test_a_late_member_is_waited_for_half_a_step(tiny_llama):
             batcher._members.clear()
     finally:
         batcher.stop()
+
+
+def test_batch_tokens_bound_a_step_oldest_first(tiny_llama):
+    """--batch-tokens: evals longest waiting first while their rows fit, at most one prompt chunk,
+    the oldest always (a 512-token chunk in a 6-token budget)."""
+    from hybridrt.runtime import step_batcher as sb
+
+    model = load_model(tiny_llama)
+    sessions = [model.session(1024) for _ in range(4)]
+    sizes = {0: 700, 1: 4, 2: 1, 3: 600}           # a prompt, a verify, a decode, another prompt
+
+    def take(max_tokens, ages):
+        batcher = StepBatcher(model, max_tokens=max_tokens)
+        try:
+            now = time.perf_counter()
+            with batcher._cond:
+                for i, age in ages.items():
+                    batcher._waiting[i] = sb._Eval(sessions[i], sessions[i].rewind_for(list(range(1, sizes[i] + 1)), None),
+                                                   "last", now - age)
+                return [next(i for i, s in enumerate(sessions) if s is j.session) for j in batcher._take()]
+        finally:
+            batcher._waiting.clear()
+            batcher.stop()
+
+    ages = {0: 3.0, 1: 2.0, 2: 1.0, 3: 4.0}
+    assert take(0, ages) == [3, 1, 2]             # one chunk (the older prompt's), every small eval
+    assert take(6, ages) == [3]                   # the oldest runs alone when nothing else fits
+    assert take(517, ages) == [3, 1, 2]           # 512 + 4 + 1
+    assert take(515, ages) == [3, 2]              # the verify waits, the decode still fits
+    assert take(5, {1: 2.0, 2: 1.0, 0: 0.5}) == [1, 2]

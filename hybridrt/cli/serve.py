@@ -80,6 +80,9 @@ def serve(
     cont_batching: bool = typer.Option(True, "-cb/-nocb", "--cont-batching/--no-cont-batching",
                                        help="Run the sessions' decoding steps as one forward (each weight read once "
                                             "for all of them), as llama-server; not with a plan or a qwen35 model."),
+    batch_tokens: int = typer.Option(0, "--batch-tokens", help="Token rows one shared step may run: decode and verify "
+                                     "rows, and a prompt chunk of up to 512 tokens while it fits; the request "
+                                     "waiting longest always runs (0: no bound)."),
     drafts: SpecFlags = GROUP,
     # run's placement and numerics flags, but no --trace: a trace keeps every step in memory (and a
     # CUDA event pair per device span) until the end of a run writes it; a server has no such end
@@ -103,8 +106,8 @@ def serve(
     from ..runtime.kernel_threads import on_own_thread
     from ..runtime.warmup import announce_and_compile, compile_notice, warm_up
 
-    if parallel < 1 or max_queue < 0:
-        raise UserError("--parallel must be >= 1 and --max-queue >= 0")
+    if parallel < 1 or max_queue < 0 or batch_tokens < 0:
+        raise UserError("--parallel must be >= 1, --max-queue and --batch-tokens >= 0")
     if not 0 < port < 65536:
         raise UserError(f"--port {port} is not a TCP port")
     if log_level not in LOG_LEVELS:
@@ -135,7 +138,8 @@ def serve(
     draft_model = load_draft_model(m, drafts.model_draft) if drafts.model_draft else None
     cfg = ServeConfig(n_ctx=n_ctx, cache_type=cache_type, spec_type=spec_type, spec=spec, ngram_n=drafts.ngram_n,
                       draft_vocab=drafts.draft_vocab,
-                      n_parallel=parallel, max_queue=max_queue, threads=threads, cont_batching=cont_batching)
+                      n_parallel=parallel, max_queue=max_queue, threads=threads, cont_batching=cont_batching,
+                      batch_tokens=batch_tokens)
     metrics = Metrics(parallel)
     policies = None
     if warmup:

@@ -60,12 +60,16 @@ class StepBatcher:
     (`Session.stepper`). `evals`, `steps` and `rows` count what came and what ran (metrics, tests):
     evals over steps is how many sessions a step served on average."""
 
-    def __init__(self, model, threads: int | None = None):
-        """threads: the Numba threads the shared forwards run on (None: Numba's default)."""
+    def __init__(self, model, threads: int | None = None, max_tokens: int = 0):
+        """threads: the Numba threads the shared forwards run on (None: Numba's default). max_tokens:
+        the token rows a step may run (serve's --batch-tokens; 0: every decode and verify eval
+        waiting and one prompt chunk); the eval waiting longest always runs, whatever its size."""
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens {max_tokens} < 0")
         refusal = model.batch_refusal()
         if refusal is not None:
             raise ValueError(f"cannot batch sequences: {refusal}")
-        self.model, self.threads = model, threads
+        self.model, self.threads, self.max_tokens = model, threads, max_tokens
         self._cond = threading.Condition()
         self._members: set[int] = set()                 # id(session) of sessions inside a generation
         self._waiting: dict[int, _Eval] = {}
@@ -139,11 +143,18 @@ class StepBatcher:
                 self._step_s = time.perf_counter() - started
 
     def _take(self) -> list[_Eval]:
-        """The evals of this step: every decode / verify eval waiting, and at most one prompt chunk
-        (the one waiting longest)."""
-        small = [j for j in self._waiting.values() if j.tokens.shape[0] <= ROWWISE_MAX]
-        large = sorted((j for j in self._waiting.values() if j.tokens.shape[0] > ROWWISE_MAX), key=lambda j: j.since)
-        return small + large[:1]
+        """The evals of this step, longest waiting first: decode and verify evals and at most one
+        prompt chunk, while their rows fit in max_tokens (the first one always: a step makes
+        progress). An eval that does not fit waits for the next step, where it is older."""
+        taken, rows, chunk = [], 0, False
+        for job in sorted(self._waiting.values(), key=lambda j: j.since):
+            n, large = job.next_chunk().shape[0], job.tokens.shape[0] > ROWWISE_MAX
+            if (large and chunk) or (taken and self.max_tokens and rows + n > self.max_tokens):
+                continue
+            taken.append(job)
+            rows += n
+            chunk |= large
+        return taken
 
     @staticmethod
     def _mode(job: _Eval, chunk: torch.Tensor) -> str:

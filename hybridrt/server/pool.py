@@ -60,6 +60,7 @@ class ServeConfig:
     threads: int | None = None   # Numba threads of the shared steps, or of each session decoding alone (None: Numba's
                                  # default); with shared steps a session's own kernels get threads // n_parallel
     cont_batching: bool = True   # sessions' steps run as one forward (runtime/step_batcher.py) where the model can
+    batch_tokens: int = 0        # token rows of one shared step (0: every decode / verify eval and one prompt chunk)
 
 
 def shares_steps(model: Model, n_parallel: int, cont_batching: bool = True) -> bool:
@@ -150,7 +151,7 @@ class SessionPool:
         self.turns = Turns() if model.plan is not None else None
         # continuous batching: the sessions' evals share forwards, every weight read once for all of
         # them; not for a plan (its steps take turns) or a model with per-sequence recurrent state
-        self.batcher = StepBatcher(model, cfg.threads) if shares_steps(model, cfg.n_parallel, cfg.cont_batching) else None
+        self.batcher = StepBatcher(model, cfg.threads, cfg.batch_tokens) if shares_steps(model, cfg.n_parallel, cfg.cont_batching) else None
         k_max = cfg.spec.k_max if cfg.spec_type != "none" else 1     # as `run`: no ring without drafts
         self.sessions = [model.session(cfg.n_ctx, cfg.cache_type, k_max=k_max) for _ in range(cfg.n_parallel)]
         self._queue: queue.Queue[Job | None] = queue.Queue()
