@@ -130,6 +130,8 @@ def test_tiny_qwen35_mtp_placed_speculative_parity(tiny_qwen35_mtp):
     assert len(gdn.in_rows) == 4 and not gdn.w_rest                # the device trunk's GDN inputs, stacked
     mmap_gdn = next(layer.mixer.mixer for layer in plain.layers if layer.kind == "gdn")
     assert mmap_gdn.w_in is None and len(mmap_gdn.w_rest) == 4     # in the mmap: no stacked copy
+    mmap_attn = next(layer.mixer.attn for layer in plain.layers if layer.kind == "attention")
+    assert mmap_attn.wqkv is None                                   # nor of q, k and v
     prompt = [1, 5, 9, 2, 7, 3, 8, 4]
     ref, _ = generate(plain, plain.session(256, "f32"), prompt, 24, GREEDY, stop_ids=set())
     spec = SpecConfig(n_max=3)

@@ -71,7 +71,7 @@ class GatedDeltaNet:
         # the input projections all read x: on the device, their rows stacked into one backend
         # where type and width agree (all of them, else qkv and gate): one matvec call and one
         # activation quantization instead of up to four, bitwise the same rows
-        stacked = w.stacked_linear(names, device_only=True) or w.stacked_linear(names[:2], device_only=True)
+        stacked = w.stacked_linear(names) or w.stacked_linear(names[:2])
         self.w_in, self.in_rows = stacked if stacked is not None else (None, [])
         self.w_rest = [w.linear(n) for n in names[len(self.in_rows):]]      # the ones not stacked
         self.split_ba = split_ba

@@ -206,17 +206,18 @@ class WeightBinder:
             linear = DeviceLinear(weight.to(self.device, self.device_dtype), name)
         return linear if self.trace is None else TracedBackend(linear, self.trace, name)
 
-    def stacked_linear(self, names: list[str], device_only: bool = False):
-        """One backend for several matrices that read the same input (q, k, v), their rows stacked
-        into one copy, so a step makes one matvec call instead of three; or None when their
-        placement, type or input width differ, or (device_only) when they stay in the mmap, where
-        the copy would be anonymous memory beside the mapped file. Row r of the result is bitwise
-        what the separate matrix gives (rows are independent in every kernel). Returns (linear,
-        row counts)."""
+    def stacked_linear(self, names: list[str]):
+        """One device backend for several matrices that read the same input (q, k, v), their rows
+        stacked into one copy, so a step makes one matvec call instead of three; or None when their
+        placement, type or input width differ, or when they stay in the mmap: there the copy would be
+        anonymous memory beside the mapped file (the 27B's attention: ~700 MB and ~1 s of its load),
+        and the fused CPU layers read each matrix as its own operand in one call anyway. Row r of
+        the result is bitwise what the separate matrix gives (rows are independent in every kernel).
+        Returns (linear, row counts)."""
         infos = [self.gguf.tensors[n] for n in names]
         if len({self.where(n) for n in names}) != 1 or len({(i.qtype, i.shape[0]) for i in infos}) != 1:
             return None
-        if device_only and self.where(names[0]) == "cpu":
+        if self.where(names[0]) == "cpu":
             return None
         raw = np.concatenate([self.gguf.tensor_bytes(n) for n in names])
         linear = self._matrix(raw, infos[0].qtype, infos[0].shape[0], raw.shape[0], "+".join(names))
@@ -241,7 +242,7 @@ class WeightBinder:
     def _device_glu_ffn(self, prefix: str, names: list[str], act: str) -> GluFFN:
         # gate and up read the same input: on the device, one stacked matrix (one activation
         # round trip and one matvec launch per layer instead of two of each)
-        stacked = self.stacked_linear(names[:2], device_only=True)
+        stacked = self.stacked_linear(names[:2])
         if stacked is not None:
             return GluFFN(None, None, self.linear(names[2]), act, gate_up=stacked)
         return GluFFN(*(self.linear(n) for n in names), act)
