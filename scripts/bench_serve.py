@@ -190,6 +190,24 @@ def end(proc: subprocess.Popen, ask) -> None:
             proc.wait()
 
 
+# the flags Server passes to `hybridrt serve` itself
+SERVER_FLAGS = frozenset({"-m", "--model", "--port", "--host", "--parallel", "-np", "-t", "--threads", "-c", "--ctx-size",
+                          "--log-level"})
+
+
+def serve_flags(text: str, what: str, taken: frozenset[str] = SERVER_FLAGS) -> list[str]:
+    """More `hybridrt serve` flags from one quoted string; UserError on bad quoting or on a flag in
+    `taken` (set by the script itself: a second value would silently win or lose)."""
+    try:
+        flags = shlex.split(text)
+    except ValueError as exc:
+        raise UserError(f"{what}: {exc}") from None
+    clash = taken & set(flags)
+    if clash:
+        raise UserError(f"{what}: {' '.join(sorted(clash))}: the script sets these itself")
+    return flags
+
+
 class Server:
     """`hybridrt serve` in a subprocess on a free loopback port, up once /health answers."""
 
@@ -303,17 +321,10 @@ def check_args(args: argparse.Namespace) -> list[Path]:
     for flag, value, least in (("-t", args.threads, 1), ("-n", args.n_predict, 2), ("--reps", args.reps, 1)):
         if value < least:
             raise UserError(f"{flag} {value}: must be >= {least}")
-    try:
-        args.spec_flags = shlex.split(args.spec) if args.spec is not None else None
-        args.serve_flags = shlex.split(args.serve_args)
-    except ValueError as exc:
-        raise UserError(f"--spec / --serve-args: {exc}") from None
+    args.spec_flags = serve_flags(args.spec, "--spec") if args.spec is not None else None
+    args.serve_flags = serve_flags(args.serve_args, "--serve-args")
     if args.spec_flags == []:
         raise UserError("--spec '': give speculation flags, or --spec alone for n-gram drafts")
-    for flags in (args.spec_flags or [], args.serve_flags):
-        clash = {"-m", "--model", "--port", "--host", "--parallel", "-np", "-t", "--threads"} & set(flags)
-        if clash:
-            raise UserError(f"{' '.join(sorted(clash))}: the bench sets these itself")
     if "--spec-type" in args.serve_flags:
         raise UserError("--serve-args: speculation goes in --spec")
     check_oracle(args.no_llamacpp)
