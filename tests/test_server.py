@@ -501,6 +501,44 @@ def test_metrics_text(server, client):
 
 
 # ----------------------------------------------------------------------------- queue and load
+def test_a_request_whose_client_left_while_queued_gives_up_its_place(tiny_llama):
+    """A queued job whose client leaves (Job.cancel) leaves the queue at once: it no longer counts
+    in `waiting` nor against --max-queue, and no session ever decodes it. Before, it held its
+    place until a worker reached it, and under load live clients got 503s (scripts/load_serve.py)."""
+    import asyncio
+
+    from hybridrt.runtime.loader import load_model
+    from hybridrt.server.errors import APIError
+    from hybridrt.server.metrics import Metrics
+    from hybridrt.server.pool import Job, ServeConfig, SessionPool
+    from hybridrt.server.schemas import GenRequest
+
+    metrics = Metrics(1)
+    pool = SessionPool(load_model(tiny_llama), ServeConfig(n_ctx=64, n_parallel=1, max_queue=2), metrics)
+    loop = asyncio.new_event_loop()
+    req = GenRequest("text", "m", [5, 9, 31], 4, SamplerConfig(temp=0.0), (), False, ignore_eos=True)
+    jobs = [Job(req, loop) for _ in range(3)]
+    for job in jobs:                # no worker yet: one session's worth and max_queue wait
+        pool.submit(job)
+    with pytest.raises(APIError) as full:
+        pool.submit(Job(req, loop))
+    assert full.value.status == 503 and pool.waiting == 3
+    jobs[1].cancel()
+    assert pool.waiting == 2
+    jobs.append(Job(req, loop))
+    pool.submit(jobs[-1])           # the place the leaver gave up
+    pool.start()
+    try:
+        for job in (jobs[0], jobs[2], jobs[3]):
+            kind, result = loop.run_until_complete(asyncio.wait_for(job.get(), 60))
+            assert kind == "done" and result.n_completion == 4
+    finally:
+        pool.stop()
+        loop.close()
+    assert pool.in_use == pool.waiting == 0
+    assert metrics.completion_tokens == 12 and metrics.cancelled == 0     # the leaver never decoded
+
+
 def test_full_queue_answers_503(tmp_path):
     require(SMOLLM2)
     # plain decoding (no --spec-type) on a run-time q8_0 K / f16 V cache

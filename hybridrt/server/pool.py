@@ -16,20 +16,21 @@ share buffers that no two may write at once. Otherwise (qwen35's recurrent state
 they decode side by side, each its own forwards.
 
 A request's tokens go back to its handler through `Job`: the worker pushes events onto an asyncio
-queue via `loop.call_soon_threadsafe`. A client that goes away sets `Job.cancelled`, and the
-worker's `on_token` answers "stop" at the next token, which ends `generate` there and frees the
-session for the next request.
+queue via `loop.call_soon_threadsafe`. A client that goes away sets `Job.cancelled`: a queued job
+leaves the queue at once, and a decoding one's `on_token` answers "stop" at the next token, which
+ends `generate` there and frees the session for the next request.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import copy
-import queue
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..errors import UserError
 from ..decoding.constraint import Constraint
@@ -126,9 +127,12 @@ class Job:
         self.cancelled = threading.Event()
         self._loop = loop
         self._events: asyncio.Queue = asyncio.Queue()
+        self.on_cancel: Callable[[], None] | None = None      # the pool's, while the job is queued
 
     def cancel(self) -> None:
         self.cancelled.set()
+        if self.on_cancel is not None:
+            self.on_cancel()
 
     def put(self, kind: str, payload) -> None:
         """From the worker thread."""
@@ -154,12 +158,16 @@ class SessionPool:
         self.batcher = StepBatcher(model, cfg.threads, cfg.batch_tokens) if shares_steps(model, cfg.n_parallel, cfg.cont_batching) else None
         k_max = cfg.spec.k_max if cfg.spec_type != "none" else 1     # as `run`: no ring without drafts
         self.sessions = [model.session(cfg.n_ctx, cfg.cache_type, k_max=k_max) for _ in range(cfg.n_parallel)]
-        self._queue: queue.Queue[Job | None] = queue.Queue()
-        self._lock = threading.Lock()
-        # admitted = queued + decoding; counted here rather than by the queue's own bound so that
-        # requests arriving together before a worker has taken the first are judged alike
-        self._admitted = 0
-        self._running: set[Job] = set()      # jobs decoding now, one per busy session
+        # the jobs waiting for a session (oldest first) and those decoding (one per busy session),
+        # both under one lock, so that requests arriving together are judged alike against
+        # max_queue. A job whose client leaves while it waits is taken out at once (Job.cancel):
+        # left in until a worker reached it, such jobs counted against max_queue, and under load
+        # (scripts/load_serve.py: 64 clients, some leaving) the queue filled with requests nobody
+        # waited for and live clients got 503s
+        self._queue: deque[Job] = deque()
+        self._running: set[Job] = set()
+        self._cond = threading.Condition()
+        self._stopping = False
         self._threads: list[threading.Thread] = []
         # adaptive length's policies, kept between the requests of a session (one worker thread
         # each): what they learned of the verify costs and the head's calibration is the machine's
@@ -181,20 +189,13 @@ class SessionPool:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Cancel what is queued and running, then end the workers."""
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.cancel()
-                with self._lock:
-                    self._admitted -= 1
-        with self._lock:
-            for job in self._running:
-                job.cancel()
-        for _ in self._threads:
-            self._queue.put(None)
+        with self._cond:
+            jobs = [*self._queue, *self._running]
+            self._queue.clear()
+            self._stopping = True
+            self._cond.notify_all()
+        for job in jobs:
+            job.cancel()
         for t in self._threads:
             t.join(timeout)
         if self.batcher is not None:
@@ -203,22 +204,28 @@ class SessionPool:
     # ------------------------------------------------------------------ state
     @property
     def in_use(self) -> int:
-        with self._lock:
+        with self._cond:
             return len(self._running)
 
     @property
     def waiting(self) -> int:
-        with self._lock:
-            return self._admitted - len(self._running)
+        with self._cond:
+            return len(self._queue)
 
     def submit(self, job: Job) -> None:
         """Queue a job, or raise a 503 APIError when max_queue jobs already wait."""
-        with self._lock:
-            waiting = self._admitted - len(self._running)
-            if self._admitted >= len(self.sessions) + self.cfg.max_queue:
-                raise queue_full(waiting)
-            self._admitted += 1
-        self._queue.put(job)
+        with self._cond:
+            if len(self._queue) + len(self._running) >= len(self.sessions) + self.cfg.max_queue:
+                raise queue_full(len(self._queue))
+            self._queue.append(job)
+            job.on_cancel = lambda: self._withdraw(job)
+            self._cond.notify()
+
+    def _withdraw(self, job: Job) -> None:
+        """Its client left: out of the queue if it still waits (a decoding job stops at its next token)."""
+        with self._cond:
+            if job in self._queue:
+                self._queue.remove(job)
 
     # ------------------------------------------------------------------ workers
     def _work(self, session: Session) -> None:
@@ -233,12 +240,12 @@ class SessionPool:
 
             numba.set_num_threads(threads)     # thread-local: the loader set only the main thread's
         while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            with self._lock:
-                if job.cancelled.is_set():      # its client left while it waited
-                    self._admitted -= 1
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._stopping)
+                if self._stopping:
+                    return
+                job = self._queue.popleft()
+                if job.cancelled.is_set():      # its client left just now, before _withdraw took the lock
                     continue
                 self._running.add(job)
             event: tuple[str, object]
@@ -253,8 +260,7 @@ class SessionPool:
                 event = ("error", internal(e))
             # free the session before the client hears "done", so a client that saw its answer
             # never sees its session still counted in use
-            with self._lock:
-                self._admitted -= 1
+            with self._cond:
                 self._running.discard(job)
             job.put(*event)
 
