@@ -54,7 +54,7 @@ Checks (the summary lists each, PASS or FAIL):
                    requests left on purpose (one that left while queued never decodes)
   let go           a request whose client left stops counting as waiting or in use within 1 s on
                    average: by Little's law, the mean of the /health samples' requests held beyond
-                   those in flight over the rate at which clients left (before ba064dd a queued
+                   those in flight over the rate at which clients left (before 4694251 a queued
                    request whose client had left held its place until a worker reached it)
   rss              the largest RSS sample after the warm-up (the first --warmup of the run) less
                    the first sample after it is at most --rss-growth-mib. 64 MiB: the model's
@@ -63,7 +63,7 @@ Checks (the summary lists each, PASS or FAIL):
                    SmolLM2's are 192 KiB each; Python objects); the first 20 % of the run lets the
                    allocator's per-thread arenas and the Numba / torch caches reach their working
                    size (SmolLM2 on 2 cores: +130 MiB in the first 10 s, then flat). Two minutes
-                   of 64 clients on 2 cores are ~1500 requests (c9c53f5: 1516), so 64 MiB is
+                   of 64 clients on 2 cores are ~1500 requests (00bcbea: 1516), so 64 MiB is
                    ~43 KiB kept per request, a quarter of one leaked logits row, and far above
                    the allocator's noise once warm (that run: +1.5 MiB after the warm-up).
   server           still running, its log free of tracebacks and internal-error lines
