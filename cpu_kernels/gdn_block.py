@@ -16,7 +16,9 @@ operations in the same order whether it comes alone or in a verify batch, and a 
 by one thread, so a token's result does not depend on k or on the thread count. The state is
 updated in place; in a verify batch (`capture`) the conv input history and the state after each
 token but the last go to the snapshot ring's slices (hybridrt.runtime.snapshot_ring), as the torch path
-writes them.
+writes them. The same holds across sequences: a step over several sessions' rows (runtime/batch.py)
+runs gdn_block's own steps, the projections and the gated norm once over all rows (each row computed
+from itself alone) and gdn_recurrence per sequence on its own state and ring (FusedGDNBlock.batched).
 """
 from __future__ import annotations
 
@@ -153,15 +155,51 @@ def _gated_norm_serial(core, z, ssm_norm, eps, d, y):
         _gated_norm_head(core, z, ssm_norm, eps, d, y, jv)
 
 
+@njit(cache=CACHE, nogil=True, inline="always")
+def _spread(n_threads, n_channels, k):
+    """Whether the element-wise parts (the conv, the gated norm) of k tokens split over the threads
+    (PARALLEL_MIN_CHANNELS, counted in conv channels)."""
+    return n_threads > 1 and n_channels * k >= PARALLEL_MIN_CHANNELS
+
+
 @njit(cache=CACHE, nogil=True)
-def gdn_core(n_threads, qkv, z, b, a, conv_w, dt_bias, ssm_a, ssm_norm, eps, conv_state, S,
-             conv_hist, S_snap, capture, n_k_heads, tiled):
-    """Everything of a GDN layer between its input and output projections, for a batch of k
-    tokens: qkv [k, C] (C = 2 Hk d + Hv d, the pre-conv rows), z [k, Hv d], b and a [k, Hv] (beta
-    and alpha before their gates) -> y [k, Hv d], the output projection's input. conv_state
-    [K-1, C] and S [Hv, d, d] are updated in place; with `capture`, conv_hist [>= K-1+k, C] gets
-    [old conv state; qkv] and S_snap [>= k-1, Hv, d, d] the state after each token but the last.
-    tiled: value head j reads key head j % Hk (qwen35), else j // (Hv / Hk) (qwen3next)."""
+def gdn_in(h, n_threads, int_types, float_path, attn_norm, eps,
+           wqkv, tqkv, eqkv, iqkv, wz, tz, ez, iz, wb, tb, eb, ib, wa, ta, ea, ia,
+           n_channels, n_v_heads, d, n_k_heads, ba_packed):
+    """gdn_block's input side: x = RMSNorm(h; attn_norm) through the input projections ->
+    (qkv [k, C], z [k, Hv d], b [k, Hv], a [k, Hv]), beta and alpha before their gates. Every row is
+    computed from its own h row alone, so the rows may be several sequences'."""
+    k = h.shape[0]
+    C, nz, nb = n_channels, n_v_heads * d, n_v_heads * (2 if ba_packed else 1)
+    x = rms_norm_rows(h, attn_norm, eps)
+    proj = np.empty((k, C + nz + nb), np.float32)
+    _project(n_threads, int_types, float_path, wqkv, tqkv, eqkv, iqkv, C, wz, tz, ez, iz, nz, wb, tb, eb, ib, nb,
+             x, proj)
+    b = np.empty((k, n_v_heads), np.float32)
+    a = np.empty((k, n_v_heads), np.float32)
+    if ba_packed:
+        r = n_v_heads // n_k_heads
+        for t in range(k):
+            for jv in range(n_v_heads):
+                g, i = jv // r, jv % r
+                b[t, jv] = proj[t, C + nz + g * 2 * r + i]
+                a[t, jv] = proj[t, C + nz + g * 2 * r + r + i]
+    else:
+        b[:] = proj[:, C + nz:]
+        _project(n_threads, int_types, float_path, wa, ta, ea, ia, n_v_heads, wa, ta, ea, ia, NONE,
+                 wa, ta, ea, ia, NONE, x, a)
+    return np.ascontiguousarray(proj[:, :C]), np.ascontiguousarray(proj[:, C:C + nz]), b, a
+
+
+@njit(cache=CACHE, nogil=True)
+def gdn_recurrence(n_threads, qkv, b, a, conv_w, dt_bias, ssm_a, eps, conv_state, S, conv_hist, S_snap, capture,
+                   n_k_heads, tiled, core):
+    """One sequence's tokens from the input projections to the gated norm: qkv [k, C] (C = 2 Hk d
+    + Hv d, the pre-conv rows), b and a [k, Hv] -> core [k, Hv d] (rows of the caller's), the
+    recurrence's output. conv_state [K-1, C] and S [Hv, d, d] are that sequence's, updated in place;
+    with `capture`, conv_hist [>= K-1+k, C] gets [old conv state; qkv] and S_snap [>= k-1, Hv, d, d]
+    the state after each token but the last. tiled: value head j reads key head j % Hk (qwen35),
+    else j // (Hv / Hk) (qwen3next)."""
     k, C = qkv.shape
     n_v_heads, d = S.shape[0], S.shape[1]
     key_dim = n_k_heads * d
@@ -173,8 +211,7 @@ def gdn_core(n_threads, qkv, z, b, a, conv_w, dt_bias, ssm_a, ssm_norm, eps, con
     qk = np.empty((k, 2, n_k_heads, d), np.float32)      # q and k per key head, normed (q scaled)
     v = np.empty((k, n_v_heads, d), np.float32)
     mixed_rows = np.empty((k, C), np.float32)
-    parallel = n_threads > 1 and C * k >= PARALLEL_MIN_CHANNELS
-    if parallel:
+    if _spread(n_threads, C, k):
         _conv_parallel(hist, conv_w, mixed_rows, 4 * n_threads)
     else:
         _conv_serial(hist, conv_w, mixed_rows)
@@ -211,17 +248,44 @@ def gdn_core(n_threads, qkv, z, b, a, conv_w, dt_bias, ssm_a, ssm_norm, eps, con
     key_head = np.empty(n_v_heads, np.int64)
     for jv in range(n_v_heads):
         key_head[jv] = jv % n_k_heads if tiled else jv // r
-    core = np.empty((k, n_v_heads * d), np.float32)
     if n_threads > 1 and n_v_heads * d * d * k >= PARALLEL_MIN_STATE:
         _heads_parallel(S, decay, beta, qk, v, key_head, S_snap, capture, core, d)
     else:
         _heads_serial(S, decay, beta, qk, v, key_head, S_snap, capture, core, d)
-    y = np.empty((k, n_v_heads * d), np.float32)
-    if parallel:
+
+
+@njit(cache=CACHE, nogil=True)
+def gated_norm(n_threads, core, z, ssm_norm, eps, n_channels):
+    """RMSNorm(core; ssm_norm) * SiLU(z) per value head of every row -> y [k, Hv d], the output
+    projection's input. Each (row, head) is computed alone, so the rows may be several sequences'."""
+    y = np.empty(core.shape, np.float32)
+    d = ssm_norm.shape[0]
+    if _spread(n_threads, n_channels, core.shape[0]):
         _gated_norm_parallel(core, z, ssm_norm, eps, d, y)
     else:
         _gated_norm_serial(core, z, ssm_norm, eps, d, y)
     return y
+
+
+@njit(cache=CACHE, nogil=True)
+def gdn_core(n_threads, qkv, z, b, a, conv_w, dt_bias, ssm_a, ssm_norm, eps, conv_state, S,
+             conv_hist, S_snap, capture, n_k_heads, tiled):
+    """Everything of a GDN layer between its input and output projections, for one sequence's k
+    tokens: gdn_recurrence, then gated_norm -> y [k, Hv d]."""
+    k, C = qkv.shape
+    core = np.empty((k, S.shape[0] * S.shape[1]), np.float32)
+    gdn_recurrence(n_threads, qkv, b, a, conv_w, dt_bias, ssm_a, eps, conv_state, S, conv_hist, S_snap, capture,
+                   n_k_heads, tiled, core)
+    return gated_norm(n_threads, core, z, ssm_norm, eps, C)
+
+
+@njit(cache=CACHE, nogil=True)
+def gdn_out(h, y, n_threads, int_types, float_path, attn_norm, eps, wo, to, eo, io):
+    """gdn_block's output side: h + W_out y (attn_norm only stands in for _residual's unused post-norm)."""
+    out = np.empty(h.shape, np.float32)
+    _project(n_threads, int_types, float_path, wo, to, eo, io, h.shape[1], wo, to, eo, io, NONE, wo, to, eo, io, NONE,
+             y, out)
+    return _residual(h, out, attn_norm, False, eps)
 
 
 @njit(cache=CACHE, nogil=True)
@@ -232,30 +296,13 @@ def gdn_block(h, n_threads, int_types, float_path, attn_norm, eps,
     """h (k, n_embd) float32 -> h + GDN(RMSNorm(h; attn_norm)) (the module docstring), the layer's
     recurrent state advanced by the k tokens. Matrices as layer_fused's (w, type, block, path);
     ba_packed: wb is qwen3next's ssm_ba (per key head [beta of its r value heads | alpha of them])
-    and wa is not read; else wb and wa are ssm_beta and ssm_alpha."""
-    k = h.shape[0]
+    and wa is not read; else wb and wa are ssm_beta and ssm_alpha.
+    Its steps are the ones a batch of several sequences runs: gdn_in, gated_norm and gdn_out over
+    all its rows, gdn_recurrence once per sequence on that sequence's state and ring."""
     n_v_heads, d = S.shape[0], S.shape[1]
-    C, nz, nb = conv_w.shape[0], n_v_heads * d, n_v_heads * (2 if ba_packed else 1)
-    x = rms_norm_rows(h, attn_norm, eps)
-    proj = np.empty((k, C + nz + nb), np.float32)
-    _project(n_threads, int_types, float_path, wqkv, tqkv, eqkv, iqkv, C, wz, tz, ez, iz, nz, wb, tb, eb, ib, nb,
-             x, proj)
-    b = np.empty((k, n_v_heads), np.float32)
-    a = np.empty((k, n_v_heads), np.float32)
-    if ba_packed:
-        r = n_v_heads // n_k_heads
-        for t in range(k):
-            for jv in range(n_v_heads):
-                g, i = jv // r, jv % r
-                b[t, jv] = proj[t, C + nz + g * 2 * r + i]
-                a[t, jv] = proj[t, C + nz + g * 2 * r + r + i]
-    else:
-        b[:] = proj[:, C + nz:]
-        _project(n_threads, int_types, float_path, wa, ta, ea, ia, n_v_heads, wa, ta, ea, ia, NONE,
-                 wa, ta, ea, ia, NONE, x, a)
-    y = gdn_core(n_threads, np.ascontiguousarray(proj[:, :C]), np.ascontiguousarray(proj[:, C:C + nz]), b, a, conv_w, dt_bias, ssm_a, ssm_norm, eps,
+    qkv, z, b, a = gdn_in(h, n_threads, int_types, float_path, attn_norm, eps, wqkv, tqkv, eqkv, iqkv,
+                          wz, tz, ez, iz, wb, tb, eb, ib, wa, ta, ea, ia, conv_w.shape[0], n_v_heads, d, n_k_heads,
+                          ba_packed)
+    y = gdn_core(n_threads, qkv, z, b, a, conv_w, dt_bias, ssm_a, ssm_norm, eps,
                  conv_state, S, conv_hist, S_snap, capture, n_k_heads, tiled)
-    out = np.empty(h.shape, np.float32)
-    _project(n_threads, int_types, float_path, wo, to, eo, io, h.shape[1], wo, to, eo, io, NONE, wo, to, eo, io, NONE,
-             y, out)
-    return _residual(h, out, attn_norm, False, eps)
+    return gdn_out(h, y, n_threads, int_types, float_path, attn_norm, eps, wo, to, eo, io)

@@ -3,7 +3,10 @@ every session's logits and final hiddens bitwise equal to what its own Session.e
 decode rows, verify-like batches, a prompt chunk sharing a step with decode rows, batches past
 ROWWISE_MAX rows (several forwards), prompts past it (a forward of their own), rollbacks between
 steps, every KV cache type, the fused and the torch trunk; on the tiny llama / qwen3 / gemma3 files
-and (slow) on SmolLM2 and Gemma 3. A step is a dict session index -> tokens (the others sit it
+and (slow) on SmolLM2 and Gemma 3. The recurrent trunks (tiny qwen35 / qwen35moe / qwen3next):
+each sequence's Gated DeltaNet state and snapshot ring advance in its own rows, verify-sized rows
+are captured or not as each session's ring decides, and a rollback inside a shared verify step
+restores each session as it would alone. A step is a dict session index -> tokens (the others sit it
 out); `rollback` drops sessions' last tokens before a step (Session.truncate), in both runs alike.
 """
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 import make_model
 from gpu_kernels.attention import ROWWISE_MAX
 from hybridrt.errors import UserError
-from hybridrt.runtime.backends import FusedAttentionBlock
+from hybridrt.runtime.backends import FusedAttentionBlock, FusedGDNBlock
 from hybridrt.runtime.batch import BatchSeq, StepBatch, pack_rows
 from hybridrt.runtime.loader import load_model
 from hybridrt.runtime.place import PlacementRequest
@@ -185,7 +188,90 @@ def test_batch_description():
     assert batch.seqs[0].positions == [3, 4]
 
 
-def test_refusals(tiny, tiny_qwen35, tmp_path):
+RECURRENT = ("qwen35", "qwen35moe", "qwen3next")
+
+
+def recurrent_script(model, seed: int) -> Script:
+    """Four sessions of a recurrent trunk (k_max 8, run_alone's) at different positions: decode
+    rows, verify-sized steps (captured by each session's ring), a prompt chunk among decode rows,
+    steps mixing sessions whose rings capture with one whose rows exceed k_max, rollbacks inside
+    the last shared verify step (a recurrent state rolls back no further: Qwen35.truncate_state),
+    a step past ROWWISE_MAX rows (two forwards) and sessions running alone between shared steps."""
+    rng = np.random.default_rng(seed)
+    t = lambda n: rand_tokens(model, n, rng)  # noqa: E731
+    prompts = [t(n) for n in (5, 17, 2, 40)]        # the last one alone: past ROWWISE_MAX
+    steps = [
+        {0: t(1), 1: t(1), 2: t(1), 3: t(1)},               # decode rows
+        {0: t(4), 1: t(4), 2: t(4), 3: t(4)},               # verify-sized, every ring captures
+        {0: t(1), 1: t(1), 2: t(1), 3: t(1)},               # after rollbacks of 0 and 2
+        {1: t(33)},                                         # 1 alone past ROWWISE_MAX: the prompt path
+        {0: t(2)},                                          # 0 alone: forward()
+        {0: t(1), 1: t(12), 3: t(1)},                       # a chunk past k_max with decode rows; 2 sits out
+        {0: t(8), 1: t(8), 2: t(8), 3: t(8)},               # 32 rows, each a k_max verify
+        {0: t(5), 1: t(5), 2: t(9), 3: t(8)},               # after rollbacks of 0, 1, 3; 2's 9 rows not captured
+        {0: t(9), 1: t(9), 2: t(9), 3: t(9)},               # after rollbacks of 0 and 3; two forwards
+        {0: t(1), 1: t(3), 2: t(1), 3: t(2)},
+        {0: t(1), 1: t(1), 2: t(1), 3: t(1)},               # after rollbacks of 1 and 3
+    ]
+    rollback = {2: {0: 2, 2: 3}, 7: {0: 7, 1: 1, 3: 4}, 8: {0: 4, 3: 7}, 10: {1: 2, 3: 1}}
+    return Script(prompts, steps, rollback)
+
+
+@pytest.mark.parametrize("arch", RECURRENT)
+@pytest.mark.parametrize("mix", ["q4_k_m", "f32"])
+def test_recurrent_steps_equal_each_session_alone(tiny, single_thread, arch, mix):
+    model = tiny(arch, mix)
+    assert model.batch_refusal() is None
+    assert any(isinstance(layer.mixer, FusedGDNBlock) for layer in model.layers)
+    assert any(isinstance(layer.mixer, FusedAttentionBlock) for layer in model.layers)
+    assert_batched_equals_alone(model, recurrent_script(model, seed=20 + RECURRENT.index(arch)))
+
+
+@pytest.mark.parametrize("cache", ["f16", "bf16"])
+def test_recurrent_cache_types(tiny, single_thread, cache):
+    """f16 through the fused attention, bf16 through the torch attention block beside fused GDN halves."""
+    model = tiny("qwen35", "q8_0")
+    assert_batched_equals_alone(model, recurrent_script(model, seed=30), cache)
+
+
+def test_recurrent_torch_trunk(tiny, single_thread):
+    """models.qwen35.GatedDeltaNet.batched: the torch layers, conv and delta rule included."""
+    model = tiny("qwen35", "q4_k_m", fused_layers=False)
+    assert not any(isinstance(layer.mixer, FusedGDNBlock) for layer in model.layers)
+    assert_batched_equals_alone(model, recurrent_script(model, seed=31), "f16")
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch"])
+def test_recurrent_states_and_rings_after_a_shared_verify(tiny, single_thread, fused):
+    """Each session's Gated DeltaNet state (conv rows, S) and snapshot ring after a shared verify
+    step are bitwise the ones its own eval leaves, and so is each state after a rollback of its own
+    length inside that step (what a speculative loop does after verifying its drafts)."""
+    model = tiny("qwen35", "q8_0", fused_layers=fused)
+    rng = np.random.default_rng(6)
+    prompts = [rand_tokens(model, n, rng) for n in (9, 3, 14)]
+    verify = [rand_tokens(model, n, rng) for n in (4, 1, 3)]
+    kept = (2, 1, 3)            # tokens of the verify step each keeps
+
+    def recurrent(s):
+        ring = s.state.ring
+        return [t.clone() for t in (s.state.conv_all, s.state.S_all, ring.S, ring.conv_hist)]
+
+    alone, batched = [model.session(64, k_max=4) for _ in prompts], [model.session(64, k_max=4) for _ in prompts]
+    for s, p, v in zip(alone, prompts, verify):
+        s.eval(p, logits="none")
+        s.eval(v, logits="none")
+    eval_batch(batched, prompts, logits="none")
+    eval_batch(batched, verify, logits="none")
+    for i, (x, y) in enumerate(zip(alone, batched)):
+        assert all(torch.equal(u, w) for u, w in zip(recurrent(x), recurrent(y))), f"session {i} after the verify"
+    for group in (alone, batched):
+        for s, p, k in zip(group, prompts, kept):
+            s.truncate(len(p) + k)
+    for i, (x, y) in enumerate(zip(alone, batched)):
+        assert all(torch.equal(u, w) for u, w in zip(recurrent(x), recurrent(y))), f"session {i} after its rollback"
+
+
+def test_refusals(tiny, tmp_path):
     model = tiny("llama")
     s = model.session(64)
     with pytest.raises(ValueError, match="twice"):
@@ -195,9 +281,6 @@ def test_refusals(tiny, tiny_qwen35, tmp_path):
     big = StepBatch(tuple(BatchSeq(model.new_state(64), 0, 17) for _ in range(2)))
     with pytest.raises(ValueError, match="at most"):
         model.forward_batch(big, torch.zeros(34, dtype=torch.int64))
-    qwen35 = load_model(tiny_qwen35)
-    with pytest.raises(UserError, match="recurrent state per sequence"):
-        eval_batch([qwen35.session(64), qwen35.session(64)], [[1], [2]])
     path = make_model.write_model(tmp_path / "llama.gguf", "llama", seed=3)
     placed = load_model(path, placement=PlacementRequest(vram_bytes=1 << 30, n_ctx=64, cache_type_k="f32",
                                                          cache_type_v="f32"))

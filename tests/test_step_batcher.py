@@ -99,9 +99,13 @@ def test_a_cancelled_generation_leaves_and_the_others_go_on(tiny_llama):
     assert not batcher._members and not batcher._waiting
 
 
-def test_models_that_cannot_batch_are_refused(tiny_qwen35):
+def test_models_that_cannot_batch_are_refused(tiny_llama):
+    from hybridrt.runtime.place import PlacementRequest
+
+    placed = load_model(tiny_llama, placement=PlacementRequest(vram_bytes=1 << 30, n_ctx=64, cache_type_k="f32",
+                                                               cache_type_v="f32"))
     with pytest.raises(ValueError, match="cannot batch"):
-        StepBatcher(load_model(tiny_qwen35))
+        StepBatcher(placed)
 
 
 def test_a_late_member_is_waited_for_half_a_step(tiny_llama):
@@ -158,3 +162,36 @@ def test_batch_tokens_bound_a_step_oldest_first(tiny_llama):
     assert take(517, ages) == [3, 1, 2]           # 512 + 4 + 1
     assert take(515, ages) == [3, 2]              # the verify waits, the decode still fits
     assert take(5, {1: 2.0, 2: 1.0, 0: 0.5}) == [1, 2]
+
+
+def test_recurrent_sessions_share_steps_with_their_own_drafts(tiny_qwen35_mtp):
+    """qwen35 with its MTP head: sessions drafting (draft-mtp) and not, each advancing its own
+    Gated DeltaNet state and snapshot ring in shared steps and rolling back alone; every output
+    equals the request alone."""
+    model = load_model(tiny_qwen35_mtp)
+    assert model.batch_refusal() is None
+    cases = [(5, 16, "draft-mtp", 0.0), (9, 12, "none", 0.0), (3, 20, "draft-mtp", 0.01), (12, 10, "none", 0.02)]
+    prompts = [_prompt(i, n, model.n_vocab) for i, (n, *_rest) in enumerate(cases)]
+    alone = [_generate(model, p, n, spec) for p, (_, n, spec, _) in zip(prompts, cases)]
+    batcher = StepBatcher(model)
+    results, errors = {}, []
+
+    def serve(i):
+        _, n, spec, delay = cases[i]
+        time.sleep(delay)
+        session = model.session(1024, k_max=SPEC.k_max)
+        try:
+            with batcher.member(session):
+                results[i] = _generate(model, prompts[i], n, spec, session)
+        except BaseException as e:      # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=serve, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    batcher.stop()
+    assert not errors, errors
+    assert [results[i] for i in range(len(cases))] == alone
+    assert batcher.steps < batcher.evals, "no step was shared"

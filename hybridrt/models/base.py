@@ -162,23 +162,22 @@ class Model:
 
     def batch_refusal(self) -> str | None:
         """Why forward_batch cannot run this model now, None where it can: a plan (its device
-        segments and CPU crossings take one sequence per step), a trunk off the CPU (its kernels'
-        bit identity across a mixed batch is unchecked), or recurrent layers (each sequence's
-        Gated DeltaNet state and snapshot ring would have to advance in its own rows)."""
+        segments and CPU crossings take one sequence per step) or a trunk off the CPU (its kernels'
+        bit identity across a mixed batch is unchecked). Recurrent trunks (qwen35 and kin) batch on
+        the CPU: each sequence advances its own Gated DeltaNet state and snapshot ring in its rows."""
         if self.plan is not None:
             return "a placed model (--vram / a plan) runs one sequence per step"
         if self.device.type != "cpu":
             return f"a trunk on {self.device.type} runs one sequence per step (only a CPU trunk batches sequences)"
-        if self.spec.recurrent:
-            return f"{self.arch} keeps a recurrent state per sequence: its steps run one sequence at a time"
         return None
 
     def forward_batch(self, batch, tokens: torch.Tensor) -> torch.Tensor:
         """forward() of several sequences in one step (runtime.batch.StepBatch; tokens: its rows, one
         sequence after another): every matrix runs once over all the rows, rotary, the KV writes and
-        attention sequence by sequence on its own cache (layer.mixer.batched). A row's result is the
-        one forward() gives it alone, bit for bit, while the batch holds at most ROWWISE_MAX rows:
-        more would make it a prompt batch, whose numerics are another path's (runtime/batch.py)."""
+        attention (and a recurrent layer's conv and recurrence) sequence by sequence on its own
+        state (batched_layers). A row's result is the one forward() gives it alone, bit for bit,
+        while the batch holds at most ROWWISE_MAX rows: more would make it a prompt batch, whose
+        numerics are another path's (runtime/batch.py)."""
         refusal = self.batch_refusal()
         if refusal is not None:
             raise UserError(f"cannot batch sequences: {refusal}")
@@ -189,10 +188,14 @@ class Model:
             return self.forward(seq.state, tokens, seq.start)
         if batch.n_rows > ROWWISE_MAX:
             raise ValueError(f"a batch of {batch.n_rows} rows: sequences share a step of at most {ROWWISE_MAX} rows")
-        h = self.embed(tokens)
+        return self.final_norm(self.batched_layers(batch, self.embed(tokens)))
+
+    def batched_layers(self, batch, h: torch.Tensor) -> torch.Tensor:
+        """The layers over several sequences' embedded rows (forward()'s loop; a recurrent trunk
+        overrides it): each half's `batched`."""
         for layer in self.layers:
             h = layer.ffn(layer.mixer.batched(h, batch))
-        return self.final_norm(h)
+        return h
 
     # --- description for the planner / bench ---------------------------------------------------
     @property

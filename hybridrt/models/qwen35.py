@@ -96,13 +96,33 @@ class GatedDeltaNet:
         return packed[..., :r].reshape(n, s.n_v_heads), packed[..., r:].reshape(n, s.n_v_heads)
 
     def __call__(self, x: torch.Tensor, state: HybridState, capture: bool) -> torch.Tensor:
+        qkv, z, beta, log_decay = self._inputs(x)
+        return self._output(self._recurrence(qkv, beta, log_decay, state, capture), z)
+
+    def batched(self, x: torch.Tensor, batch, captures: list[bool]) -> torch.Tensor:
+        """__call__ over a batch of several sequences (runtime.batch.StepBatch; captures: begin_step's
+        answer for each): the projections, gates, gated norm and output projection over all rows at
+        once (each row's bits its own), the conv and the recurrence sequence by sequence on its state."""
+        qkv, z, beta, log_decay = self._inputs(x)
+        o = torch.cat([self._recurrence(qkv[r], beta[r], log_decay[r], seq.state, capture)
+                       for seq, r, capture in zip(batch.seqs, batch.rows, captures)])
+        return self._output(o, z)
+
+    def _inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pre-conv rows qkv [n, C], the gate z [n, Hv, d], beta and the log decay [n, Hv] of x's rows."""
         s, n = self.spec, x.shape[0]
         qkv, gate, *ba = self._projections(x)
         z = gate.reshape(n, s.n_v_heads, s.head_dim)
         b, a = self._beta_alpha(ba)
         beta = per_token(torch.sigmoid, b)
         log_decay = self.ssm_a * per_token(F.softplus, a + self.dt_bias)
+        return qkv, z, beta, log_decay
 
+    def _recurrence(self, qkv: torch.Tensor, beta: torch.Tensor, log_decay: torch.Tensor, state: HybridState,
+                    capture: bool) -> torch.Tensor:
+        """One sequence's rows through the conv, the L2 norms and the delta rule on its state ->
+        o [n, Hv, d]."""
+        s, n = self.spec, qkv.shape[0]
         # the conv advances its state and, in a verify batch, writes its input history into the
         # snapshot ring itself (one kernel on a GPU)
         conv_state = state.conv[self.index]
@@ -119,9 +139,12 @@ class GatedDeltaNet:
         q = q * (1.0 / math.sqrt(s.head_dim))
 
         snapshots = state.ring.S[self.index] if capture else None
-        o = delta_rule(q, k, v, log_decay, beta, state.S[self.index], snapshots)
+        return delta_rule(q, k, v, log_decay, beta, state.S[self.index], snapshots)
+
+    def _output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        s = self.spec
         y = rms_norm(o, self.norm, s.eps) * per_token(F.silu, z)
-        return self.w_out(y.reshape(n, s.value_dim))
+        return self.w_out(y.reshape(o.shape[0], s.value_dim))
 
 
 class GDNBlock:
@@ -135,6 +158,10 @@ class GDNBlock:
 
     def __call__(self, h: torch.Tensor, state: HybridState, capture: bool) -> torch.Tensor:
         return h + self.mixer(rms_norm(h, self.norm, self.eps), state, capture)
+
+    def batched(self, h: torch.Tensor, batch, captures: list[bool]) -> torch.Tensor:
+        """__call__ over a batch of several sequences (GatedDeltaNet.batched)."""
+        return h + self.mixer.batched(rms_norm(h, self.norm, self.eps), batch, captures)
 
 
 class MoEFFN:
@@ -232,6 +259,19 @@ class Qwen35(Model):
     def begin_step(self, state: HybridState, start_pos: int, n: int) -> bool:
         """The snapshot ring's batch; whether it keeps this one's per-token states."""
         return state.ring.begin(start_pos, n)
+
+    def batched_layers(self, batch, h: torch.Tensor) -> torch.Tensor:
+        """The layers over several sequences' rows, as forward() runs one's: each sequence's ring
+        decides its own capture (begin_step), attention halves read their caches and Gated DeltaNet
+        halves advance their states sequence by sequence (the halves' `batched`)."""
+        captures = [self.begin_step(seq.state, seq.start, seq.n) for seq in batch.seqs]
+        for layer in self.layers:
+            if layer.kind == ATTENTION:
+                h = layer.mixer.batched(h, batch)
+            else:
+                h = layer.mixer.batched(h, batch, captures)
+            h = layer.ffn(h)
+        return h
 
     def forward(self, state: HybridState, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
         n = tokens.shape[0]

@@ -67,7 +67,7 @@ class ServeConfig:
 def shares_steps(model: Model, n_parallel: int, cont_batching: bool = True) -> bool:
     """Whether a pool's sessions run their steps as shared forwards (continuous batching): asked
     for, more than one session, no plan (a placed model's sessions take turns) and a model whose
-    forward takes several sequences (not yet one with per-sequence recurrent state)."""
+    forward takes several sequences (a CPU trunk: Model.batch_refusal)."""
     return cont_batching and n_parallel > 1 and model.plan is None and model.batch_refusal() is None
 
 

@@ -260,7 +260,9 @@ class FusedGDNBlock:
         mats = [self.qkv, self.z, self.b, self.a, self.out]
         # what gdn_core reads beside the projections: conv kernel, dt bias, A, ssm_norm
         self.core_weights = (mixer.conv_w.numpy(), mixer.dt_bias.numpy(), mixer.ssm_a.numpy(), mixer.norm.numpy())
-        self.args = (*_covering(kernel_types, mats), block.norm.numpy(), mixer.spec.eps,
+        self.kernel_types = _covering(kernel_types, mats)
+        self.norm = block.norm.numpy()
+        self.args = (*self.kernel_types, self.norm, mixer.spec.eps,
                      *self.qkv, *self.z, *self.b, *self.a, *self.out, *self.core_weights)
         self.index, self.spec, self.ba_packed = mixer.index, mixer.spec, mixer.split_ba
         self.nbytes = sum(m.nbytes for m in mixer.w_rest) + mixer.w_out.nbytes
@@ -281,6 +283,25 @@ class FusedGDNBlock:
         out = gdn_block.gdn_block(_rows_f32(h), numba.get_num_threads(), *self.args, *self._views(state), capture,
                                   self.spec.n_k_heads, self.spec.tiled_heads, self.ba_packed)
         return torch.from_numpy(out)
+
+    def batched(self, h: torch.Tensor, batch, captures: list[bool]) -> torch.Tensor:
+        """__call__ over a batch of several sequences (runtime.batch.StepBatch, at most ROWWISE_MAX
+        rows; captures: begin_step's answer for each): gdn_block's own steps, the input projections,
+        the gated norm and the output projection once over all rows, the conv, norms, gates and
+        recurrence (with its ring writes) sequence by sequence on its own state. Each step is the
+        code the one call runs, and a row's projections and norms do not depend on the other rows,
+        so every row and every sequence's state come out as they would alone."""
+        s, n_threads, x = self.spec, numba.get_num_threads(), _rows_f32(h)
+        conv_w, dt_bias, ssm_a, ssm_norm = self.core_weights
+        qkv, z, b, a = gdn_block.gdn_in(x, n_threads, *self.kernel_types, self.norm, s.eps, *self.qkv, *self.z,
+                                        *self.b, *self.a, s.conv_channels, s.n_v_heads, s.head_dim, s.n_k_heads,
+                                        self.ba_packed)
+        core = np.empty((x.shape[0], s.value_dim), np.float32)
+        for seq, rows, capture in zip(batch.seqs, batch.rows, captures):
+            gdn_block.gdn_recurrence(n_threads, qkv[rows], b[rows], a[rows], conv_w, dt_bias, ssm_a, s.eps,
+                                     *self._views(seq.state), capture, s.n_k_heads, s.tiled_heads, core[rows])
+        y = gdn_block.gated_norm(n_threads, core, z, ssm_norm, s.eps, s.conv_channels)
+        return torch.from_numpy(gdn_block.gdn_out(x, y, n_threads, *self.kernel_types, self.norm, s.eps, *self.out))
 
     def _prompt(self, h: torch.Tensor, state, capture: bool) -> torch.Tensor:
         m = self.mixer
