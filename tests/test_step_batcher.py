@@ -35,12 +35,10 @@ def _generate(model, ids, n, spec_type, session=None, on_token=None):
     return out
 
 
-@pytest.mark.parametrize("fixture,max_tokens", [("tiny_llama", 0), ("tiny_qwen3", 0), ("tiny_llama", 6)])
-def test_shared_steps_equal_each_request_alone(fixture, max_tokens, request):
-    model = load_model(request.getfixturevalue(fixture))
-    cases = [  # (prompt length, tokens, draft source, arrival delay s)
-        (5, 24, "none", 0.0), (40, 16, "ngram-simple", 0.0), (700, 12, "none", 0.01),
-        (9, 30, "ngram-simple", 0.02), (17, 8, "none", 0.0), (3, 20, "ngram-simple", 0.05)]
+def _each_alone_and_together(model, cases, max_tokens: int = 0) -> StepBatcher:
+    """cases: (prompt length, tokens, draft source, arrival delay s). Each request generated alone,
+    then all of them on their own threads sharing one StepBatcher's steps; asserts every output
+    equals the request alone and returns the (stopped) batcher for its counts."""
     prompts = [_prompt(i, n, model.n_vocab) for i, (n, *_rest) in enumerate(cases)]
     alone = [_generate(model, p, n, spec) for p, (_, n, spec, _) in zip(prompts, cases)]
 
@@ -67,6 +65,16 @@ def test_shared_steps_equal_each_request_alone(fixture, max_tokens, request):
     assert not errors, errors
     assert [results[i] for i in range(len(cases))] == alone
     assert batcher.steps < batcher.evals, "no step was shared"
+    return batcher
+
+
+@pytest.mark.parametrize("fixture,max_tokens", [("tiny_llama", 0), ("tiny_qwen3", 0), ("tiny_llama", 6)])
+def test_shared_steps_equal_each_request_alone(fixture, max_tokens, request):
+    model = load_model(request.getfixturevalue(fixture))
+    cases = [  # (prompt length, tokens, draft source, arrival delay s)
+        (5, 24, "none", 0.0), (40, 16, "ngram-simple", 0.0), (700, 12, "none", 0.01),
+        (9, 30, "ngram-simple", 0.02), (17, 8, "none", 0.0), (3, 20, "ngram-simple", 0.05)]
+    batcher = _each_alone_and_together(model, cases, max_tokens)
     assert batcher.rows >= sum(n for n, *_ in cases)
 
 
@@ -171,27 +179,4 @@ def test_recurrent_sessions_share_steps_with_their_own_drafts(tiny_qwen35_mtp):
     model = load_model(tiny_qwen35_mtp)
     assert model.batch_refusal() is None
     cases = [(5, 16, "draft-mtp", 0.0), (9, 12, "none", 0.0), (3, 20, "draft-mtp", 0.01), (12, 10, "none", 0.02)]
-    prompts = [_prompt(i, n, model.n_vocab) for i, (n, *_rest) in enumerate(cases)]
-    alone = [_generate(model, p, n, spec) for p, (_, n, spec, _) in zip(prompts, cases)]
-    batcher = StepBatcher(model)
-    results, errors = {}, []
-
-    def serve(i):
-        _, n, spec, delay = cases[i]
-        time.sleep(delay)
-        session = model.session(1024, k_max=SPEC.k_max)
-        try:
-            with batcher.member(session):
-                results[i] = _generate(model, prompts[i], n, spec, session)
-        except BaseException as e:      # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=serve, args=(i,)) for i in range(len(cases))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    batcher.stop()
-    assert not errors, errors
-    assert [results[i] for i in range(len(cases))] == alone
-    assert batcher.steps < batcher.evals, "no step was shared"
+    _each_alone_and_together(model, cases)
