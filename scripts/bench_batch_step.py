@@ -2,7 +2,8 @@
 
     python scripts/bench_batch_step.py [--models smollm2-135m gemma3-270m] [--threads 2] [--rounds 60]
 
-For each model (pulled with `hybridrt pull`), N sessions hold prompts of different lengths (f16
+For each model (a name pulled with `hybridrt pull`, or a .gguf path: e.g. a qwen35 file of
+scripts/make_model.py's), N sessions hold prompts of different lengths (f16
 KV cache, as `run` and `serve` default to); a round evaluates one token per session (or k tokens:
 a verify-like step) either as N Session.eval calls or as one session.eval_batch, logits of the last
 row each, then rolls every session back, so every round runs at the same positions. Rounds of the
@@ -66,7 +67,8 @@ def bench(model, n: int, k: int, rounds: int) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
+    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"],
+                    help="registry names or .gguf paths")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=60)
     ap.add_argument("--shapes", nargs="+", default=["1x1", "2x1", "4x1", "8x1", "4x4"],
@@ -74,7 +76,8 @@ def main() -> None:
     args = ap.parse_args()
     print(f"load average before: {os.getloadavg()[0]:.2f}")
     for name in args.models:
-        model = load_model(model_path(name), threads=args.threads)
+        path = Path(name) if name.endswith(".gguf") else model_path(name)
+        model = load_model(path, threads=args.threads)
         for shape in args.shapes:
             n, k = (int(v) for v in shape.split("x"))
             alone, together = bench(model, n, k, args.rounds)
