@@ -6,7 +6,9 @@ For each model (a name pulled with `hybridrt pull`, or a .gguf path: e.g. a qwen
 scripts/make_model.py's), N sessions hold prompts of different lengths (f16
 KV cache, as `run` and `serve` default to); a round evaluates one token per session (or k tokens:
 a verify-like step) either as N Session.eval calls or as one session.eval_batch, logits of the last
-row each, then rolls every session back, so every round runs at the same positions. Rounds of the
+row each, then rolls every session back, so every round runs at the same positions (a recurrent
+trunk, qwen35, keeps no state from before its last step to roll back to: its sessions run on, their
+context sized for every round, each way alternately at the next positions). Rounds of the
 two ways alternate; the figures are medians. "x" is the separate steps' time over the shared
 step's: how much of the weight reading the sessions share.
 Run it on a quiet machine (it prints the load average before and after).
@@ -37,12 +39,16 @@ def timed(fn) -> float:
 
 def bench(model, n: int, k: int, rounds: int) -> tuple[float, float]:
     """Median seconds of (N separate evals, one shared eval_batch) of k tokens per session."""
-    sessions = [model.session(512, "f16", k_max=max(k, 4)) for _ in range(n)]
+    runs_on = model.spec.recurrent
+    n_ctx = max(PROMPT_LENGTHS) + 2 * (rounds + 3) * k if runs_on else 512
+    sessions = [model.session(n_ctx, "f16", k_max=max(k, 4)) for _ in range(n)]
     for i, s in enumerate(sessions):
         s.eval([(7 * i + j) % model.n_vocab for j in range(PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)])], logits="none")
     tokens = [[(31 * i + j) % model.n_vocab for j in range(k)] for i in range(n)]
 
     def rollback():
+        if runs_on:
+            return
         for s in sessions:
             s.truncate(s.n_past - k)
 
