@@ -7,12 +7,12 @@ arrival order by whichever session frees up first, and no more than N ever decod
 decoding runs in those threads (the quantized kernels and torch release the GIL), so the event
 loop only moves text.
 
-Continuous batching (the default for attention-only models without a plan): the sessions' evals
+Continuous batching (the default for a CPU trunk without a plan): the sessions' evals
 go to one `StepBatcher` thread, which runs those waiting as one forward (every weight read once
 for all of them) and hands each its logits; each session still runs its own generation loop
 (sampler, drafts, grammar, stop strings) on its worker thread. With a plan (--vram, --device cuda)
 the sessions take turns instead, one decoding step at a time (`Turns`): a placed model's steps
-share buffers that no two may write at once. Otherwise (qwen35's recurrent state, --no-cont-batching)
+share buffers that no two may write at once. Otherwise (a trunk on the device, --no-cont-batching)
 they decode side by side, each its own forwards.
 
 A request's tokens go back to its handler through `Job`: the worker pushes events onto an asyncio
