@@ -52,6 +52,11 @@ class _Eval:
     def next_chunk(self) -> torch.Tensor:
         return self.tokens[:PROMPT_CHUNK]
 
+    @property
+    def prompt(self) -> bool:
+        """Whether its next chunk takes the prompt path (more than ROWWISE_MAX rows: a forward of its own)."""
+        return self.tokens.shape[0] > ROWWISE_MAX
+
 
 class StepBatcher:
     """Runs the evals of several sessions of one model in shared steps, on its own thread.
@@ -137,7 +142,7 @@ class StepBatcher:
                         job.done.set()
                     return
                 jobs = self._take()
-            decode = all(j.tokens.shape[0] <= ROWWISE_MAX for j in jobs)
+            decode = not any(j.prompt for j in jobs)
             self._step(jobs)
             if decode:
                 self._step_s = time.perf_counter() - started
@@ -148,12 +153,12 @@ class StepBatcher:
         progress). An eval that does not fit waits for the next step, where it is older."""
         taken, rows, chunk = [], 0, False
         for job in sorted(self._waiting.values(), key=lambda j: j.since):
-            n, large = job.next_chunk().shape[0], job.tokens.shape[0] > ROWWISE_MAX
-            if (large and chunk) or (taken and self.max_tokens and rows + n > self.max_tokens):
+            n = job.next_chunk().shape[0]
+            if (job.prompt and chunk) or (taken and self.max_tokens and rows + n > self.max_tokens):
                 continue
             taken.append(job)
             rows += n
-            chunk |= large
+            chunk |= job.prompt
         return taken
 
     @staticmethod

@@ -154,7 +154,7 @@ class SessionPool:
                             f"({model.plan.options.n_seq}): plan with --parallel {cfg.n_parallel}")
         self.turns = Turns() if model.plan is not None else None
         # continuous batching: the sessions' evals share forwards, every weight read once for all of
-        # them; not for a plan (its steps take turns) or a model with per-sequence recurrent state
+        # them; not for a plan (its steps take turns) or a trunk off the CPU (shares_steps)
         self.batcher = StepBatcher(model, cfg.threads, cfg.batch_tokens) if shares_steps(model, cfg.n_parallel, cfg.cont_batching) else None
         k_max = cfg.spec.k_max if cfg.spec_type != "none" else 1     # as `run`: no ring without drafts
         self.sessions = [model.session(cfg.n_ctx, cfg.cache_type, k_max=k_max) for _ in range(cfg.n_parallel)]
