@@ -24,7 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hybridrt.files.registry import model_path  # noqa: E402
+from hybridrt.errors import UserError  # noqa: E402
+from hybridrt.files.gguf_file import GGUFError  # noqa: E402
+from hybridrt.files.registry import resolve_model  # noqa: E402
 from hybridrt.runtime.loader import load_model  # noqa: E402
 from hybridrt.runtime.session import eval_batch  # noqa: E402
 
@@ -82,8 +84,11 @@ def main() -> None:
     args = ap.parse_args()
     print(f"load average before: {os.getloadavg()[0]:.2f}")
     for name in args.models:
-        path = Path(name) if name.endswith(".gguf") else model_path(name)
-        model = load_model(path, threads=args.threads)
+        try:        # a bad name or file: one error line and exit 2, as the other bench scripts
+            model = load_model(resolve_model(name, auto_pull=False), threads=args.threads)
+        except (UserError, GGUFError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(2)
         for shape in args.shapes:
             n, k = (int(v) for v in shape.split("x"))
             alone, together = bench(model, n, k, args.rounds)
