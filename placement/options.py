@@ -34,7 +34,7 @@ class PlanOptions:
                                         # CPU FFN layer's weights, copied up for each prompt batch
     n_seq: int = 1                      # sessions held at once (serve's --parallel): each has its own
                                         # KV cache, recurrent state, snapshot ring and draft KV / state;
-                                        # their steps take turns, so weights and scratch count once
+                                        # one step at a time for all, so weights and scratch count once
 
     @property
     def n_draft(self) -> int:

@@ -18,9 +18,10 @@ Stages 1-3 must fit or there is no plan (PlanError says the minimum VRAM and wha
 
 Sessions (`n_seq`, serve's --parallel): every session holds its own KV cache, recurrent state,
 snapshot ring and draft KV and state, so those lines count n_seq times; the weights, the activation
-scratch and the prompt staging count once, because the sessions' steps take turns on the device
-(hybridrt/server/pool.py: one step at a time, since they share the executor's buffers and the
-dequantization tile). Not reserved by any line: the memory pools of captured steps (CUDA graphs,
+scratch and the prompt staging count once, because the device runs one step at a time: the
+sessions' shared steps (one forward over all their rows, at most ROWWISE_MAX of them: fewer than
+the prompt chunk the scratch holds) and their own work between them take the device in turn
+(hybridrt/runtime/step_batcher.py; they share the executor's buffers and the dequantization tile). Not reserved by any line: the memory pools of captured steps (CUDA graphs,
 runtime/step_graphs.py), one per session and step size.
 
 Snapshot ring: N slots for N drafts. A verify batch is [last token, d1..dN]; after it the state must

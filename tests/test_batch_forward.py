@@ -6,7 +6,8 @@ steps, every KV cache type, the fused and the torch trunk; on the tiny llama / q
 and (slow) on SmolLM2 and Gemma 3. The recurrent trunks (tiny qwen35 / qwen35moe / qwen3next):
 each sequence's Gated DeltaNet state and snapshot ring advance in its own rows, verify-sized rows
 are captured or not as each session's ring decides, and a rollback inside a shared verify step
-restores each session as it would alone. A step is a dict session index -> tokens (the others sit it
+restores each session as it would alone. A placed model (a plan, the CPU standing in for the
+device; on a GPU too, marked cuda) batches alike. A step is a dict session index -> tokens (the others sit it
 out); `rollback` drops sessions' last tokens before a step (Session.truncate), in both runs alike.
 """
 from __future__ import annotations
@@ -20,12 +21,13 @@ import torch
 import make_model
 from gpu_kernels.attention import ROWWISE_MAX
 from hybridrt.errors import UserError
-from hybridrt.runtime.backends import FusedAttentionBlock, FusedGDNBlock
+from hybridrt.runtime.backends import FusedAttentionBlock, FusedGDNBlock, GluFFN, HostFFN, SplitFFN
 from hybridrt.runtime.batch import BatchSeq, StepBatch, pack_rows
 from hybridrt.runtime.loader import load_model
 from hybridrt.runtime.place import PlacementRequest
 from hybridrt.runtime.session import eval_batch
 from tests.real_models import GEMMA3, SMOLLM2, require
+from tests.test_placed_run import budget_for
 
 ARCHS = ("llama", "qwen3", "gemma3")
 
@@ -221,7 +223,6 @@ def recurrent_script(model, seed: int) -> Script:
 @pytest.mark.parametrize("mix", ["q4_k_m", "f32"])
 def test_recurrent_steps_equal_each_session_alone(tiny, single_thread, arch, mix):
     model = tiny(arch, mix)
-    assert model.batch_refusal() is None
     assert any(isinstance(layer.mixer, FusedGDNBlock) for layer in model.layers)
     assert any(isinstance(layer.mixer, FusedAttentionBlock) for layer in model.layers)
     assert_batched_equals_alone(model, recurrent_script(model, seed=20 + RECURRENT.index(arch)))
@@ -271,7 +272,7 @@ def test_recurrent_states_and_rings_after_a_shared_verify(tiny, single_thread, f
         assert all(torch.equal(u, w) for u, w in zip(recurrent(x), recurrent(y))), f"session {i} after its rollback"
 
 
-def test_refusals(tiny, tmp_path):
+def test_refusals(tiny):
     model = tiny("llama")
     s = model.session(64)
     with pytest.raises(ValueError, match="twice"):
@@ -281,11 +282,24 @@ def test_refusals(tiny, tmp_path):
     big = StepBatch(tuple(BatchSeq(model.new_state(64), 0, 17) for _ in range(2)))
     with pytest.raises(ValueError, match="at most"):
         model.forward_batch(big, torch.zeros(34, dtype=torch.int64))
-    path = make_model.write_model(tmp_path / "llama.gguf", "llama", seed=3)
-    placed = load_model(path, placement=PlacementRequest(vram_bytes=1 << 30, n_ctx=64, cache_type_k="f32",
-                                                         cache_type_v="f32"))
-    with pytest.raises(UserError, match="placed model"):
-        eval_batch([placed.session(64), placed.session(64)], [[1], [2]])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen35_q4"])
+def test_placed_steps_equal_each_session_alone(fixture, device, request, single_thread):
+    """A plan (on the CPU: the CPU standing in for the device, tests/test_placed_run.py): device
+    matrices, FFN layers in the mmap crossing to the executor's worker (HostFFN) and the split layer
+    (SplitFFN) over several sequences' rows, each session's logits and hiddens bitwise its own
+    eval's, the recurrent trunk's states and rings included. The step of 36 rows runs two forwards
+    and the output head once for each: one device head call over all 36 would be a prompt GEMM."""
+    path = request.getfixturevalue(fixture)
+    req = PlacementRequest(n_ctx=128, cache_type_k="f32", cache_type_v="f32", spec_draft_n_max=7,
+                           spec_type="draft-mtp" if "qwen35" in fixture else "ngram-simple")
+    model = load_model(path, device=device, placement=dataclasses.replace(req, vram_bytes=budget_for(path, req, 2, 1.0)))
+    kinds = {type(layer.ffn.ffn) for layer in model.layers}
+    assert {GluFFN, SplitFFN, HostFFN} <= kinds, kinds
+    recurrent = model.arch == "qwen35"
+    assert_batched_equals_alone(model, recurrent_script(model, 4) if recurrent else mixed_script(model, 4))
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """`hybridrt serve` executing a plan as `run` does (issue 59 item 4), with the CPU standing in for the
 device: the same flags and placement line, the same greedy tokens, a plan that reserves each of the
---parallel sessions' own state, and sessions that take turns at the placed model's steps.
+--parallel sessions' own state, and sessions that share the placed model's steps (or take turns
+at them without continuous batching).
 
 The server runs in this process: `uvicorn.run` is replaced by a Starlette TestClient over the app
 `serve` built, so nothing listens on a port and the CLI's whole path (flags, load, pool) is what
@@ -164,26 +165,40 @@ def test_serve_bad_vram_is_one_line(tiny_qwen35_mtp):
     assert_one_line_error(r, "bad --vram 'lots'")
 
 
-def test_parallel_sessions_take_turns_on_a_plan(tiny_qwen35_q4, monkeypatch, capsys):
-    """Two requests decoding at once on a placed model each get what they get alone: the sessions
+@pytest.mark.parametrize("batching", ["--cont-batching", "--no-cont-batching"])
+def test_parallel_sessions_on_a_plan(tiny_qwen35_q4, batching, monkeypatch, capsys):
+    """Two requests decoding at once on a placed model each get what they get alone. The sessions
     share the executor's host buffers and the dequantization tile (quantized matrices on the device:
-    the trunk's, and the output head's and MTP head's outside the executor's forward), and take
-    turns at steps."""
-    alone, together = alone_and_together(tiny_qwen35_q4, "cpu", monkeypatch)
+    the trunk's, and the output head's and MTP head's outside the executor's forward): with
+    continuous batching their evals share steps and the rest of their device work takes turns with
+    them; without it they take turns a whole step at a time."""
+    alone, together, shared = alone_and_together(tiny_qwen35_q4, "cpu", monkeypatch, batching)
     assert "and the KV caches of 2 sessions on it" in placement_of(capsys.readouterr().err)
     assert alone[0] != alone[1] and together == alone
+    assert (shared is not None and shared[1] < shared[0]) if batching == "--cont-batching" else shared is None
 
 
 @pytest.mark.cuda
-def test_parallel_sessions_take_turns_on_a_gpu_plan(tiny_qwen35_q4, monkeypatch, capsys):
+def test_parallel_sessions_on_a_gpu_plan(tiny_qwen35_q4, monkeypatch, capsys):
     """On a GPU: real streams, and steps replayed from CUDA graphs captured per session."""
-    alone, together = alone_and_together(tiny_qwen35_q4, "cuda", monkeypatch)
+    alone, together, shared = alone_and_together(tiny_qwen35_q4, "cuda", monkeypatch)
     assert "to cuda; trunk, output head and the KV caches of 2 sessions" in placement_of(capsys.readouterr().err)
-    assert alone[0] != alone[1] and together == alone
+    assert alone[0] != alone[1] and together == alone and shared[1] < shared[0]
 
 
-def alone_and_together(path, device: str, monkeypatch) -> tuple[list[str], list[str]]:
-    """Two prompts' greedy answers from a placed -np 2 server: one after the other, then at once."""
+def batch_counts(client) -> tuple[int, int] | None:
+    """/metrics' (evals handed to shared steps, steps run); None without continuous batching."""
+    values = {}
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(("hybridrt_batch_evals_total ", "hybridrt_batch_steps_total ")):
+            name, value = line.split()
+            values[name] = int(float(value))
+    return (values["hybridrt_batch_evals_total"], values["hybridrt_batch_steps_total"]) if values else None
+
+
+def alone_and_together(path, device: str, monkeypatch, batching: str = "--cont-batching"):
+    """Two prompts' greedy answers from a placed -np 2 server: one after the other, then at once;
+    and /metrics' batch counts after them."""
     vram = str(budget_for(path, dataclasses.replace(REQUEST, n_seq=2), 3, 2.5))
     prompts = ["hello world", "the quick brown fox jumps over"]
 
@@ -191,7 +206,7 @@ def alone_and_together(path, device: str, monkeypatch) -> tuple[list[str], list[
         alone = [chat(client, p, 24) for p in prompts]
         with ThreadPoolExecutor(2) as pool:
             together = list(pool.map(lambda p: chat(client, p, 24), prompts))
-        return alone, together
+        return alone, together, batch_counts(client)
 
     return serve(monkeypatch, ["-m", str(path), "-c", "256", "--vram", vram, "--device", device, "-np", "2",
-                               "--no-warmup"], talk)
+                               "--no-warmup", batching], talk)

@@ -1,7 +1,8 @@
 """Shared steps across sessions (runtime/step_batcher.py, issue 57 items 2-3): sessions decoding on
 their own threads, their evals run together, each output equal to the same request alone: greedy,
 with and without n-gram drafts, different prompt lengths (a prompt longer than a chunk among them),
-different arrival times, and a generation cancelled mid-way."""
+different arrival times, and a generation cancelled mid-way; a placed model's sessions too, whose
+steps and own work take the device in turn."""
 from __future__ import annotations
 
 import threading
@@ -35,6 +36,25 @@ def _generate(model, ids, n, spec_type, session=None, on_token=None):
     return out
 
 
+def _on_threads(serve, n: int, batcher: StepBatcher, timeout: float = 120) -> list[BaseException]:
+    """serve(i) for i < n, each on a thread of its own, then the batcher stopped; what they raised."""
+    errors = []
+
+    def guarded(i):
+        try:
+            serve(i)
+        except BaseException as e:      # noqa: BLE001 - returned to the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    batcher.stop()
+    return errors
+
+
 def _each_alone_and_together(model, cases, max_tokens: int = 0) -> StepBatcher:
     """cases: (prompt length, tokens, draft source, arrival delay s). Each request generated alone,
     then all of them on their own threads sharing one StepBatcher's steps; asserts every output
@@ -44,24 +64,15 @@ def _each_alone_and_together(model, cases, max_tokens: int = 0) -> StepBatcher:
 
     batcher = StepBatcher(model, max_tokens=max_tokens)
     results: dict[int, list[int]] = {}
-    errors = []
 
     def serve(i):
         _, n, spec, delay = cases[i]
         time.sleep(delay)
         session = model.session(1024, k_max=SPEC.k_max)
-        try:
-            with batcher.member(session):
-                results[i] = _generate(model, prompts[i], n, spec, session)
-        except BaseException as e:      # noqa: BLE001 - reported below
-            errors.append(e)
+        with batcher.member(session):
+            results[i] = _generate(model, prompts[i], n, spec, session)
 
-    threads = [threading.Thread(target=serve, args=(i,)) for i in range(len(cases))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    batcher.stop()
+    errors = _on_threads(serve, len(cases), batcher)
     assert not errors, errors
     assert [results[i] for i in range(len(cases))] == alone
     assert batcher.steps < batcher.evals, "no step was shared"
@@ -96,24 +107,69 @@ def test_a_cancelled_generation_leaves_and_the_others_go_on(tiny_llama):
         with batcher.member(session):
             results[i] = _generate(model, prompts[i], 20, "ngram-simple", session, on_token)
 
-    threads = [threading.Thread(target=serve, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    batcher.stop()
+    assert not _on_threads(serve, 3, batcher)
     assert results[0] == alone[0] and results[2] == alone[2]
     assert results[1] == alone[1][:len(results[1])] and len(results[1]) < 20
     assert not batcher._members and not batcher._waiting
 
 
-def test_models_that_cannot_batch_are_refused(tiny_llama):
-    from hybridrt.runtime.place import PlacementRequest
+def _placed(path, n_ctx: int, **request):
+    """path under a plan with the CPU standing in for the device: some FFN layers on the "device",
+    one split, the rest in the mmap (tests/test_placed_run.py)."""
+    import dataclasses
 
-    placed = load_model(tiny_llama, placement=PlacementRequest(vram_bytes=1 << 30, n_ctx=64, cache_type_k="f32",
-                                                               cache_type_v="f32"))
-    with pytest.raises(ValueError, match="cannot batch"):
-        StepBatcher(placed)
+    from hybridrt.runtime.place import PlacementRequest
+    from tests.test_placed_run import budget_for
+
+    req = PlacementRequest(n_ctx=n_ctx, **request)
+    return load_model(path, placement=dataclasses.replace(req, vram_bytes=budget_for(path, req, 1, 2.5)))
+
+
+def test_placed_sessions_share_steps_with_their_own_drafts(tiny_qwen35_q4):
+    """A plan: the steps run on the batcher's thread, the MTP head's drafts on the sessions' own,
+    both on the device's one dequantization tile and the crossings' host buffers; every output
+    equals the request alone."""
+    model = _placed(tiny_qwen35_q4, 1024, spec_type="draft-mtp", spec_draft_n_max=3)
+    cases = [(5, 16, "draft-mtp", 0.0), (9, 12, "none", 0.0), (3, 20, "draft-mtp", 0.01), (12, 10, "none", 0.02)]
+    batcher = _each_alone_and_together(model, cases)
+    assert batcher.device_turn is not None
+
+
+def test_steps_and_members_own_work_take_the_device_in_turn(tiny_llama, monkeypatch):
+    """With a plan no shared step runs while a member does its own work (here on_token: 3, 6 and
+    9 ms a token for the three sessions, so the others' evals wait longer than the gather window),
+    which could write the device's buffers under the step; a CPU trunk's batcher has no such turn."""
+    from hybridrt.runtime import step_batcher
+
+    assert StepBatcher(load_model(tiny_llama)).device_turn is None
+    placed = _placed(tiny_llama, 256, spec_type="ngram-simple", spec_draft_n_max=3)
+    steps, own = [], []
+    eval_batch = step_batcher.eval_batch
+
+    def timed_eval_batch(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = eval_batch(*args, **kwargs)
+        steps.append((t0, time.perf_counter()))
+        return out
+
+    monkeypatch.setattr(step_batcher, "eval_batch", timed_eval_batch)
+    batcher = StepBatcher(placed)
+
+    def serve(i):
+        def on_token(token):
+            t0 = time.perf_counter()
+            time.sleep(0.003 * (i + 1))
+            own.append((t0, time.perf_counter()))
+
+        session = placed.session(256, k_max=SPEC.k_max)
+        with batcher.member(session):
+            _generate(placed, _prompt(i, 6 + i, placed.n_vocab), 10, "none", session, on_token)
+
+    errors = _on_threads(serve, 3, batcher)
+    assert not errors, errors
+    assert batcher.steps < batcher.evals and len(own) == 30
+    overlaps = [(s, o) for s in steps for o in own if s[0] < o[1] and o[0] < s[1]]
+    assert not overlaps, f"{len(overlaps)} steps ran during a member's own work"
 
 
 def test_a_late_member_is_waited_for_half_a_step(tiny_llama):
@@ -177,6 +233,5 @@ def test_recurrent_sessions_share_steps_with_their_own_drafts(tiny_qwen35_mtp):
     Gated DeltaNet state and snapshot ring in shared steps and rolling back alone; every output
     equals the request alone."""
     model = load_model(tiny_qwen35_mtp)
-    assert model.batch_refusal() is None
     cases = [(5, 16, "draft-mtp", 0.0), (9, 12, "none", 0.0), (3, 20, "draft-mtp", 0.01), (12, 10, "none", 0.02)]
     _each_alone_and_together(model, cases)

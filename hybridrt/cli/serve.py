@@ -129,7 +129,7 @@ def serve(
     if threads is None:
         # shared steps run on one thread, which takes every core; sessions that decode at once
         # would oversubscribe with a pool of all cores each
-        shared = shares_steps(m, parallel, cont_batching)
+        shared = shares_steps(parallel, cont_batching)
         threads = numba.config.NUMBA_NUM_THREADS if shared else max(1, numba.config.NUMBA_NUM_THREADS // parallel)
     planned = m.plan.options if m.plan is not None else None
     n_ctx = context_size(ctx_size, m.n_ctx_train, planned.n_ctx if planned else None)

@@ -160,27 +160,16 @@ class Model:
             h = layer.ffn(layer.mixer(h, state, pos_list))
         return self.final_norm(h)
 
-    def batch_refusal(self) -> str | None:
-        """Why forward_batch cannot run this model now, None where it can: a plan (its device
-        segments and CPU crossings take one sequence per step) or a trunk off the CPU (its kernels'
-        bit identity across a mixed batch is unchecked). Recurrent trunks (qwen35 and kin) batch on
-        the CPU: each sequence advances its own Gated DeltaNet state and snapshot ring in its rows."""
-        if self.plan is not None:
-            return "a placed model (--vram / a plan) runs one sequence per step"
-        if self.device.type != "cpu":
-            return f"a trunk on {self.device.type} runs one sequence per step (only a CPU trunk batches sequences)"
-        return None
-
     def forward_batch(self, batch, tokens: torch.Tensor) -> torch.Tensor:
         """forward() of several sequences in one step (runtime.batch.StepBatch; tokens: its rows, one
         sequence after another): every matrix runs once over all the rows, rotary, the KV writes and
         attention (and a recurrent layer's conv and recurrence) sequence by sequence on its own
         state (batched_layers). A row's result is the one forward() gives it alone, bit for bit,
         while the batch holds at most ROWWISE_MAX rows: more would make it a prompt batch, whose
-        numerics are another path's (runtime/batch.py)."""
-        refusal = self.batch_refusal()
-        if refusal is not None:
-            raise UserError(f"cannot batch sequences: {refusal}")
+        numerics are another path's (runtime/batch.py). A placed model batches alike: its device
+        kernels give a row the bits it gets alone in any batch of up to ROWWISE_MAX rows (what its
+        verify batches already rest on: gpu_kernels/qlinear.py, triton_matvec.py), and its CPU FFN
+        layers are the same k-input kernels."""
         if tokens.shape[0] != batch.n_rows:
             raise ValueError(f"{tokens.shape[0]} tokens for a batch of {batch.n_rows} rows")
         if len(batch.seqs) == 1:

@@ -56,7 +56,8 @@ class Executor:
     def forward_batch(self, model, batch, tokens: torch.Tensor) -> torch.Tensor:
         """One forward of several sequences' rows (runtime.batch.StepBatch; model.forward_batch):
         decode steps, verify batches and short prompt chunks of different sessions sharing one read
-        of the weights. Steps of several sequences are never captured (a placed model refuses them)."""
+        of the weights. Steps of several sequences run eagerly, never captured: a graph is one
+        sequence's step of one size (a replay gives the bits of the eager step)."""
         seqs = ", ".join(f"{s.n} @ {s.start}" for s in batch.seqs)
         with maybe_span(self.trace, f"forward batch [{seqs}]", "step"):
             return self._governed(tokens.shape[0], lambda: model.forward_batch(batch, tokens))

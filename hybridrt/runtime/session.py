@@ -25,7 +25,6 @@ class Evaluable(Protocol):
     def new_state(self, n_ctx: int, cache_type: str, k_max: int): ...
     def forward(self, state, tokens: torch.Tensor, start_pos: int) -> torch.Tensor: ...
     def forward_batch(self, batch, tokens: torch.Tensor) -> torch.Tensor: ...
-    def batch_refusal(self) -> str | None: ...
     def begin_step(self, state, start_pos: int, n: int) -> bool: ...
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor: ...
     def truncate_state(self, state, n: int) -> None: ...
@@ -115,7 +114,7 @@ def eval_batch(sessions: Sequence[Session], token_lists: Sequence[Sequence[int] 
     entry i of the list. Bit for bit what each session's own eval would return: sessions whose
     tokens fit a decode / verify step share forwards of up to ROWWISE_MAX rows (every matrix read
     once for all of them, runtime/batch.py), one with more (a prompt) runs its own, and the output
-    head runs once over every session's rows. Sessions roll back as before (Session.truncate)."""
+    head runs once over each forward's rows. Sessions roll back as before (Session.truncate)."""
     if len(sessions) != len(token_lists):
         raise ValueError(f"{len(sessions)} sessions, {len(token_lists)} token lists")
     if not sessions:
@@ -125,13 +124,11 @@ def eval_batch(sessions: Sequence[Session], token_lists: Sequence[Sequence[int] 
         raise ValueError("sessions of different models cannot share a step")
     if len({id(s) for s in sessions}) != len(sessions):
         raise ValueError("a session appears twice in one step")
-    refusal = model.batch_refusal()
-    if refusal is not None:
-        raise UserError(f"cannot batch sequences: {refusal}")
     toks = [_token_row(t) for t in token_lists]
     for s, tok in zip(sessions, toks):
         s._check_fits(s.n_past, tok.shape[0])
-    for group in pack_rows([tok.shape[0] for tok in toks]):
+    groups = pack_rows([tok.shape[0] for tok in toks])
+    for group in groups:
         if len(group) == 1:
             s = sessions[group[0]]
             s._advance(toks[group[0]], logits == "all")
@@ -143,8 +140,14 @@ def eval_batch(sessions: Sequence[Session], token_lists: Sequence[Sequence[int] 
             sessions[i].n_past += toks[i].shape[0]
     if logits == "none":
         return [None] * len(sessions)
-    rows = [s.hidden if logits == "all" else s.hidden[-1:] for s in sessions]
-    return list(model.logits(torch.cat(rows)).split([r.shape[0] for r in rows]))
+    # the output head once per forward's group, not over every row at once: a device head's call
+    # of more than ROWWISE_MAX rows is a prompt GEMM, whose bits are not a decode row's
+    out: list[torch.Tensor | None] = [None] * len(sessions)
+    for group in groups:
+        rows = [sessions[i].hidden if logits == "all" else sessions[i].hidden[-1:] for i in group]
+        for i, g in zip(group, model.logits(torch.cat(rows)).split([r.shape[0] for r in rows])):
+            out[i] = g
+    return out
 
 
 def _token_row(tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:

@@ -19,9 +19,18 @@ Exactness: `eval_batch` gives each session the bits its own `eval` would (runtim
 evals reach it at the same sizes `eval` would run them: a prompt in the PROMPT_CHUNK chunks
 `Session.eval` cuts it into. A prompt chunk runs alone (more than ROWWISE_MAX rows take the prompt
 path), at most one per step, so a long prompt delays the others' decoding by one chunk at a time.
+
+A model with device work (a plan, or a trunk off the CPU) keeps buffers once per model, not per
+session: the executor's host buffers that a CPU FFN layer's activations cross in, the op-offload
+staging, and the one dequantization tile every quantized device matrix writes before its matmul,
+the output head's and an MTP head's included. A session's own work between its evals (its drafts,
+an MTP head's catch-up) uses them too, so there the members and the steps take the device in turn
+(`_Membership`): a member holds it except while its eval waits, and a step takes it. On a CPU
+trunk the kernels keep nothing between calls and everything runs at once.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -71,10 +80,9 @@ class StepBatcher:
         waiting and one prompt chunk); the eval waiting longest always runs, whatever its size."""
         if max_tokens < 0:
             raise ValueError(f"max_tokens {max_tokens} < 0")
-        refusal = model.batch_refusal()
-        if refusal is not None:
-            raise ValueError(f"cannot batch sequences: {refusal}")
         self.model, self.threads, self.max_tokens = model, threads, max_tokens
+        # the device, taken in turn by the steps and the members' own work (module docstring)
+        self.device_turn = threading.Lock() if keeps_step_buffers(model) else None
         self._cond = threading.Condition()
         self._members: set[int] = set()                 # id(session) of sessions inside a generation
         self._waiting: dict[int, _Eval] = {}
@@ -101,7 +109,11 @@ class StepBatcher:
             self._waiting[id(session)] = job
             self.evals += 1
             self._cond.notify_all()
+        if self.device_turn is not None:
+            self.device_turn.release()      # the step, and the other members' own work, may run now
         job.done.wait()
+        if self.device_turn is not None:
+            self.device_turn.acquire()
         if job.error is not None:
             raise job.error
         if logits == "none":
@@ -179,12 +191,13 @@ class StepBatcher:
         # row count picks, so decode rows never share a head call with a prompt chunk's rows
         keys = [(self._mode(j, c), c.shape[0] > ROWWISE_MAX) for j, c in zip(jobs, chunks)]
         try:
-            for key in sorted(set(keys)):
-                group = [i for i, k in enumerate(keys) if k == key]
-                out = eval_batch([jobs[i].session for i in group], [chunks[i] for i in group], key[0])
-                for i, rows in zip(group, out):
-                    if rows is not None:
-                        jobs[i].rows.append(rows)
+            with self.device_turn if self.device_turn is not None else contextlib.nullcontext():
+                for key in sorted(set(keys)):
+                    group = [i for i, k in enumerate(keys) if k == key]
+                    out = eval_batch([jobs[i].session for i in group], [chunks[i] for i in group], key[0])
+                    for i, rows in zip(group, out):
+                        if rows is not None:
+                            jobs[i].rows.append(rows)
         except BaseException as e:      # noqa: BLE001 - every session of the step hears of it
             for j in jobs:
                 j.error = e
@@ -206,18 +219,31 @@ class StepBatcher:
                     j.since = time.perf_counter()      # its next chunk waits its turn again
 
 
+def keeps_step_buffers(model) -> bool:
+    """Whether the model's device work writes buffers it has once (module docstring): a plan's
+    crossings and staging, a device binder's dequantization tile."""
+    return model.plan is not None or model.device.type != "cpu"
+
+
 class _Membership:
+    """A session inside a generation: its evals go to the batcher; where the model keeps step
+    buffers it holds the device turn for its own work, from here to the end but for its evals' waits."""
+
     def __init__(self, batcher: StepBatcher, session: Session):
         self.batcher, self.session = batcher, session
 
     def __enter__(self):
         with self.batcher._cond:
             self.batcher._members.add(id(self.session))
+        if self.batcher.device_turn is not None:
+            self.batcher.device_turn.acquire()
         self.session.stepper = self.batcher
         return self.session
 
     def __exit__(self, *exc):
         self.session.stepper = None
+        if self.batcher.device_turn is not None:
+            self.batcher.device_turn.release()
         with self.batcher._cond:
             self.batcher._members.discard(id(self.session))
             self.batcher._cond.notify_all()

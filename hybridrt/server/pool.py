@@ -7,13 +7,13 @@ arrival order by whichever session frees up first, and no more than N ever decod
 decoding runs in those threads (the quantized kernels and torch release the GIL), so the event
 loop only moves text.
 
-Continuous batching (the default for a CPU trunk without a plan): the sessions' evals
-go to one `StepBatcher` thread, which runs those waiting as one forward (every weight read once
-for all of them) and hands each its logits; each session still runs its own generation loop
-(sampler, drafts, grammar, stop strings) on its worker thread. With a plan (--vram, --device cuda)
-the sessions take turns instead, one decoding step at a time (`Turns`): a placed model's steps
-share buffers that no two may write at once. Otherwise (a trunk on the device, --no-cont-batching)
-they decode side by side, each its own forwards.
+Continuous batching (the default): the sessions' evals go to one `StepBatcher` thread, which runs
+those waiting as one forward (every weight read once for all of them) and hands each its logits;
+each session still runs its own generation loop (sampler, drafts, grammar, stop strings) on its
+worker thread. A placed model (--vram, --device cuda) batches too; its steps and the sessions' own
+device work take the device in turn (step_batcher.py). With --no-cont-batching the sessions of a
+CPU trunk decode side by side, each its own forwards, and those of a placed model take turns, one
+decoding step at a time (`Turns`).
 
 A request's tokens go back to its handler through `Job`: the worker pushes events onto an asyncio
 queue via `loop.call_soon_threadsafe`. A client that goes away sets `Job.cancelled`: a queued job
@@ -37,7 +37,7 @@ from ..decoding.constraint import Constraint
 from ..decoding.generate import GenerationStats, generate, prefill
 from ..models.base import Model
 from ..runtime.session import Session
-from ..runtime.step_batcher import StepBatcher
+from ..runtime.step_batcher import StepBatcher, keeps_step_buffers
 from ..decoding.speculative.loop import SpecConfig
 from ..decoding.speculative.sources import build_source
 from .errors import bad_request, internal, queue_full
@@ -64,15 +64,15 @@ class ServeConfig:
     batch_tokens: int = 0        # token rows of one shared step (0: every decode / verify eval and one prompt chunk)
 
 
-def shares_steps(model: Model, n_parallel: int, cont_batching: bool = True) -> bool:
+def shares_steps(n_parallel: int, cont_batching: bool = True) -> bool:
     """Whether a pool's sessions run their steps as shared forwards (continuous batching): asked
-    for, more than one session, no plan (a placed model's sessions take turns) and a model whose
-    forward takes several sequences (a CPU trunk: Model.batch_refusal)."""
-    return cont_batching and n_parallel > 1 and model.plan is None and model.batch_refusal() is None
+    for, and more than one session."""
+    return cont_batching and n_parallel > 1
 
 
 class Turns:
-    """The sessions of a placed model decode one step at a time, first come first served.
+    """The sessions of a placed model decode one step at a time, first come first served (without
+    continuous batching: with it, the step batcher's device turn plays this role).
 
     A plan's steps write buffers that exist once per model, not per session: the executor's host
     buffers (one pair per crossing layer: the activations that go to the CPU FFN worker and come
@@ -152,10 +152,10 @@ class SessionPool:
         if model.plan is not None and cfg.n_parallel > model.plan.options.n_seq:
             raise UserError(f"{cfg.n_parallel} sessions need more than the plan reserved "
                             f"({model.plan.options.n_seq}): plan with --parallel {cfg.n_parallel}")
-        self.turns = Turns() if model.plan is not None else None
         # continuous batching: the sessions' evals share forwards, every weight read once for all of
-        # them; not for a plan (its steps take turns) or a trunk off the CPU (shares_steps)
-        self.batcher = StepBatcher(model, cfg.threads, cfg.batch_tokens) if shares_steps(model, cfg.n_parallel, cfg.cont_batching) else None
+        # them; without it a placed model's sessions take turns (Turns)
+        self.batcher = StepBatcher(model, cfg.threads, cfg.batch_tokens) if shares_steps(cfg.n_parallel, cfg.cont_batching) else None
+        self.turns = Turns() if self.batcher is None and keeps_step_buffers(model) else None
         k_max = cfg.spec.k_max if cfg.spec_type != "none" else 1     # as `run`: no ring without drafts
         self.sessions = [model.session(cfg.n_ctx, cfg.cache_type, k_max=k_max) for _ in range(cfg.n_parallel)]
         # the jobs waiting for a session (oldest first) and those decoding (one per busy session),
