@@ -188,3 +188,21 @@ def test_attend_on_cpu_matches_torch_attend(cache, n_new, start, window, first):
     if window:
         other = attend(q, kc, vc, positions, 0.125, window + 8, first)
         assert not torch.allclose(got, other, atol=2e-5, rtol=1e-4)
+
+
+def test_state_zeros_every_storage_and_empty_shapes():
+    """A session's buffers from calloc (kv_cache.state_zeros): zero, contiguous, writable, of the
+    dtype asked, the empty ring of k_max = 1 included, after memory a dirty buffer freed."""
+    import numpy as np
+    import torch
+
+    from hybridrt.runtime.kv_cache import state_zeros
+
+    dirty = np.full(1 << 22, 7, np.uint8)     # a block of non-zero bytes, freed for calloc to hand back
+    del dirty
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.uint8):
+        t = state_zeros(64, 8, 128, dtype=dtype)
+        assert t.shape == (64, 8, 128) and t.dtype == dtype and t.is_contiguous() and not t.any()
+        t[3, 2, 1] = 1
+        assert t.sum() == 1
+    assert state_zeros(4, 0, 2).shape == (4, 0, 2)

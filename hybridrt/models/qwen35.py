@@ -24,7 +24,7 @@ from gpu_kernels.pointwise import per_token
 from ..runtime.backends import WeightBinder
 from ..errors import UserError
 from ..files.gguf_file import GGUFFile
-from ..runtime.kv_cache import KVCache, cache_dtype
+from ..runtime.kv_cache import KVCache, cache_dtype, state_zeros
 from ..runtime.snapshot_ring import SnapshotRing
 from .arch_spec import ARCH_SPECS, ATTENTION
 from .base import Model, MTPHead
@@ -231,8 +231,8 @@ class Qwen35(Model):
         kv = KVCache(self.n_attention_layers, n_ctx, self.n_kv, self.head_dim, self.head_dim_v,
                      cache_dtype(cache_type), dev)
         rows = s.conv_kernel - 1
-        conv_all = torch.zeros(self.n_gdn_layers, rows, s.conv_channels, device=dev)
-        S_all = torch.zeros(self.n_gdn_layers, s.n_v_heads, s.head_dim, s.head_dim, device=dev)
+        conv_all = state_zeros(self.n_gdn_layers, rows, s.conv_channels, device=dev)
+        S_all = state_zeros(self.n_gdn_layers, s.n_v_heads, s.head_dim, s.head_dim, device=dev)
         state = HybridState(
             n_ctx=n_ctx, kv=kv, conv_all=conv_all, S_all=S_all,
             conv=list(conv_all.unbind(0)), S=list(S_all.unbind(0)),

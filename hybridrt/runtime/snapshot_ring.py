@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import torch
 
+from .kv_cache import state_zeros
+
 
 class SnapshotRing:
     def __init__(self, n_layers: int, k_max: int, conv_rows: int, conv_channels: int,
                  s_shape: tuple[int, int, int], device):
         self.k_max = k_max
         # S after each token but the last, per GDN layer
-        self.S = torch.zeros(n_layers, max(k_max - 1, 0), *s_shape, dtype=torch.float32, device=device)
+        self.S = state_zeros(n_layers, max(k_max - 1, 0), *s_shape, device=device)
         # conv input history of the batch: [old conv state; the batch's inputs]; the conv state
         # after m tokens is rows [m, m + conv_rows)
-        self.conv_hist = torch.zeros(n_layers, conv_rows + k_max, conv_channels, dtype=torch.float32, device=device)
+        self.conv_hist = state_zeros(n_layers, conv_rows + k_max, conv_channels, device=device)
         self.conv_rows = conv_rows
         self.batch_start: int | None = None     # absolute position of the batch's first token
         self.batch_len = 0
