@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""The int8 dot-product peak of one core: how many vpdpbusd (AVX-512 VNNI: 64 u8 x s8 products
+summed into 16 int32 lanes) a core retires per second, from a loop of independent accumulator
+chains compiled for this CPU with llvmlite (the same intrinsic the row lanes use, simd_int.dpbusd).
+
+    python scripts/probe_int8_peak.py [--chains 1,4,8,12,16] [--ops 20000000]
+
+One chain measures the instruction's latency, many its throughput. The peak bounds what a k-token
+pass can cost per token: the 27B's Q4_K / Q6_K matrices take 4 vpdpbusd per row, super-block and
+token, so at the peak the per-token work of a verify batch is 4 / (vpdpbusd per cycle) cycles per
+(row, super-block) (BENCHMARKS.md, "Mission size", t(k)). Needs a CPU with AVX-512 VNNI: elsewhere
+it prints one `error:` line and exits 2.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+import time
+
+import llvmlite.binding as llvm
+from llvmlite import ir
+
+I32, I64 = ir.IntType(32), ir.IntType(64)
+V16 = ir.VectorType(I32, 16)
+
+
+def loop_ir(chains: int) -> str:
+    """run(n): n iterations, each one vpdpbusd on every one of `chains` accumulators."""
+    m = ir.Module(name="int8_peak")
+    m.triple = llvm.get_process_triple()
+    fn = ir.Function(m, ir.FunctionType(I32, [I64]), name="run")
+    dot = ir.Function(m, ir.FunctionType(V16, [V16, V16, V16]), name="llvm.x86.avx512.vpdpbusd.512")
+    entry, body, done = (fn.append_basic_block(n) for n in ("entry", "body", "done"))
+    b = ir.IRBuilder(entry)
+    u = ir.Constant(V16, [0x01020304 + i for i in range(16)])
+    s = ir.Constant(V16, [0x05060708 + i for i in range(16)])
+    b.branch(body)
+    b.position_at_end(body)
+    i = b.phi(I64)
+    accs = [b.phi(V16) for _ in range(chains)]
+    i.add_incoming(ir.Constant(I64, 0), entry)
+    for a in accs:
+        a.add_incoming(ir.Constant(V16, [0] * 16), entry)
+    new = [b.call(dot, [a, u, s]) for a in accs]
+    step = b.add(i, ir.Constant(I64, 1))
+    i.add_incoming(step, body)
+    for a, n in zip(accs, new):
+        a.add_incoming(n, body)
+    b.cbranch(b.icmp_unsigned("<", step, fn.args[0]), body, done)
+    b.position_at_end(done)
+    total = new[0]
+    for n in new[1:]:
+        total = b.add(total, n)
+    b.ret(b.extract_element(total, ir.Constant(I32, 0)))        # every chain's result is used
+    return str(m)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--chains", default="1,4,8,12,16", help="accumulator chains to try (comma-separated)")
+    ap.add_argument("--ops", type=int, default=20_000_000, help="vpdpbusd per timed run")
+    args = ap.parse_args()
+    try:
+        chains = [int(c) for c in args.chains.split(",")]
+        if not chains or min(chains) < 1 or args.ops < 1:
+            raise ValueError
+    except ValueError:
+        print(f"error: --chains takes positive integers, --ops a positive count (got {args.chains!r}, {args.ops})",
+              file=sys.stderr)
+        return 2
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    cpu, features = llvm.get_host_cpu_name(), llvm.get_host_cpu_features()
+    if not features.get("avx512vnni"):
+        print(f"error: {cpu} has no AVX-512 VNNI (vpdpbusd on zmm registers)", file=sys.stderr)
+        return 2
+    keep = []       # an engine's code lives as long as the engine
+    print(f"{cpu}, one thread")
+    for n_chains in chains:
+        target = llvm.Target.from_default_triple().create_target_machine(cpu=cpu, features=features.flatten(), opt=2)
+        module = llvm.parse_assembly(loop_ir(n_chains))
+        engine = llvm.create_mcjit_compiler(module, target)
+        engine.finalize_object()
+        keep.append((target, module, engine))
+        run = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int64)(engine.get_function_address("run"))
+        iters = max(1, args.ops // n_chains)
+        run(1000)
+        best = min(_timed(run, iters) for _ in range(5))
+        rate = iters * n_chains / best
+        print(f"{n_chains:3d} chains: {rate / 1e9:5.2f} G vpdpbusd/s, {rate * 64 / 1e9:4.0f} G int8 products/s")
+    return 0
+
+
+def _timed(run, iters: int) -> float:
+    t0 = time.perf_counter()
+    run(iters)
+    return time.perf_counter() - t0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
