@@ -56,11 +56,11 @@ def loop_ir(chains: int) -> str:
     return str(m)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chains", default="1,4,8,12,16", help="accumulator chains to try (comma-separated)")
     ap.add_argument("--ops", type=int, default=20_000_000, help="vpdpbusd per timed run")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     try:
         chains = [int(c) for c in args.chains.split(",")]
         if not chains or min(chains) < 1 or args.ops < 1:
