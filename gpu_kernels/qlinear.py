@@ -29,7 +29,7 @@ from placement.constants import DEQUANT_TILE_ELEMS
 from .attention import ROWWISE_MAX
 from .quant import QUANTIZED_TYPES, dequantize_torch, row_bytes
 from .triton_act_quant import RoundTripLaunch
-from .triton_matvec import K_MAX, MatvecLaunch, readable_past_end, tail_slack, width_fits
+from .triton_matvec import K_MAX, MatvecLaunch, SplitScratch, readable_past_end, tail_slack, width_fits
 from .triton_support import have_triton, require_triton
 
 KERNELS = ("auto", "triton", "torch")
@@ -85,7 +85,8 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 
 class TileScratch:
-    """The dequantization tile shared by every QuantLinear on one device with one compute dtype.
+    """The dequantization tile shared by every QuantLinear on one device with one compute dtype,
+    and the fused kernel's split-K scratch (`split`), shared the same way.
 
     Linears reserve their tile size when they are built; the buffer is allocated once, at the first
     call, at the largest reserved size, and every later tile is a view into it."""
@@ -94,6 +95,7 @@ class TileScratch:
         self.device, self.dtype = torch.device(device), dtype
         self.elems = 0
         self._buffer: torch.Tensor | None = None
+        self.split = SplitScratch(self.device)
 
     def reserve(self, elems: int) -> None:
         if elems > self.elems:
@@ -163,7 +165,7 @@ class QuantLinear:
         # one Triton launch instead of ~20 torch ops (40 with the second pass) wherever the fused
         # matvec runs: on a GPU those ops' launches were most of a decode step
         self.fused_round_trip = self.act_block is not None and self.fused_max > 0 and n_in % self.act_block == 0
-        self._launch = MatvecLaunch(self.raw, self.qtype, n_in) if self.fused_max > 0 else None
+        self._launch = MatvecLaunch(self.raw, self.qtype, n_in, split=self.scratch.split) if self.fused_max > 0 else None
         self._round_trip = RoundTripLaunch(n_in, self.act_block) if self.fused_round_trip else None
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -98,24 +98,26 @@ def matvec_grid(n_out: int, block_n: int, split_k: int = 1) -> tuple[int]:
     return (-(-n_out // block_n) * split_k,)
 
 
-_SPLIT_SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+class SplitScratch:
+    """Split-K's scratch on one device: float32 slots for partial sums (each written before it is
+    read) and int32 counts, zero between launches (a block's last program resets its count). One
+    serves every matrix of a model on that device (the binder's, `qlinear.TileScratch.split`): the
+    device's launches run one after another on one stream. Grown on demand; a launch keeps the
+    tensors it was given, so growing never pulls them away."""
 
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.sums: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
 
-def split_scratch(device: torch.device, n_sums: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-K's scratch on `device`: float32 slots for n_sums partial sums (each written before it
-    is read) and n_blocks int32 counts, zero between launches (a block's last program resets its
-    count). One buffer per device, grown on demand, serves every matrix: the device's launches run
-    one after another on one stream. A launch keeps the tensors it was given, so growing never
-    pulls them away."""
-    device = torch.device(device)
-    sums, counts = _SPLIT_SCRATCH.get(device, (None, None))
-    if sums is None or sums.numel() < n_sums or counts.numel() < n_blocks:
-        n_sums = max(n_sums, sums.numel() if sums is not None else 0)
-        n_blocks = max(n_blocks, counts.numel() if counts is not None else 0)
-        sums = torch.zeros(n_sums, dtype=torch.float32, device=device)
-        counts = torch.zeros(n_blocks, dtype=torch.int32, device=device)
-        _SPLIT_SCRATCH[device] = sums, counts
-    return sums, counts
+    def reserve(self, n_sums: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sums, counts) of at least n_sums and n_blocks entries."""
+        if self.sums is None or self.sums.numel() < n_sums or self.counts.numel() < n_blocks:
+            n_sums = max(n_sums, self.sums.numel() if self.sums is not None else 0)
+            n_blocks = max(n_blocks, self.counts.numel() if self.counts is not None else 0)
+            self.sums = torch.zeros(n_sums, dtype=torch.float32, device=self.device)
+            self.counts = torch.zeros(n_blocks, dtype=torch.int32, device=self.device)
+        return self.sums, self.counts
 
 
 if have_triton():
@@ -529,14 +531,15 @@ class _Launch:
     """One MatvecParams' launch of one matrix: the grid, the kernel's constexprs and options, the
     scratch it passes, and its Launches (the JIT, then the checked direct runner)."""
 
-    def __init__(self, raw: torch.Tensor, qtype: int, n_in: int, params: MatvecParams, tail: bool, fp_fusion: bool):
+    def __init__(self, raw: torch.Tensor, qtype: int, n_in: int, params: MatvecParams, tail: bool, fp_fusion: bool,
+                 split: SplitScratch):
         elems, nbytes = block_shape(qtype)
         n_out = raw.shape[0]
         n_blocks = -(-n_out // params.block_n)
         self.grid = matvec_grid(n_out, params.block_n, params.split_k)
         # without split-K the scratch is passed and never touched
-        self.scratch = split_scratch(raw.device, n_blocks * params.split_k * params.block_n * K_MAX
-                                     if params.split_k > 1 else 1, n_blocks if params.split_k > 1 else 1)
+        self.scratch = split.reserve(n_blocks * params.split_k * params.block_n * K_MAX if params.split_k > 1 else 1,
+                                     n_blocks if params.split_k > 1 else 1)
         self.constexprs = dict(DECODE=_DECODERS[int(qtype)], CHUNK_BYTES=CHUNK // elems * nbytes,
                                BLOCK_N=params.block_n, KT=K_MAX, ROWS_MID=params.rows_mid, TAIL=tail,
                                SPLIT_K=params.split_k, UNROLL=params.unroll, DOT=params.dot)
@@ -553,10 +556,12 @@ class MatvecLaunch:
 
     plan: the launch for each k (a sequence of K_MAX MatvecParams, index k - 1, or one for every
     k); by default the device's matvec_table plan for this type and shape. Its launches must agree
-    on matvec_table.BITS_FIELDS (ValueError otherwise)."""
+    on matvec_table.BITS_FIELDS (ValueError otherwise). split: the device's split-K scratch, shared
+    by a model's matrices (None: one of its own)."""
 
     def __init__(self, raw: torch.Tensor, qtype: int, n_in: int, *,
-                 plan: MatvecParams | tuple[MatvecParams, ...] | None = None, fp_fusion: bool = False):
+                 plan: MatvecParams | tuple[MatvecParams, ...] | None = None, fp_fusion: bool = False,
+                 split: SplitScratch | None = None):
         n_out = raw.shape[0]
         if plan is None:
             plan = table_for_device(raw.device).plan(qtype, n_out, n_in)
@@ -572,9 +577,10 @@ class MatvecLaunch:
         self.raw, self.n_out, self.n_in, self.row_bytes = raw, n_out, n_in, raw.shape[1]
         self.plan = tuple(plan)
         launches: dict[MatvecParams, _Launch] = {}
+        split = split if split is not None else SplitScratch(raw.device)
         for params in self.plan:
             if params not in launches:
-                launches[params] = _Launch(raw, qtype, n_in, params, slack > 0, fp_fusion)
+                launches[params] = _Launch(raw, qtype, n_in, params, slack > 0, fp_fusion, split)
         self.by_k = (None,) + tuple(launches[params] for params in self.plan)      # index k
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:

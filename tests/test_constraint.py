@@ -30,6 +30,7 @@ from hybridrt.files.gguf_file import GGUFFile
 from hybridrt.files.tokenizer import Tokenizer
 from hybridrt.runtime.loader import load_model
 from tests.real_models import GEMMA3, SMOLLM2, require
+from tests.test_cli_errors import run_cli
 from tests.test_spec_acceptance import tv, tv_bound
 
 GREEDY = SamplerConfig(temp=0.0)
@@ -409,11 +410,6 @@ def test_smollm2_json_schema_with_speculation():
     jsonschema.validate(json.loads(text_of(model, ref)), SCHEMA)
     out, _ = constrained(model, grammar, ids, n=80, spec_type="ngram-simple")
     assert out == ref
-
-
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-c", "from hybridrt.cli.commands import main; main()", *args],
-                          capture_output=True, text=True)
 
 
 def test_run_flags(tiny_qwen3, tmp_path):
