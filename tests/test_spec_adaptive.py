@@ -527,3 +527,19 @@ def test_seeded_verify_costs_start_a_policy_as_observed_ones():
     assert p.verify_cost(2) == 0.013
     p.observe(1, 1, 0.014, 0.002)
     assert list(p.verify_recent[2]) == [0.013, 0.020, 0.012, 0.014] and p.draft_s == 0.002
+
+
+def test_a_shared_step_raises_the_bar_for_drafts():
+    """Drafts accepted about half the time at a verify of +30 % a token pay for one sequence (1.5
+    tokens for 1.4 plain steps' time) but not for a step shared with three others, whose four
+    tokens the longer verify slows too (`others`): that policy stays plain but for its probes."""
+    def source():
+        judged = iter(range(10 ** 6))
+        return lambda n: n if n and next(judged) % 2 else 0      # every other drafting step keeps all
+
+    cost = lambda k: 0.010 + 0.003 * (k - 1)        # noqa: E731
+    alone, shared = Policy(n_max=3), Policy(n_max=3, others=3.0)
+    a = feed(alone, 60, accept=source(), verify_s=cost)[20:]
+    b = feed(shared, 60, accept=source(), verify_s=cost)[20:]
+    assert a.count(0) <= 0.2 * len(a), a
+    assert b.count(0) >= 0.8 * len(b), b

@@ -172,6 +172,23 @@ def test_steps_and_members_own_work_take_the_device_in_turn(tiny_llama, monkeypa
     assert not overlaps, f"{len(overlaps)} steps ran during a member's own work"
 
 
+def test_a_member_knows_how_many_share_its_steps(tiny_llama):
+    """Session.sharing: the other members of its batcher (what its adaptive length weighs a longer
+    verify against), 0 outside."""
+    model = load_model(tiny_llama)
+    batcher = StepBatcher(model)
+    a, b = model.session(64), model.session(64)
+    try:
+        with batcher.member(a):
+            assert a.sharing == 0
+            with batcher.member(b):
+                assert a.sharing == b.sharing == 1
+            assert a.sharing == 0
+        assert a.sharing == b.sharing == 0
+    finally:
+        batcher.stop()
+
+
 def test_a_late_member_is_waited_for_half_a_step(tiny_llama):
     """The gather window: at least GATHER_S, else half the last decode step's time, so a session a
     little late still joins the step (step_batcher's docstring)."""

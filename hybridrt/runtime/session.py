@@ -50,6 +50,11 @@ class Session:
         # its evals go there, to run in one forward with theirs
         self.stepper = None
 
+    @property
+    def sharing(self) -> int:
+        """Other sessions whose steps this one's share now (0 when it decodes alone)."""
+        return self.stepper.others() if self.stepper is not None else 0
+
     def eval(self, tokens: Sequence[int] | torch.Tensor, start_pos: int | None = None,
              logits: Literal["all", "last", "none"] = "all",
              out: torch.Tensor | None = None) -> torch.Tensor | None:

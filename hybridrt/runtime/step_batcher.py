@@ -123,6 +123,11 @@ class StepBatcher:
             rows = rows[-1:]
         return rows if out is None else out[:rows.shape[0]].copy_(rows)
 
+    def others(self) -> int:
+        """Members besides one: the sequences a member's steps are shared with (its verify length
+        slows theirs: adaptive.DraftLengthPolicy.others)."""
+        return max(0, len(self._members) - 1)
+
     def stop(self) -> None:
         with self._cond:
             self._stopped = True

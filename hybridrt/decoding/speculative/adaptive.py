@@ -100,6 +100,10 @@ class DraftLengthPolicy:
     first_weights: list = field(default_factory=lambda: [0.0] * N_BINS)
     first_counts: list = field(default_factory=lambda: [0] * N_BINS)
     chain_bins: list = field(default_factory=lambda: [0.0] * N_BINS)   # chained rows' top-1 tenths, decayed
+    # tokens a step gives the other sequences sharing it (serve's continuous batching: members of
+    # the step batcher besides this one, one token each): a longer verify slows their tokens too,
+    # so a draft must pay for the time it adds to all of them, not only to its own sequence's
+    others: float = 0.0
     step_tokens: float = 1.0              # the step being drafted: expected tokens so far
     step_prob: float = 1.0                # and the chance that every draft so far is accepted
     # The first timing of each verify size and of the drafts is not a cost: in a fresh process the
@@ -185,7 +189,7 @@ class DraftLengthPolicy:
     def expected_rate(self, n: int) -> float:
         """Expected tokens per second (or per unit of cost before timings exist) when proposing n."""
         a = self.acceptance
-        tokens = sum(a ** i for i in range(n + 1))
+        tokens = self.others + sum(a ** i for i in range(n + 1))
         return tokens / (self.verify_cost(n + 1) + n * self._draft_cost())
 
     def accept_given(self, top1: float) -> float:
@@ -215,7 +219,7 @@ class DraftLengthPolicy:
 
     def _step_rate(self, tokens: float, k: int, rows: int) -> float:
         """Expected tokens per second of a step that verifies k tokens after computing `rows` head rows."""
-        return tokens / (self.verify_cost(k) + rows * self._draft_cost())
+        return (self.others + tokens) / (self.verify_cost(k) + rows * self._draft_cost())
 
     def _add_first_row(self, top1: float) -> None:
         """A gated step's first row joins the recent ones (the oldest leaving at RECENT_ROWS)."""
@@ -277,13 +281,15 @@ class DraftLengthPolicy:
         # per tenth of top-1 probability (accept_given depends on nothing finer): what a first row
         # gains, kept where _pays(0, p, 1.0) would keep it (written out: this runs every step, and
         # the policy's Python was ~2 % of a SmolLM2 step), weighed by the recent rows in that tenth
+        # (with `others`, o tokens a plain step: a kept row gains p of o + p, in this sequence's plain steps)
         scale = self._calibration()
-        plain, gated = 1.0 / (v1 + d), v2 + d
+        o = 1.0 + self.others
+        plain, gated = o / (v1 + d), v2 + d
         gain = 0.0
         for b, w in enumerate(self.first_weights):
             if w:
                 p = self._accept_in(b, scale)
-                gain += w * (1 + p - gated / v1 if (1.0 + p) / gated > plain else -d / v1)
+                gain += w * (1 + p / o - gated / v1 if (o + p) / gated > plain else -d / v1)
         return gain / sum(self.first_weights)
 
     def choose(self) -> int:

@@ -130,6 +130,8 @@ class Speculation:
         pos = session.n_past
         # a chain's drafter this step: its first source with something to propose (a lookup: a match)
         policy = self.policies.get(source.drafter(certain)) if self.policies else None
+        if policy is not None:
+            policy.others = session.sharing
         chosen = policy.choose() if policy is not None else spec.n_max
         # drafts past the -n cap or the context could never be emitted
         room = min(chosen, session.n_ctx - pos - 1)
