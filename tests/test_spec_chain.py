@@ -48,6 +48,7 @@ def test_spec_type_lists():
     assert spec_type_parts("ngram-simple, draft-simple") == ("ngram-simple", "draft-simple")
     assert model_spec_type(CHAIN) == "draft-mtp" and model_spec_type("ngram-simple") == "ngram-simple"
     assert adaptive_default(CHAIN) and adaptive_default("draft-mtp") and not adaptive_default("ngram-simple")
+    assert adaptive_default("ngram-simple", shared_steps=True)      # serve's shared steps
     for bad, msg in (("draft-mtp,draft-simple", "at most one"), ("none,draft-mtp", "not none"),
                      ("ngram-simple,ngram-simple", "once"), ("ngram-simple,eagle", "unknown --spec-type 'eagle'")):
         with pytest.raises(UserError, match=msg):

@@ -184,12 +184,12 @@ class SpecFlags:
 
         return self.spec_type or planned or ("draft-simple" if self.model_draft else default_spec_type(model))
 
-    def config(self, spec_type: str) -> "SpecConfig":
+    def config(self, spec_type: str, shared_steps: bool = False) -> "SpecConfig":
         """The limits of `spec_type`'s drafts; adaptive length as asked, else as `adaptive_default`."""
         from ..decoding.speculative.loop import SpecConfig
 
-        return SpecConfig(n_max=self.draft_n_max, n_min=self.draft_n_min, p_min=self.draft_p_min,
-                          adaptive=adaptive_default(spec_type) if self.adaptive is None else self.adaptive)
+        adaptive = adaptive_default(spec_type, shared_steps) if self.adaptive is None else self.adaptive
+        return SpecConfig(n_max=self.draft_n_max, n_min=self.draft_n_min, p_min=self.draft_p_min, adaptive=adaptive)
 
 
 @dataclass(frozen=True)
@@ -296,12 +296,16 @@ def check_draft_vocab_flag(draft_vocab: int) -> None:
         raise UserError(f"--spec-draft-vocab must be >= 0 (0: the whole vocabulary), got {draft_vocab}")
 
 
-def adaptive_default(spec_type: str) -> bool:
-    """Adaptive length pays where a draft costs a forward (model drafts, alone or in a chain); n-gram
-    drafts are free."""
+def adaptive_default(spec_type: str, shared_steps: bool = False) -> bool:
+    """Adaptive length pays where a draft costs a forward (model drafts, alone or in a chain), and
+    where sessions share their steps (serve's continuous batching): there an n-gram draft, free to
+    make, still adds verify rows to every session's step. 8 SmolLM2 sessions in shared steps with
+    fixed-length n-gram drafts (35-40 % accepted) made 0.87-0.94x the tokens of plain ones; with
+    adaptive length weighing the others' tokens (DraftLengthPolicy.others), about the same as plain
+    (BENCHMARKS.md, "Serving: concurrent streams")."""
     from ..decoding.speculative.spec_types import MODEL_TYPES, spec_type_parts
 
-    return any(p in MODEL_TYPES for p in spec_type_parts(spec_type))
+    return shared_steps or any(p in MODEL_TYPES for p in spec_type_parts(spec_type))
 
 
 def check_ctx_size(ctx_size: Optional[int]) -> None:

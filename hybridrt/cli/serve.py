@@ -126,15 +126,15 @@ def serve(
     # and Numba's count is per launching thread. As `run` loads it, with a plan for all the sessions
     m = load.load(path, device, threads or numba.config.NUMBA_NUM_THREADS, ctx_size, kv, drafts.spec_type,
                   drafts.draft_n_max, drafts.model_draft, mtp_head, n_seq=parallel)
+    shared = shares_steps(parallel, cont_batching)
     if threads is None:
         # shared steps run on one thread, which takes every core; sessions that decode at once
         # would oversubscribe with a pool of all cores each
-        shared = shares_steps(parallel, cont_batching)
         threads = numba.config.NUMBA_NUM_THREADS if shared else max(1, numba.config.NUMBA_NUM_THREADS // parallel)
     planned = m.plan.options if m.plan is not None else None
     n_ctx = context_size(ctx_size, m.n_ctx_train, planned.n_ctx if planned else None)
     spec_type = drafts.source_type(m, planned.spec_type if planned else None)
-    spec = drafts.config(spec_type)
+    spec = drafts.config(spec_type, shared_steps=shared)
     draft_model = load_draft_model(m, drafts.model_draft) if drafts.model_draft else None
     cfg = ServeConfig(n_ctx=n_ctx, cache_type=cache_type, spec_type=spec_type, spec=spec, ngram_n=drafts.ngram_n,
                       draft_vocab=drafts.draft_vocab,
