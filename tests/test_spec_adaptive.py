@@ -538,8 +538,24 @@ def test_a_shared_step_raises_the_bar_for_drafts():
         return lambda n: n if n and next(judged) % 2 else 0      # every other drafting step keeps all
 
     cost = lambda k: 0.010 + 0.003 * (k - 1)        # noqa: E731
-    alone, shared = Policy(n_max=3), Policy(n_max=3, others=3.0)
+    alone, shared = Policy(n_max=3), Policy(n_max=3, others=3)
     a = feed(alone, 60, accept=source(), verify_s=cost)[20:]
     b = feed(shared, 60, accept=source(), verify_s=cost)[20:]
     assert a.count(0) <= 0.2 * len(a), a
     assert b.count(0) >= 0.8 * len(b), b
+
+
+def test_verify_costs_are_kept_per_sharing_level():
+    """Timings of a step shared with three others are not a lone step's: each level keeps its own,
+    and a level comes back to what it had learned (the warm-up's lone timings included)."""
+    p = Policy(n_max=3)
+    p.seed_verify_costs({1: [0.010], 2: [0.012], 4: [0.020]})
+    p.share(3)
+    assert p.verify_s == {} and p.others == 3
+    p.observe(0, 0, 0.040, 0.0)
+    p.observe(0, 0, 0.041, 0.0)
+    assert p.verify_s == {1: 0.040}
+    p.share(0)
+    assert p.verify_s == {1: 0.010, 2: 0.012, 4: 0.020} and p.others == 0
+    p.share(3)
+    assert p.verify_s == {1: 0.040} and len(p.verify_recent[1]) == 2

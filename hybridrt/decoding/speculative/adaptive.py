@@ -100,10 +100,10 @@ class DraftLengthPolicy:
     first_weights: list = field(default_factory=lambda: [0.0] * N_BINS)
     first_counts: list = field(default_factory=lambda: [0] * N_BINS)
     chain_bins: list = field(default_factory=lambda: [0.0] * N_BINS)   # chained rows' top-1 tenths, decayed
-    # tokens a step gives the other sequences sharing it (serve's continuous batching: members of
-    # the step batcher besides this one, one token each): a longer verify slows their tokens too,
-    # so a draft must pay for the time it adds to all of them, not only to its own sequence's
-    others: float = 0.0
+    # the other sequences sharing this one's steps (serve's continuous batching: members of the step
+    # batcher besides this one), one token each a step: a longer verify slows their tokens too, so a
+    # draft must pay for the time it adds to all of them, not only to its own sequence's (share())
+    others: int = 0
     step_tokens: float = 1.0              # the step being drafted: expected tokens so far
     step_prob: float = 1.0                # and the chance that every draft so far is accepted
     # The first timing of each verify size and of the drafts is not a cost: in a fresh process the
@@ -114,6 +114,8 @@ class DraftLengthPolicy:
     timed_k: set = field(default_factory=set)     # verify sizes whose first timing has been seen
     draft_timed: bool = False                     # and the drafts'
     _costs: list | None = field(default=None, init=False, repr=False, compare=False)   # verify_cost(0 ..), anew each step
+    # the verify timings of the other sharing levels (others -> verify_s, verify_recent, since_plain)
+    _levels: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
         self.probe_gap = self.probe_gap or self.probe_every
@@ -127,6 +129,19 @@ class DraftLengthPolicy:
         paid for its first plain steps and chose plain stretches on a handful of rows."""
         self.plain_streak, self.probe_gap = 0, self.probe_every
         self.step_tokens, self.step_prob = 1.0, 1.0
+
+    def share(self, others: int) -> None:
+        """This step shares its forward with `others` other sequences (0: alone). A step's time
+        depends on how many share it, so verify costs are kept per sharing level: in serve, the
+        warm-up's timings of a session alone (SmolLM2: t(4) ~2x t(1)) read next to a shared step's
+        t(1) (~4x a lone one's at 8 streams) made drafts look free until a session had drafted a
+        few times (BENCHMARKS.md, "Serving: concurrent streams")."""
+        if others == self.others:
+            return
+        self._levels[self.others] = (self.verify_s, self.verify_recent, self.since_plain)
+        self.verify_s, self.verify_recent, self.since_plain = self._levels.pop(others, ({}, {}, 0))
+        self.others = others
+        self._costs = None
 
     def seed_verify_costs(self, times: dict[int, list[float]]) -> None:
         """Start from verify timings measured before the run (its warm-up's, with every kernel

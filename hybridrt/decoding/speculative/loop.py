@@ -131,7 +131,7 @@ class Speculation:
         # a chain's drafter this step: its first source with something to propose (a lookup: a match)
         policy = self.policies.get(source.drafter(certain)) if self.policies else None
         if policy is not None:
-            policy.others = session.sharing
+            policy.share(session.sharing)
         chosen = policy.choose() if policy is not None else spec.n_max
         # drafts past the -n cap or the context could never be emitted
         room = min(chosen, session.n_ctx - pos - 1)
