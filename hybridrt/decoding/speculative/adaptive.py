@@ -28,6 +28,11 @@ one step proposes a single draft (then after twice as many, up to four times, wh
 keep winning); and every `explore_every` drafting steps one tries a length next to the best, so
 the cost curve is measured around where it is used.
 
+Shared steps (serve's continuous batching): a step that runs with `others` other sequences gives
+them a token each too, and its time is the shared forward's. Expected rates count their tokens (a
+draft pays only for what it adds to all of them), and verify costs are kept per sharing level
+(`share`).
+
 Confidence gate (`keep_draft`, installed as the draft picker's gate for model drafts): within a
 step, each draft whose row the head has computed is kept only if the step's expected tokens per
 second rise with it, its chance of acceptance read from its top-1 probability through a calibration
