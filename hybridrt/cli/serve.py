@@ -79,7 +79,7 @@ def serve(
                                                "out over --parallel)."),
     cont_batching: bool = typer.Option(True, "-cb/-nocb", "--cont-batching/--no-cont-batching",
                                        help="Run the sessions' decoding steps as one forward (each weight read once "
-                                            "for all of them), as llama-server; not with a plan (--vram) or a trunk off the CPU."),
+                                            "for all of them), as llama-server; a plan's sessions too."),
     batch_tokens: int = typer.Option(0, "--batch-tokens", help="Token rows one shared step may run: decode and verify "
                                      "rows, and a prompt chunk of up to 512 tokens while it fits; the request "
                                      "waiting longest always runs (0: no bound)."),
