@@ -27,7 +27,7 @@ from hybridrt.runtime.loader import load_model
 from hybridrt.runtime.place import PlacementRequest
 from hybridrt.runtime.session import eval_batch
 from tests.real_models import GEMMA3, SMOLLM2, require
-from tests.test_placed_run import budget_for
+from tests.test_placed_run import load_placed
 
 ARCHS = ("llama", "qwen3", "gemma3")
 
@@ -295,7 +295,7 @@ def test_placed_steps_equal_each_session_alone(fixture, device, request, single_
     path = request.getfixturevalue(fixture)
     req = PlacementRequest(n_ctx=128, cache_type_k="f32", cache_type_v="f32", spec_draft_n_max=7,
                            spec_type="draft-mtp" if "qwen35" in fixture else "ngram-simple")
-    model = load_model(path, device=device, placement=dataclasses.replace(req, vram_bytes=budget_for(path, req, 2, 1.0)))
+    model = load_placed(path, req, 2, 1.0, device)
     kinds = {type(layer.ffn.ffn) for layer in model.layers}
     assert {GluFFN, SplitFFN, HostFFN} <= kinds, kinds
     recurrent = model.arch == "qwen35"

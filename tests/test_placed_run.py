@@ -42,6 +42,13 @@ def budget_for(path, request: PlacementRequest, whole_layers: int, extra_granule
     return int(fixed + sum(ffn[i] for i in range(whole_layers)) + extra_granules * ffn[whole_layers] * granule / profile.n_ff)
 
 
+def load_placed(path, request: PlacementRequest, whole_layers: int, extra_granules: float, device: str = "cpu"):
+    """path loaded under `request` at budget_for's VRAM: that many whole FFN layers on the device
+    and part of the next (on "cpu": the CPU standing in for the device), the rest in the mmap."""
+    budget = budget_for(path, request, whole_layers, extra_granules)
+    return load_model(path, device=device, placement=dataclasses.replace(request, vram_bytes=budget))
+
+
 def ffn_of(model, layer: int):
     """The bound FFN of a layer: every layer is (mixer half, FFN half)."""
     return model.layers[layer].ffn.ffn

@@ -114,15 +114,12 @@ def test_a_cancelled_generation_leaves_and_the_others_go_on(tiny_llama):
 
 
 def _placed(path, n_ctx: int, **request):
-    """path under a plan with the CPU standing in for the device: some FFN layers on the "device",
-    one split, the rest in the mmap (tests/test_placed_run.py)."""
-    import dataclasses
-
+    """path under a plan with the CPU standing in for the device: one FFN layer on the "device",
+    part of the next, the rest in the mmap (tests/test_placed_run.py)."""
     from hybridrt.runtime.place import PlacementRequest
-    from tests.test_placed_run import budget_for
+    from tests.test_placed_run import load_placed
 
-    req = PlacementRequest(n_ctx=n_ctx, **request)
-    return load_model(path, placement=dataclasses.replace(req, vram_bytes=budget_for(path, req, 1, 2.5)))
+    return load_placed(path, PlacementRequest(n_ctx=n_ctx, **request), 1, 2.5)
 
 
 def test_placed_sessions_share_steps_with_their_own_drafts(tiny_qwen35_q4):
