@@ -221,7 +221,7 @@ def print_targets(rows: list[dict], ks: list[int], bw: float) -> None:
         print(line)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="5 main types, 27B shapes, fewer repeats")
     ap.add_argument("--json", help="write the results here")
@@ -243,7 +243,7 @@ def main() -> None:
                     "the k from which the tiled kernels run instead of the row kernels")
     ap.add_argument("--lanes-from", type=int, help="override matvec_tiled.LANES_MIN_K for both kinds (this tree "
                     "only): the k from which the tiled kernels run on token lanes instead of token quads")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.pool_mib < 512:     # the pool holds at least one copy of the largest matrix (F32, 27B shape: 356 MB)
         ap.error(f"--pool-mib must be at least 512, got {args.pool_mib}")
     if args.repeats is not None and args.repeats < 1:
@@ -263,7 +263,12 @@ def main() -> None:
 
     types = QUICK_TYPES if args.quick else [T(t) for t in SUPPORTED_TYPES]
     if args.types:
-        types = [T[name] for name in args.types.split(",")]
+        names = {T(t).name: T(t) for t in SUPPORTED_TYPES}     # q4_k as Q4_K, as llama.cpp's tools take them
+        wanted = [x.strip().upper() for x in args.types.split(",")]
+        unknown = [x for x in wanted if x not in names]
+        if unknown:
+            ap.error(f"--types: unknown {', '.join(unknown)}; known: {', '.join(names)}")
+        types = [names[x] for x in wanted]
     shapes = SHAPES[:2] if args.quick else SHAPES
     if args.shapes:
         known = {x[0]: x for x in SHAPES + EXTRA_SHAPES}

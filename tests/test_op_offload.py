@@ -20,7 +20,7 @@ from hybridrt.runtime.trace import Tracer
 from placement import PlanOptions, plan
 from placement.plan import OP_OFFLOAD_MIN_BATCH as PLANNED_MIN_BATCH
 from tests.real_models import SMOLLM2, require
-from tests.test_placed_run import budget_for, ffn_of
+from tests.test_placed_run import ffn_of, load_placed
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -61,8 +61,7 @@ def placed():
     activations as the device backends take, an f32 cache; traced."""
     tracer = Tracer("cpu")
     req = PlacementRequest(n_ctx=1024, cache_type_k="f32", cache_type_v="f32")
-    req = dataclasses.replace(req, vram_bytes=budget_for(require(SMOLLM2), req, 10, 2.5))
-    return load_model(require(SMOLLM2), placement=req, exact_activations=True, trace=tracer), tracer
+    return load_placed(require(SMOLLM2), req, 10, 2.5, exact_activations=True, trace=tracer), tracer
 
 
 def _offloads(tracer: Tracer) -> list[str]:

@@ -42,11 +42,13 @@ def budget_for(path, request: PlacementRequest, whole_layers: int, extra_granule
     return int(fixed + sum(ffn[i] for i in range(whole_layers)) + extra_granules * ffn[whole_layers] * granule / profile.n_ff)
 
 
-def load_placed(path, request: PlacementRequest, whole_layers: int, extra_granules: float, device: str = "cpu"):
+def load_placed(path, request: PlacementRequest, whole_layers: int, extra_granules: float, device: str = "cpu",
+                **load):
     """path loaded under `request` at budget_for's VRAM: that many whole FFN layers on the device
-    and part of the next (on "cpu": the CPU standing in for the device), the rest in the mmap."""
+    and part of the next (on "cpu": the CPU standing in for the device), the rest in the mmap;
+    `load`: load_model's other arguments."""
     budget = budget_for(path, request, whole_layers, extra_granules)
-    return load_model(path, device=device, placement=dataclasses.replace(request, vram_bytes=budget))
+    return load_model(path, device=device, placement=dataclasses.replace(request, vram_bytes=budget), **load)
 
 
 def ffn_of(model, layer: int):
@@ -126,8 +128,7 @@ def test_tiny_qwen35_mtp_placed_speculative_parity(tiny_qwen35_mtp):
     split, the rest on the worker; speculative greedy output equals the all-mmap plain run."""
     base = PlacementRequest(n_ctx=256, cache_type_k="f32", cache_type_v="f32", spec_type="draft-mtp",
                             spec_draft_n_max=3)
-    req = dataclasses.replace(base, vram_bytes=budget_for(tiny_qwen35_mtp, base, 3, 2.5))
-    placed = load_model(tiny_qwen35_mtp, placement=req)
+    placed = load_placed(tiny_qwen35_mtp, base, 3, 2.5)
     plan = placed.plan
     assert plan.ffn_gpu_layers == [0, 1, 2] and plan.ffn_split.layer == 3 and plan.ffn_split.gpu_units == 64
     assert isinstance(ffn_of(placed, 3), SplitFFN) and isinstance(ffn_of(placed, 5), HostFFN)
@@ -192,8 +193,7 @@ def test_cuda_placed_smollm2_agrees_with_the_mmap_run(smollm2_mmap):
 def test_cuda_placed_verify_batch_bitwise_and_speculative_parity(tiny_qwen35_mtp):
     base = PlacementRequest(n_ctx=256, cache_type_k="f32", cache_type_v="f32", spec_type="draft-mtp",
                             spec_draft_n_max=3)
-    req = dataclasses.replace(base, vram_bytes=budget_for(tiny_qwen35_mtp, base, 3, 2.5))
-    placed = load_model(tiny_qwen35_mtp, device="cuda", placement=req)
+    placed = load_placed(tiny_qwen35_mtp, base, 3, 2.5, device="cuda")
     prompt = [1, 5, 9, 2, 7, 3, 8, 4]
     a = placed.session(256)
     a.eval(prompt)

@@ -29,7 +29,7 @@ from hybridrt.runtime.backends import HostExperts, HostFFN, SplitFFN
 from hybridrt.runtime.loader import load_model
 from hybridrt.runtime.place import PlacementRequest, plan_for
 from hybridrt.runtime.step_graphs import CaptureError, HostJob, Wait
-from tests.test_placed_run import budget_for
+from tests.test_placed_run import load_placed
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -41,7 +41,7 @@ BASE = PlacementRequest(n_ctx=128, cache_type_k="f32", cache_type_v="f32", spec_
 
 @pytest.fixture(scope="module")
 def placed(tiny_qwen35_mtp):
-    m = load_model(tiny_qwen35_mtp, placement=dataclasses.replace(BASE, vram_bytes=budget_for(tiny_qwen35_mtp, BASE, 3, 2.5)))
+    m = load_placed(tiny_qwen35_mtp, BASE, 3, 2.5)
     assert m.plan.ffn_gpu_layers == [0, 1, 2] and m.plan.ffn_split.layer == 3
     assert m.executor.graphs is None            # the CPU standing in: no graphs unless asked (below)
     return m
@@ -195,15 +195,13 @@ def test_cuda_graph_replays_equal_the_eager_steps(tiny_qwen35_mtp):
     run's, and the steps were really replayed."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    m = load_model(tiny_qwen35_mtp, device="cuda",
-                   placement=dataclasses.replace(BASE, vram_bytes=budget_for(tiny_qwen35_mtp, BASE, 3, 2.5)))
+    m = load_placed(tiny_qwen35_mtp, BASE, 3, 2.5, device="cuda")
     assert m.executor.graphs == "cuda"
     want, want_hidden, _ = spec_run(m, None)
     got, got_hidden, counts = spec_run(m, "cuda")
     assert got == want and any(c > 0 for c in counts.values()), counts
     assert all(torch.equal(a, b) for a, b in zip(got_hidden, want_hidden))
-    plain = load_model(tiny_qwen35_mtp, device="cuda", cuda_graphs=False,
-                       placement=dataclasses.replace(BASE, vram_bytes=budget_for(tiny_qwen35_mtp, BASE, 3, 2.5)))
+    plain = load_placed(tiny_qwen35_mtp, BASE, 3, 2.5, device="cuda", cuda_graphs=False)
     assert plain.executor.graphs is None
 
 
