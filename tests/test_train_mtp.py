@@ -548,6 +548,8 @@ def test_train_mtp_cli(tiny_llama, tmp_path):
                         "--draft-vocab", "32", "--eval-every", "1", "-t", "1", "--json"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "c.gguf").exists()
+    assert json.loads(r.stdout)["steps"] >= 1        # stdout: the JSON object alone
+    assert "training text" in r.stderr and "held-out acceptance" in r.stderr    # progress: on stderr
     r = subprocess.run([sys.executable, "-c", "from hybridrt.cli.commands import main; main()", "train-mtp", "-m", str(tiny_llama),
                         "-o", str(tmp_path / "c.gguf"), "--loss", "mse"], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: train-mtp: --loss must be one of kl, argmax"]

@@ -80,7 +80,7 @@ def train_mtp(
     m = load_model(model, threads=threads)
     torch.set_num_threads(threads or torch.get_num_threads() or 1)
     head_target(m.arch)      # an unsupported target is one error line before any work
-    r = run_training(m, out, cfg, quiet=as_json)
+    r = run_training(m, out, cfg)         # progress on stderr either way: --json's object is stdout's
     summary = {"head": str(r.path), "heldout_acceptance": r.acceptance, "heldout_acceptance_n_max_1": r.acceptance_n_max_1,
                "heldout_acceptance_lookup_first": r.acceptance_lookup_first,
                "steps": r.steps, "draft_vocab": r.draft_vocab,
