@@ -131,8 +131,8 @@ def test_bench_compiles_the_head_before_timing(qwen35, monkeypatch, capsys, spec
     from hybridrt.cli.bench import _bench_spec
 
     calls = []
-    monkeypatch.setattr(hybridrt.runtime.warmup, "compile_head", lambda m: calls.append(m))
-    _bench_spec(qwen35, spec_type, 2, None, None, "echo", "none", 8, 8, 1, True, 20.0, None, None)
-    assert calls == ([qwen35] if compiles else [])
+    monkeypatch.setattr(hybridrt.runtime.warmup, "compile_head", lambda m, cache_type: calls.append((m, cache_type)))
+    _bench_spec(qwen35, spec_type, 2, None, None, "echo", "none", 8, 8, 1, True, 20.0, None, "f16")
+    assert calls == ([(qwen35, "f16")] if compiles else [])
     result = json.loads(capsys.readouterr().out)
     assert result["identical"] and result["spec"]["source"] == (CHAIN if spec_type == CHAIN else spec_type)

@@ -151,8 +151,8 @@ def test_warmup_with_a_trained_head_leaves_nothing_for_the_first_draft(tmp_path)
 
 
 def test_compile_head_runs_a_built_in_head_and_skips_a_model_without_one(tiny_qwen35_mtp, tiny_qwen3):
-    """qwen35's own MTP head (its KV in the hybrid state) is stepped as drafting steps it; a model
-    without a head is left alone."""
+    """qwen35's own MTP head (its KV in the hybrid state) is stepped as drafting steps it, on a
+    session of the cache type asked; a model without a head is left alone."""
     from hybridrt.runtime.loader import load_model
     from hybridrt.runtime.warmup import compile_head
 
@@ -160,9 +160,12 @@ def test_compile_head_runs_a_built_in_head_and_skips_a_model_without_one(tiny_qw
     model = load_model(tiny_qwen35_mtp)
     real_step = model.mtp.step
     model.mtp.step = lambda state, tokens, *a, **kw: calls.append(len(tokens)) or real_step(state, tokens, *a, **kw)
-    compile_head(model)
+    made, real_session = [], model.session
+    model.session = lambda *a, **kw: made.append(kw.get("cache_type")) or real_session(*a, **kw)
+    compile_head(model, "f16")
     assert calls == [1, 2, 4]
-    compile_head(load_model(tiny_qwen3))        # no head: nothing to do, no error
+    assert made == ["f16"]      # the run's cache type: another would compile the attention half for it
+    compile_head(load_model(tiny_qwen3), "f16")        # no head: nothing to do, no error
 
 
 def test_run_warm_up_takes_the_runs_own_steps(tiny_qwen35_mtp, monkeypatch):

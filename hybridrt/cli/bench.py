@@ -253,7 +253,7 @@ def _bench_spec(m, spec_type, n_max, model_draft, prompt_file, spec_prompt, forc
     if "draft-mtp" in spec_type_parts(spec_type):
         # a trained head's Q8_0 kernels compile on its first draft: inside the timed run, `-r 1` measured
         # a SmolLM2 head at 0.75x plain (27 % of the time drafting) where it decodes at ~1.1x
-        compile_head(m)
+        compile_head(m, cache_type)
     r = bench_speculative(m, ids, n_gen, reps, spec_type, n_max, draft, force, name,
                           adaptive=adaptive_default(spec_type) if adaptive is None else adaptive, cache_type=cache_type,
                           draft_vocab=draft_vocab)

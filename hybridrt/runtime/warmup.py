@@ -154,26 +154,30 @@ def compile_kernels(model: "Model") -> None:
             continue
         for k in (1, 4, 8, 16, 40):
             session.eval([token] * k, logits="all" if k in (4, 8, 16) else "last")
+        compile_head(model, cache_type)         # a built-in head's KV is of the session's type
     import torch
 
     from ..decoding.sampling import top_k_rows
 
     top_k_rows(torch.zeros(2, 4 * 40), 40)      # sampled runs' top-k (float32 rows; any vocabulary)
-    compile_head(model)
 
 
-def compile_head(model: "Model") -> None:
+def compile_head(model: "Model", cache_type: str | None) -> None:
     """The model's MTP head (built in, or a trained one from `--mtp-head`), as drafting calls it:
     one, two and four tokens (a proposal after a verify) with their logits rows, and a catch-up's
-    KV rows. A trained head stores its matrices as Q8_0, which a target of other quant types has never
-    compiled: without this, a server's first draft stalled for seconds. Nothing without a head."""
+    KV rows, on a session of the run's KV cache type (None: Model.session's default). A trained head
+    stores its matrices as Q8_0, which a target of other quant types has never compiled: without
+    this, a server's first draft stalled for seconds. Nothing without a head. Why the cache type:
+    the fused attention half compiles once per cache type, and a session of another type (this
+    took Model.session's f32 while `run` decodes on f16) cost the 27B's first run ~40 s of
+    compiling kernels it never called (docs/history.md, "A cold start's f32 attention")."""
     import torch
 
     mtp = model.mtp
     if mtp is None:
         return
     token = model.tokenizer.bos_id if model.tokenizer.bos_id is not None else 0
-    session = model.session(n_ctx=64, k_max=4)
+    session = model.session(n_ctx=64, cache_type=cache_type, k_max=4)
     session.eval([token] * 5, logits="none")
     hidden = session.hidden
     row = torch.empty(1, mtp.n_out)
@@ -267,7 +271,7 @@ def warm_up(model: "Model", spec_type: str, spec, sampler, cache_type: str, draf
     source = build_source(spec_type, session, sampler, fixed, draft_model, ngram_n_max=ngram_n_max,
                           cache_type=cache_type, draft_vocab=draft_vocab)
     if "draft-mtp" in spec_type_parts(spec_type):
-        compile_head(model)         # the head's other batch sizes and a catch-up's KV rows
+        compile_head(model, cache_type)         # the head's other batch sizes and a catch-up's KV rows
     generate(model, session, prompt, WARMUP_TOKENS, sampler, source, fixed, stop_ids=set())
     if not spec.adaptive or session.n_past + (COST_REPS + 1) * spec.k_max > session.n_ctx:
         return None
