@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
 
     types = QUICK_TYPES if args.quick else [T(t) for t in SUPPORTED_TYPES]
     if args.types:
-        names = {T(t).name: T(t) for t in SUPPORTED_TYPES}     # q4_k as Q4_K, as llama.cpp's tools take them
+        names = {q.name: q for q in map(T, SUPPORTED_TYPES)}     # q4_k as Q4_K, as llama.cpp's tools take them
         wanted = [x.strip().upper() for x in args.types.split(",")]
         unknown = [x for x in wanted if x not in names]
         if unknown:
