@@ -37,7 +37,7 @@ from numba.core.errors import NumbaPerformanceWarning
 from .blocks import decode_rows_serial
 from .ffn import _act_times, _sigmoid, ffn_glu
 from .formats import format_of
-from .matvec import tile_products
+from .matvec import float_tag, tile_products
 from .matvec_amx import MAX_TOKENS, uses_amx
 from .matvec_int import act_block, block_dots, types_tag
 from .matvec_tiled import TILE_UNITS, chunk_steps, tile_sums, token_lanes
@@ -84,13 +84,13 @@ def kernel_types(type_paths) -> tuple:
     (integer: the matrix runs on the integer path). int_types: the integer matrices' types as a
     compile-time set (matvec_int.types_tag); the kernels carry only these types' integer code, and
     every integer matrix of a call must have one of them (another type would write nothing).
-    float_path: (0,) when some matrix runs on the float path, else (); a compile-time flag: with ()
-    the float kernel is not compiled in (most of a cold compile when every matrix has an integer
-    kernel), and a float-path matrix would write nothing. A model passes the pairs of all its
-    layers: one compilation serves them all."""
+    float_path: the float-path matrices' types as a compile-time set (matvec.float_tag), () when
+    there are none: then the float kernel is not compiled in at all (most of a cold compile when
+    every matrix has an integer kernel); a float-path matrix of another type would write nothing. A
+    model passes the pairs of all its layers: one compilation serves them all."""
     type_paths = list(type_paths)
-    return (types_tag(qt for qt, integer in type_paths if integer),
-            (0,) if any(not integer for _, integer in type_paths) else ())
+    floats = [qt for qt, integer in type_paths if not integer]
+    return types_tag(qt for qt, integer in type_paths if integer), (float_tag(floats) if floats else ())
 
 
 # --------------------------------------------------------------------------- row-wise helpers
@@ -153,7 +153,8 @@ def _quantized(x, block, residual):
 
 def _float_rows(float_path, w, qt, be, r_lo, r_hi, x, buf, part, acc, out, off):
     """out[:, off + r] = (W x)[r] for rows r_lo .. r_hi - 1 of one matrix on the float path
-    (matvec.tile_products, 4 rows at a time); compiled in only where float_path is (0,)."""
+    (matvec.tile_products, 4 rows at a time); compiled in only where float_path is a float_tag, with
+    the decoders of its types only."""
     raise NotImplementedError("_float_rows runs inside Numba kernels")
 
 
@@ -167,7 +168,7 @@ def _float_rows_code(float_path, w, qt, be, r_lo, r_hi, x, buf, part, acc, out, 
     def rows(float_path, w, qt, be, r_lo, r_hi, x, buf, part, acc, out, off):
         for r0 in range(r_lo, r_hi, TILE_ROWS):
             nr = min(TILE_ROWS, r_hi - r0)
-            tile_products(w, qt, be, r0, nr, x, buf, part, acc)
+            tile_products(w, (qt,) + float_path, be, r0, nr, x, buf, part, acc)
             for t in range(x.shape[0]):
                 for r in range(nr):
                     out[t, off + r0 + r] = acc[t, r]

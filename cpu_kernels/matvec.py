@@ -20,9 +20,12 @@ and IQ types); otherwise the default is matvec_int's integer dot products on int
 """
 from __future__ import annotations
 
+import functools
+
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from hybridrt.runtime.config import ENV
 
@@ -63,12 +66,56 @@ def _chunk_dispatch(decoders: list):
 
 
 _decode_chunk_by_type = _chunk_dispatch(list(CHUNK_DECODERS.items()))
+_DECODER_TYPES = sorted(CHUNK_DECODERS)
+
+
+def float_tag(qtypes) -> tuple:
+    """A set of quant types as a compile-time constant for the float path, as int_blocks.types_tag
+    is for the integer kernels: one element per CHUNK_DECODERS type (ascending), True where the type
+    is in the set, 0.0 where not. decode_chunk and tile_products given (qtype,) + float_tag(...)
+    compile only the set's decoders: all fifteen cost ~44 s of a cold start, while a Q4_K_M file's
+    float-path matrices are of one type (F32)."""
+    chosen = {int(q) for q in qtypes}
+    unknown = chosen - set(_DECODER_TYPES)
+    if unknown:
+        raise ValueError(f"no chunk decoder for quant types {sorted(unknown)}")
+    return tuple(True if qt in chosen else 0.0 for qt in _DECODER_TYPES)
+
+
+@functools.cache
+def _dispatch_among(chosen: frozenset):
+    """decode_chunk's body for the types in `chosen` only (CHUNK_DECODERS' order); a type outside
+    them writes nothing (fused.py's _covering refuses such a matrix at load time)."""
+    return _chunk_dispatch([(qt, decode) for qt, decode in CHUNK_DECODERS.items() if qt in chosen])
+
+
+def _decode_by_type(qtype, src, b0, nb, dst):
+    raise NotImplementedError("_decode_by_type runs inside Numba kernels")
+
+
+@overload(_decode_by_type)
+def _decode_by_type_code(qtype, src, b0, nb, dst):
+    """A plain integer qtype: the chain over every type; (qtype,) + float_tag(...): over the tag's."""
+    if isinstance(qtype, types.Integer):
+        def every(qtype, src, b0, nb, dst):
+            _decode_chunk_by_type(qtype, src, b0, nb, dst)
+        return every
+    if not (isinstance(qtype, types.BaseTuple) and len(qtype) == 1 + len(_DECODER_TYPES)
+            and isinstance(qtype[0], types.Integer)):
+        raise TypeError(f"decode_chunk's qtype is an integer or (qtype,) + float_tag(...), not {qtype}")
+    chain = _dispatch_among(frozenset(qt for qt, ty in zip(_DECODER_TYPES, qtype[1:])
+                                      if isinstance(ty, types.Boolean)))
+
+    def among(qtype, src, b0, nb, dst):
+        chain(qtype[0], src, b0, nb, dst)
+    return among
 
 
 @njit(cache=True, nogil=True)
 def decode_chunk(qtype, src, b0, nb, dst):
-    """Blocks b0 .. b0+nb-1 of the row `src` (raw bytes) -> dst[: nb * block_elems] as float32."""
-    _decode_chunk_by_type(qtype, src, b0, nb, dst)
+    """Blocks b0 .. b0+nb-1 of the row `src` (raw bytes) -> dst[: nb * block_elems] as float32.
+    qtype: the type, or (type,) + float_tag(types) to compile only those types' decoders."""
+    _decode_by_type(qtype, src, b0, nb, dst)
 
 
 @njit(cache=True, nogil=True)
@@ -97,7 +144,8 @@ def dot_tokens(buf, x, t0, n_tok, c0, length, part):
 
 @njit(cache=True, nogil=True, inline="always")
 def tile_products(w, qtype, block_elems, r0, n_rows, x, buf, part, acc):
-    """acc[t, r] = (W x[t])[r0 + r] for all k tokens and r < n_rows, chunk by chunk."""
+    """acc[t, r] = (W x[t])[r0 + r] for all k tokens and r < n_rows, chunk by chunk (qtype as
+    decode_chunk takes it)."""
     k, n_in = x.shape
     for c0 in range(0, n_in, CHUNK):
         length = min(CHUNK, n_in - c0)

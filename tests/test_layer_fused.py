@@ -19,6 +19,7 @@ from gguf.constants import GGMLQuantizationType as T
 from cpu_kernels import gdn_block, layer_fused
 from cpu_kernels.dequant import dequantize
 from cpu_kernels.ffn import ACTIVATIONS
+from cpu_kernels.matvec import CHUNK_DECODERS, float_tag
 from cpu_kernels.matvec_int import types_tag
 from cpu_kernels.matvec_simd import dot_f32, f16_bits_to_f32, f32_to_f16_bits
 from cpu_kernels.matvec_testdata import random_weights
@@ -33,11 +34,13 @@ RESIDUAL_BOUND = 1e-3
 # the kernels' compile-time type set: every integer type below, so all cases share a compilation (two:
 # with and without the float path)
 TYPES = types_tag((T.Q4_1, T.Q8_0, T.Q5_0, T.Q4_K, T.Q6_K, T.IQ4_XS, T.IQ4_NL))
+FLOATS = float_tag(CHUNK_DECODERS)
 
 
 def _float_path(ops):
-    """float_path for these matrix_operands tuples (the type set is TYPES, shared by every case)."""
-    return layer_fused.kernel_types((op[1], op[3]) for op in ops)[1]
+    """float_path for these matrix_operands tuples: every decoder's type where one is on the float
+    path (as TYPES for the integer ones), so all cases share a compilation."""
+    return FLOATS if not all(op[3] for op in ops) else ()
 
 
 def _matrix(rng, qtype, rows, cols, integer):
@@ -334,14 +337,16 @@ def test_kernel_types_must_cover_every_matrix():
     from hybridrt.runtime.backends.fused import _covering
 
     ops = [(None, int(T.Q4_1), 32, True), (None, int(T.F32), 1, False)]
-    assert layer_fused.kernel_types((op[1], op[3]) for op in ops) == (types_tag([T.Q4_1]), (0,))
+    assert layer_fused.kernel_types((op[1], op[3]) for op in ops) == (types_tag([T.Q4_1]), float_tag([T.F32]))
     assert layer_fused.kernel_types((op[1], op[3]) for op in ops[:1])[1] == ()
-    kernel_types = (types_tag([T.Q4_1, T.Q6_K]), (0,))
+    kernel_types = (types_tag([T.Q4_1, T.Q6_K]), float_tag([T.F32, T.Q5_0]))
     assert _covering(kernel_types, ops) is kernel_types
     with pytest.raises(ValueError):
-        _covering((types_tag([T.Q8_0]), (0,)), ops)         # Q4_1 missing
+        _covering((types_tag([T.Q8_0]), float_tag([T.F32])), ops)   # Q4_1 missing
     with pytest.raises(ValueError):
-        _covering((types_tag([T.Q4_1]), ()), ops)           # the float path missing
+        _covering((types_tag([T.Q4_1]), ()), ops)                   # the float path missing
+    with pytest.raises(ValueError):
+        _covering((types_tag([T.Q4_1]), float_tag([T.F16])), ops)   # F32 missing from it
 
 
 @numba.njit

@@ -11,7 +11,7 @@ from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from cpu_kernels.formats import SUPPORTED_TYPES, UnsupportedQuantType, format_of
-from cpu_kernels.matvec import matvec
+from cpu_kernels.matvec import decode_chunk, float_tag, matvec
 from cpu_kernels.matvec_testdata import random_weights
 
 ALL_TYPES = [T(t) for t in SUPPORTED_TYPES]
@@ -111,3 +111,30 @@ def test_format_table_matches_kernel_coverage():
         assert w.shape == (4, fmt.row_bytes(cols))
         y = matvec(w, qtype, np.ones((1, cols), np.float32))
         assert np.isfinite(y).all() and np.abs(y).sum() > 0
+
+
+@numba.njit
+def _decode_tagged(tagged, src, nb, dst):
+    decode_chunk(tagged, src, 0, nb, dst)
+
+
+def test_decode_chunk_among_a_type_set():
+    """decode_chunk given (qtype,) + float_tag(types) carries only those types' decoders (the fused
+    kernels' float path, see layer_fused.kernel_types): a type in the set decodes as the plain call,
+    one outside it writes nothing, and a type with no decoder is refused when the tag is built."""
+    rng = np.random.default_rng(7)
+    tag = float_tag([T.F32, T.Q4_K])
+    for qtype in (T.F32, T.Q4_K):
+        fmt = format_of(qtype)
+        w = random_weights(qtype, 1, 512, rng)
+        nb = 512 // fmt.block_elems
+        want, got = np.zeros(512, np.float32), np.zeros(512, np.float32)
+        decode_chunk(int(qtype), w[0], 0, nb, want)
+        _decode_tagged((int(qtype),) + tag, w[0], nb, got)
+        assert np.array_equal(got, want) and np.abs(want).sum() > 0
+    w = random_weights(T.Q8_0, 1, 512, rng)
+    got = np.zeros(512, np.float32)
+    _decode_tagged((int(T.Q8_0),) + tag, w[0], 16, got)
+    assert not got.any()
+    with pytest.raises(ValueError, match="no chunk decoder"):
+        float_tag([T.Q8_1])

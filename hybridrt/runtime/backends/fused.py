@@ -12,7 +12,7 @@ import torch
 
 from cpu_kernels import gdn_block, int_blocks, kv_attention, layer_fused, moe_block
 from cpu_kernels.ffn import ACTIVATIONS
-from cpu_kernels.matvec import use_int
+from cpu_kernels.matvec import CHUNK_DECODERS, use_int
 from gpu_kernels.attention import ROWWISE_MAX, attend
 
 from ...files.gguf_file import GGUFFile
@@ -77,10 +77,11 @@ def attend_on_cpu(q: torch.Tensor, k_cache, v_cache, positions: list[int], scale
 def _covering(kernel_types: tuple, operands: list) -> tuple:
     """kernel_types = (int_types, float_path) of layer_fused, checked to cover the operands."""
     int_types, float_path = kernel_types
-    have = {qt for qt, flag in zip(sorted(int_blocks.SPECS), int_types) if flag is True}
-    if any(op[3] and op[1] not in have for op in operands) or (not float_path and not all(op[3] for op in operands)):
-        raise ValueError(f"fused kernels compiled for integer types {sorted(have)}, float path {bool(float_path)}"
-                         f" do not cover {[(op[1], op[3]) for op in operands]} (type, integer)")
+    have_int = {qt for qt, flag in zip(sorted(int_blocks.SPECS), int_types) if flag is True}
+    have_float = {qt for qt, flag in zip(sorted(CHUNK_DECODERS), float_path) if flag is True}
+    if any(op[1] not in (have_int if op[3] else have_float) for op in operands):
+        raise ValueError(f"fused kernels compiled for integer types {sorted(have_int)}, float types"
+                         f" {sorted(have_float)} do not cover {[(op[1], op[3]) for op in operands]} (type, integer)")
     return kernel_types
 
 
