@@ -162,7 +162,7 @@ def _spread(n_threads, n_channels, k):
     return n_threads > 1 and n_channels * k >= PARALLEL_MIN_CHANNELS
 
 
-@njit(cache=CACHE, nogil=True)
+@njit(cache=CACHE, nogil=True, inline="always")
 def gdn_in(h, n_threads, int_types, float_path, attn_norm, eps,
            wqkv, tqkv, eqkv, iqkv, wz, tz, ez, iz, wb, tb, eb, ib, wa, ta, ea, ia,
            n_channels, n_v_heads, d, n_k_heads, ba_packed):
@@ -191,7 +191,7 @@ def gdn_in(h, n_threads, int_types, float_path, attn_norm, eps,
     return np.ascontiguousarray(proj[:, :C]), np.ascontiguousarray(proj[:, C:C + nz]), b, a
 
 
-@njit(cache=CACHE, nogil=True)
+@njit(cache=CACHE, nogil=True, inline="always")
 def gdn_recurrence(n_threads, qkv, b, a, conv_w, dt_bias, ssm_a, eps, conv_state, S, conv_hist, S_snap, capture,
                    n_k_heads, tiled, core):
     """One sequence's tokens from the input projections to the gated norm: qkv [k, C] (C = 2 Hk d
@@ -254,7 +254,7 @@ def gdn_recurrence(n_threads, qkv, b, a, conv_w, dt_bias, ssm_a, eps, conv_state
         _heads_serial(S, decay, beta, qk, v, key_head, S_snap, capture, core, d)
 
 
-@njit(cache=CACHE, nogil=True)
+@njit(cache=CACHE, nogil=True, inline="always")
 def gated_norm(n_threads, core, z, ssm_norm, eps, n_channels):
     """RMSNorm(core; ssm_norm) * SiLU(z) per value head of every row -> y [k, Hv d], the output
     projection's input. Each (row, head) is computed alone, so the rows may be several sequences'."""
@@ -267,7 +267,7 @@ def gated_norm(n_threads, core, z, ssm_norm, eps, n_channels):
     return y
 
 
-@njit(cache=CACHE, nogil=True)
+@njit(cache=CACHE, nogil=True, inline="always")
 def gdn_core(n_threads, qkv, z, b, a, conv_w, dt_bias, ssm_a, ssm_norm, eps, conv_state, S,
              conv_hist, S_snap, capture, n_k_heads, tiled):
     """Everything of a GDN layer between its input and output projections, for one sequence's k
@@ -279,7 +279,7 @@ def gdn_core(n_threads, qkv, z, b, a, conv_w, dt_bias, ssm_a, ssm_norm, eps, con
     return gated_norm(n_threads, core, z, ssm_norm, eps, C)
 
 
-@njit(cache=CACHE, nogil=True)
+@njit(cache=CACHE, nogil=True, inline="always")
 def gdn_out(h, y, n_threads, int_types, float_path, attn_norm, eps, wo, to, eo, io):
     """gdn_block's output side: h + W_out y (attn_norm only stands in for _residual's unused post-norm)."""
     out = np.empty(h.shape, np.float32)

@@ -369,7 +369,7 @@ def attention_block(h, n_threads, int_types, float_path, attn_norm, post_norm, h
                          gated, n_head, d, dv)
 
 
-@njit(cache=CACHE, nogil=True)
+@njit(cache=CACHE, nogil=True, inline="always")
 def attention_qkv(h, n_threads, int_types, float_path, attn_norm, eps, wq, tq, eq, iq, wk, tk, ek, ik,
                   wv, tv, ev, iv, n_head, n_kv, d, dv, gated):
     """attention_block's projections: rms_norm(h) times q, k and v side by side, (k, nq_rows +
@@ -384,7 +384,7 @@ def attention_qkv(h, n_threads, int_types, float_path, attn_norm, eps, wq, tq, e
     return qkv
 
 
-@njit(cache=CACHE, nogil=True)
+@njit(cache=CACHE, nogil=True, inline="always")
 def attention_rows(n_threads, qkv, q, o, q_norm, k_norm, qk_norm, gated, eps, cos, sin, n_rot, neox,
                    k_cache, v_cache, start, n_head, n_kv, d, dv, scale, window, first):
     """What attention_block does for one sequence's rows of qkv (attention_qkv's), token t at
@@ -409,7 +409,7 @@ def attention_rows(n_threads, qkv, q, o, q_norm, k_norm, qk_norm, gated, eps, co
     attend(n_threads, q, k_cache, v_cache, o, start, n_head, n_kv, d, dv, scale, window, first)
 
 
-@njit(cache=CACHE, nogil=True)
+@njit(cache=CACHE, nogil=True, inline="always")
 def attention_out(h, qkv, o, n_threads, int_types, float_path, post_norm, has_post, eps, wo, to, eo, io,
                   gated, n_head, d, dv):
     """attention_block's end: o (attention_rows' outputs of every row) gated by sigmoid(gate_h)
