@@ -30,11 +30,12 @@ import math
 import warnings
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
 from numba.extending import overload
 from numba.core.errors import NumbaPerformanceWarning
 
 from .blocks import decode_rows_serial
+from .int_blocks import SPECS
 from .ffn import _act_times, _sigmoid, ffn_glu
 from .formats import format_of
 from .matvec import float_tag, tile_products
@@ -151,6 +152,23 @@ def _quantized(x, block, residual):
 # Up to three matrices (q, k, v or gate, up) that read the same rows x write their outputs side by
 # side in `out`: matrix m's row r goes to column off_m + r. Work is split in units of 16 rows.
 
+def _legacy_types(int_types):
+    """int_types (a types_tag) less its K-quant types: the token-lane branch of _project_group runs
+    32-weight blocks only, so a K-quant file (the 27B) compiles no lane code at all (a tag with no
+    type emits an empty switch), where the whole tag's would be dead code in every fused kernel."""
+    raise NotImplementedError("_legacy_types runs inside Numba kernels")
+
+
+@overload(_legacy_types, inline="always")
+def _legacy_types_code(int_types):
+    legacy = tuple(ty if SPECS[qt][0] != "k" else 0.0 for qt, ty in zip(sorted(SPECS), int_types))
+    chosen = tuple(True if isinstance(ty, types.Boolean) else 0.0 for ty in legacy)
+
+    def code(int_types):
+        return chosen
+    return code
+
+
 def _float_rows(float_path, w, qt, be, r_lo, r_hi, x, buf, part, acc, out, off):
     """out[:, off + r] = (W x)[r] for rows r_lo .. r_hi - 1 of one matrix on the float path
     (matvec.tile_products, 4 rows at a time); compiled in only where float_path is a float_tag, with
@@ -212,7 +230,7 @@ def _project_group(g, n_groups, int_types, float_path, w0, t0, e0, i0, n0, w1, t
             if be == QK_LEGACY and k_pad:
                 # a batch of 14+ rows: the prompt GEMM's token lanes, one pass over the weights for
                 # up to 64 rows where block_dots takes one per 4 (the same bits)
-                tile_sums((qt,) + int_types, w, r_lo, r_hi - r_lo, la, lb, lc, lane_steps, lane_chunk, TILE_UNITS,
+                tile_sums((qt,) + _legacy_types(int_types), w, r_lo, r_hi - r_lo, la, lb, lc, lane_steps, lane_chunk, TILE_UNITS,
                           lane_acc)
                 for t in range(kr):
                     for r in range(r_hi - r_lo):
