@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from gguf.constants import GGMLQuantizationType as GT
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -33,10 +34,10 @@ from .formats import int_kernel_of
 from .int_blocks import (K_SUB, PairBlock, _bcast_dword, _by_type, _c64, _c_2d, _concat_all, _decoded,
                          _loop, _opaque, _prefetch_ahead, _qtype_arg, _steps, _Tokens, _weight_row, act_block,
                          n_row_groups, steps_per_row)
-from .matvec_rowlanes import ROW_LANES_HOST
+from .matvec_rowlanes import NEVER, ROW_LANES_HOST
 from .matvec_simd import _array, _fma, _load_vec, _splat
 from .quantize_act import QK_K, QK_LEGACY, quantize_rows
-from .simd_int import CACHE, F32, I8, I16, I32, IntBlockIR, _intrinsic, dpbusd, dpwssd, packs, pmaddwd
+from .simd_int import CACHE, ISA, F32, I8, I16, I32, IntBlockIR, _intrinsic, dpbusd, dpwssd, packs, pmaddwd
 
 
 # --------------------------------------------------------------------------- token lanes (prompts)
@@ -491,7 +492,7 @@ TILED_MIN_K = 6
 def tiled_min_k(qtype: int) -> int:
     """The k from which matvec runs the tiled kernels: a type in row lanes keeps them (block_dots)
     up to the token lanes' k, where the token quads would take over at TILED_MIN_K."""
-    return LANES_MIN_K[int_kernel_of(qtype).family] if int(qtype) in ROW_LANES_HOST else TILED_MIN_K
+    return lanes_min_k(qtype) if int(qtype) in ROW_LANES_HOST else TILED_MIN_K
 # k from which the tiled kernel runs on token lanes (transposed activations, padded to 16 tokens)
 # instead of token quads. Measured on the 27B FFN shapes, 2 threads, from memory, with the lanes'
 # rows 4 at a time (bench_matvec.py --lanes-from 1 against 999, 69a6fa9, 3317039), lanes /
@@ -501,8 +502,26 @@ def tiled_min_k(qtype: int) -> int:
 LANES_MIN_K = {"k": 12, "pair": 10}
 
 
+# On ymm ISAs (AVX2, no AVX-512 VNNI: a 16-lane vector is two halves there) the token lanes lose to
+# the token quads at every k for these types; they stay on quads. Measured on the 27B FFN shape
+# 17408 x 5120, 2 threads, AMD EPYC with AVX2 only (bench_matvec.py --lanes-from 999 against 1,
+# ms at 16 / 32 tokens, quads against lanes): Q4_K 21.3 / 40.1 against 29.7 / 53.9, Q6_K 18.0 / 34.2
+# against 21.4 / 40.1, Q8_0 37.8 / 74.7 against 52.3 / 106.4, IQ4_NL 40.5 / 79.6 against 50.8 / 107.6;
+# Q5_K 25.3 / 50.9 against 51.3 / 93.3, Q3_K 23.5 / 46.9 against 27.7 / 47.4, Q2_K 23.5 / 51.6 against
+# 51.7 / 98.2, IQ4_XS 40.8 / 80.9 against 56.5 / 88.9. Q4_0, Q4_1, Q5_0 and Q5_1 keep the lanes there
+# (lanes faster: Q4_1 18.5 / 32.5 against 29.3 / 57.0, Q5_1 23.1 / 40.0 against 59.9 / 119.7).
+QUADS_ON_YMM = frozenset({GT.Q8_0, GT.IQ4_NL, GT.Q2_K, GT.Q3_K, GT.Q4_K, GT.Q5_K, GT.Q6_K, GT.IQ4_XS})
+
+
+def lanes_min_k(qtype: int, isa: str = ISA) -> int:
+    """The k from which `qtype`'s tiled kernel runs on token lanes under the integer lowering `isa`."""
+    if isa != "avx512vnni" and int(qtype) in QUADS_ON_YMM:
+        return NEVER
+    return LANES_MIN_K[int_kernel_of(qtype).family]
+
+
 def uses_lanes(qtype: int, k: int) -> bool:
-    return k >= LANES_MIN_K[int_kernel_of(qtype).family]
+    return k >= lanes_min_k(qtype)
 
 
 @intrinsic

@@ -241,8 +241,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--baseline", help="a directory holding an older cpu_kernels to time side by side")
     ap.add_argument("--tiled-from", type=int, help="override matvec_tiled.tiled_min_k (this tree only): "
                     "the k from which the tiled kernels run instead of the row kernels")
-    ap.add_argument("--lanes-from", type=int, help="override matvec_tiled.LANES_MIN_K for both kinds (this tree "
-                    "only): the k from which the tiled kernels run on token lanes instead of token quads")
+    ap.add_argument("--lanes-from", type=int, help="override matvec_tiled.LANES_MIN_K for both kinds and every type, "
+                    "the ones kept on quads on AVX2 too (this tree only): the k from which the tiled kernels run "
+                    "on token lanes instead of token quads")
     args = ap.parse_args(argv)
     if args.pool_mib < 512:     # the pool holds at least one copy of the largest matrix (F32, 27B shape: 356 MB)
         ap.error(f"--pool-mib must be at least 512, got {args.pool_mib}")
@@ -253,6 +254,7 @@ def main(argv: list[str] | None = None) -> None:
         matvec_tiled.TILED_MIN_K = args.tiled_from
     if args.lanes_from is not None:
         matvec_tiled.LANES_MIN_K.update(k=args.lanes_from, pair=args.lanes_from)
+        matvec_tiled.QUADS_ON_YMM = frozenset()     # every type, whatever the lowering
     if args.cpu_time:
         if args.threads != 1:
             ap.error("--cpu-time measures one thread: use --threads 1")

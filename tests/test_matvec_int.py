@@ -32,7 +32,7 @@ from cpu_kernels.int_blocks import SPECS
 from cpu_kernels.matvec_int import (INT_TYPES, PHASE_STEPS, TWO_PHASE_BYTES, _make_grid_dot, act_block, block_dots,
                                     grid_dot, quantize_for, row_dot, rows_dot, rows_dots, single_row_table,
                                     two_phase_table)
-from cpu_kernels.matvec_tiled import LANES_MIN_K, tiled_min_k
+from cpu_kernels.matvec_tiled import LANES_MIN_K, lanes_min_k, tiled_min_k
 from cpu_kernels.matvec_rowlanes import PASS_TOKENS, ROW_LANES, ROW_LANES_HOST, row_lanes_dot, row_lanes_table
 from cpu_kernels.matvec_testdata import random_weights
 from cpu_kernels.quantize_act import RESIDUAL_MAX_TOKENS, dequantize_rows, quantize_rows, with_residual_rows
@@ -420,3 +420,14 @@ def test_prompt_batches_give_each_token_its_own_bits(qtype):
         out = np.empty((3, rows), np.float32)
         _by_rows(int(qtype), w, q, d, s, out, rows_at_once)
         assert np.array_equal(out.view(np.uint32), alone[:3]), f"{qtype.name}: rows_at_once={rows_at_once}"
+
+
+def test_token_lanes_where_they_win():
+    """On the AVX-512 VNNI lowering every type takes the token lanes from its kind's k; on the ymm
+    lowerings the K-quants, IQ4_NL / IQ4_XS and Q8_0 stay on the token quads, which were faster there
+    at every k (matvec_tiled.QUADS_ON_YMM), and the other 32-weight types keep the lanes."""
+    for qtype in INT:
+        kind = LANES_MIN_K["k" if qtype in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS) else "pair"]
+        assert lanes_min_k(qtype, "avx512vnni") == kind, qtype.name
+        on_quads = qtype in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.IQ4_NL, T.Q8_0)
+        assert lanes_min_k(qtype, "avx2") == (1 << 30 if on_quads else kind), qtype.name
