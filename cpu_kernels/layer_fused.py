@@ -161,8 +161,8 @@ def _legacy_types(int_types):
 
 @overload(_legacy_types, inline="always")
 def _legacy_types_code(int_types):
-    legacy = tuple(ty if SPECS[qt][0] != "k" else 0.0 for qt, ty in zip(sorted(SPECS), int_types))
-    chosen = tuple(True if isinstance(ty, types.Boolean) else 0.0 for ty in legacy)
+    chosen = types_tag(qt for qt, ty in zip(sorted(SPECS), int_types)
+                       if isinstance(ty, types.Boolean) and SPECS[qt][0] != "k")
 
     def code(int_types):
         return chosen
@@ -230,8 +230,8 @@ def _project_group(g, n_groups, int_types, float_path, w0, t0, e0, i0, n0, w1, t
             if be == QK_LEGACY and k_pad:
                 # a batch of 14+ rows: the prompt GEMM's token lanes, one pass over the weights for
                 # up to 64 rows where block_dots takes one per 4 (the same bits)
-                tile_sums((qt,) + _legacy_types(int_types), w, r_lo, r_hi - r_lo, la, lb, lc, lane_steps, lane_chunk, TILE_UNITS,
-                          lane_acc)
+                tile_sums((qt,) + _legacy_types(int_types), w, r_lo, r_hi - r_lo, la, lb, lc, lane_steps, lane_chunk,
+                          TILE_UNITS, lane_acc)
                 for t in range(kr):
                     for r in range(r_hi - r_lo):
                         out[t, off + r_lo + r] = lane_acc[r, t]

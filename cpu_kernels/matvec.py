@@ -73,8 +73,8 @@ def float_tag(qtypes) -> tuple:
     """A set of quant types as a compile-time constant for the float path, as int_blocks.types_tag
     is for the integer kernels: one element per CHUNK_DECODERS type (ascending), True where the type
     is in the set, 0.0 where not. decode_chunk and tile_products given (qtype,) + float_tag(...)
-    compile only the set's decoders: all fifteen cost ~44 s of a cold start, while a Q4_K_M file's
-    float-path matrices are of one type (F32)."""
+    compile only the set's decoders: all fifteen cost the 27B's cold compile ~20 s (docs/history.md,
+    "Fewer compilations on a cold start"), while a Q4_K_M file's float-path matrices are F32 alone."""
     chosen = {int(q) for q in qtypes}
     unknown = chosen - set(_DECODER_TYPES)
     if unknown:
