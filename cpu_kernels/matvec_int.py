@@ -58,7 +58,7 @@ from .matvec_rowlanes import PASS_TOKENS, ROW_LANES, row_lanes_dot, row_lanes_fr
 from .matvec_simd import _array, _fma, _load_vec
 from .matvec_tiled import _matvec_tiled_kernel, quantize_tiled, tiled_min_k, tiling
 from .quantize_act import QK_K, quantize_rows
-from .simd_int import CACHE, F32, I8, I16, I32, I64, _concat, _intrinsic, dpbusd, dpwssd, packs, pmaddwd
+from .simd_int import CACHE, F32, I8, I16, I32, I64, ISA, _concat, _intrinsic, dpbusd, dpwssd, packs, pmaddwd
 
 
 # --------------------------------------------------------------------------- numerics
@@ -417,9 +417,22 @@ TWO_PHASE_BYTES = 3072
 TWO_PHASE_MAX_K = {t.qtype: t.integer.two_phase_max_k for t in QUANT_TYPES if t.integer and t.integer.two_phase_max_k}
 
 
-def single_row_table(cpu_name: str) -> dict[int, int]:
-    """qtype -> the largest k (1 or 2) read a row at a time on this CPU; absent: groups of rows."""
-    return dict(SINGLE_ROW_MAX_K) if cpu_name.startswith(SINGLE_ROW_CPUS) else {}
+# On a Zen lowering without AVX-512 (Zen 3, avx2: 2-3 more instructions per dot where vpdpbusd is
+# missing) Q8_0's rows are bound by their work, not by how their rows stream: its 5120-column rows
+# read faster at k = 1 in groups of 4 side by side (AMD EPYC znver3, 2 threads, cold, `bench_matvec.py
+# --types Q8_0 --ks 1,2 --baseline`, two runs 2026-11-29, ms single rows against groups: 17408 x 5120
+# 4.66-5.62 vs 3.65-4.17, 5120 x 6144 1.67-2.93 vs 1.31-2.07). Its short rows keep their two-phase
+# groups (262144 x 640 and 131072 x 1536 level at k = 1 and 2, within the runs' spread), and the
+# K-quants their single rows (Q6_K 17408 x 5120 k = 1 4.18 vs 5.15 ms in groups; Q4_K level).
+YMM_GROUPED = frozenset(t.qtype for t in QUANT_TYPES if t.integer and t.integer.family == "pair")
+
+
+def single_row_table(cpu_name: str, isa: str = ISA) -> dict[int, int]:
+    """qtype -> the largest k (1 or 2) read a row at a time on this CPU and integer lowering
+    (simd_int.ISA); absent: groups of rows."""
+    if not cpu_name.startswith(SINGLE_ROW_CPUS):
+        return {}
+    return {qt: k for qt, k in SINGLE_ROW_MAX_K.items() if isa == "avx512vnni" or qt not in YMM_GROUPED}
 
 
 def two_phase_table(cpu_name: str) -> dict[int, int]:

@@ -294,12 +294,16 @@ def test_single_row_and_grouped_rows_give_the_same_bits(qtype):
 
 
 def test_single_rows_only_where_measured():
-    zen = single_row_table("znver4")
+    zen = single_row_table("znver4", "avx512vnni")
     assert zen[int(T.Q8_0)] == 1 and zen[int(T.Q6_K)] == 2 and zen[int(T.Q4_K)] == 1
     assert int(T.Q4_0) not in zen and int(T.Q4_1) not in zen       # fold-bound alone: kept in groups
-    assert single_row_table("sapphirerapids") == {} and single_row_table("generic") == {}
+    for isa in ("avx512vnni", "avx2"):
+        assert single_row_table("sapphirerapids", isa) == {} and single_row_table("generic", isa) == {}
     assert two_phase_table("znver4") == {int(T.Q8_0): 2}            # its rows under TWO_PHASE_BYTES
     assert two_phase_table("sapphirerapids") == {} and two_phase_table("generic") == {}
+    # Zen 3's avx2 lowering: Q8_0's rows in groups (its short ones two-phase), the K-quants alone
+    zen3 = single_row_table("znver3", "avx2")
+    assert int(T.Q8_0) not in zen3 and zen3[int(T.Q6_K)] == 2 and zen3[int(T.Q4_K)] == 1
 
 
 # two-phase groups forced for every legacy type, whatever this host's TWO_PHASES says
