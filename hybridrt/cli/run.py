@@ -11,6 +11,7 @@ from .options import (CTX_SIZE, GROUP, MODEL, MTP_HEAD, THREADS, WARMUP, Grammar
                       SpecFlags, check_ctx_size, context_size, flag_groups, read_text_file)
 from .options import MAX_DRAFTS, adaptive_default  # noqa: F401  (tests read them here, where they were)
 from ..errors import UserError
+from ..runtime import compile_helper
 from ..runtime.warmup import compile_notice, warm_up
 
 
@@ -67,6 +68,9 @@ def run(
         device = load.check()
         sampler = SamplerConfig(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
         cache_type = kv.cache_type
+        if device == "cpu" and load.vram is None:
+            # a cold cache: another core compiles the kernels this run reaches after its first layer kind
+            compile_helper.start(model, cache_type, True if load.exact_activations else None, load.act_residual)
         m = load.load(model, device, threads, ctx_size, kv, drafts.spec_type, drafts.draft_n_max, drafts.model_draft,
                       mtp_head)
         if chat:

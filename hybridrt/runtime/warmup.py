@@ -48,9 +48,10 @@ def _dispatchers() -> list:
             blocks.decode_rows] + gate_up + fused + sampling
 
 
-def kernels_cold() -> bool:
-    """True when some kernel has no usable cached machine code (it will compile at first use)."""
-    for dispatcher in _dispatchers():
+def kernels_cold(dispatchers: list | None = None) -> bool:
+    """True when some kernel (of `dispatchers`, default: every one a model calls from Python) has no
+    usable cached machine code (it will compile at first use)."""
+    for dispatcher in _dispatchers() if dispatchers is None else dispatchers:
         try:
             if not dispatcher._cache._cache_file._load_index():
                 return True
