@@ -94,7 +94,8 @@ def main() -> None:
 def by_batch(args, ks: list[int], clock, spent: dict, parts: tuple) -> None:
     """Steps of k tokens (each keeps its first: the next starts one position on), best of --reps."""
     m = load_model(args.model, threads=args.threads)
-    s = m.session(256, k_max=max(ks))
+    # each step leaves one token in the context: 20 prompt tokens, then (1 + n_steps) per k per rep
+    s = m.session(20 + args.reps * len(ks) * (1 + args.n_steps) + max(ks), k_max=max(ks))
     s.eval(list(range(100, 120)), logits="last")
     best: dict[int, tuple[float, dict]] = {}
 
