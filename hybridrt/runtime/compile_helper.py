@@ -42,12 +42,12 @@ def other_kind_layers(model: "Model") -> list:
 
 def start(model: str | os.PathLike | None, cache_type: str, exact: bool | None = None,
           act_residual: bool | None = None) -> subprocess.Popen | None:
-    """On a cold kernel cache (the fused attention half never compiled), a helper that loads `model` (a path or a known name, already pulled)
-    on the CPU as the caller is about to, with the same numerics switches (None: the environment's,
-    which it inherits), and compiles what compile_ahead lists for sessions of `cache_type`; stopped
-    at exit. Started before the caller's own load, so that both load at once. None on one core or a
-    warm cache (the helper itself stops early where the model is not a fused CPU trunk with two
-    layer kinds)."""
+    """On a cold kernel cache (the fused attention half never compiled), a helper that loads `model`
+    (a path or a known name, already pulled) on the CPU as the caller is about to, with the same
+    numerics switches (None: the environment's, which it inherits), and compiles what compile_ahead
+    lists for sessions of `cache_type`; stopped at exit. Started before the caller's own load, so
+    that both load at once. None on one core or a warm cache (the helper itself stops early where
+    the model is not a fused CPU trunk with two layer kinds)."""
     from cpu_kernels import layer_fused
 
     from ..files.registry import resolve_model
