@@ -50,7 +50,7 @@ def test_starts_only_on_a_cold_cache_and_several_cores(monkeypatch, spawned, tin
     compile_helper.stop(proc)
     (cmd, kw), = spawned.calls
     assert cmd[1:] == ["-m", "hybridrt.runtime.compile_helper", str(tiny_qwen35), "--cache-type", "q8_0",
-                       "--act-residual", "0"]
+                       "--ahead-of", "run", "--act-residual", "0"]
     assert kw["env"]["NUMBA_NUM_THREADS"] == "1" and kw["stdout"] is subprocess.DEVNULL
 
 
@@ -77,11 +77,37 @@ def test_compile_ahead_runs_the_other_kinds_and_the_heads(monkeypatch, tiny_qwen
     assert seen == []
 
 
+def test_compile_cache_types_runs_the_attention_layers_per_type(monkeypatch, tiny_qwen35, tiny_llama):
+    """Only the layers that read a KV cache (one of each signature), once per cache type asked."""
+    passes = []
+    monkeypatch.setattr(warmup, "compile_cache_type",
+                        lambda view, ct: passes.append((ct, [layer.kind for layer in view.layers])))
+    compile_helper.compile_cache_types(load_model(tiny_qwen35), ["f16", "q8_0"])
+    assert passes == [("f16", ["attention"]), ("q8_0", ["attention"])]
+    passes.clear()
+    llama = load_model(tiny_llama)
+    compile_helper.compile_cache_types(llama, ["f16"])
+    assert passes == [("f16", ["attention"] * len(passes[0][1]))] and 1 <= len(passes[0][1]) < len(llama.layers)
+
+
+def test_warmup_starts_a_helper_for_the_later_cache_types(monkeypatch, spawned, tiny_llama):
+    monkeypatch.setattr(warmup, "kernels_cold", lambda ds=None: True)
+    monkeypatch.setattr(compile_helper.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(warmup, "compile_kernels", lambda m: None)
+    warmup.announce_and_compile(tiny_llama)
+    (cmd, _), = spawned.calls
+    assert cmd[cmd.index("--cache-type") + 1] == ",".join(warmup.CACHE_TYPES[1:]) == "f16,q8_0"
+    assert cmd[cmd.index("--ahead-of") + 1] == "warmup"
+
+
 def test_the_helper_command_line(monkeypatch, tiny_qwen35):
     got = {}
     monkeypatch.setattr(compile_helper, "compile_ahead", lambda m, ct: got.update(model=m, cache_type=ct))
+    monkeypatch.setattr(compile_helper, "compile_cache_types", lambda m, cts: got.update(cache_types=cts))
     compile_helper.main([str(tiny_qwen35), "--cache-type", "f32", "--act-residual", "0"])
     assert got["cache_type"] == "f32" and got["model"].binder.config.act_residual is False
-    assert got["model"].binder.config.exact is False
+    assert got["model"].binder.config.exact is False and "cache_types" not in got
+    compile_helper.main([str(tiny_qwen35), "--cache-type", "f16,q8_0", "--ahead-of", "warmup"])
+    assert got["cache_types"] == ["f16", "q8_0"]
     with pytest.raises(SystemExit):
         compile_helper.main([str(tiny_qwen35), "--exact", "2"])

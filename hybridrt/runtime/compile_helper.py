@@ -11,9 +11,14 @@ run reaches them it loads their machine code instead of compiling (or, where it 
 compiles them itself: the same cache entry, written atomically by either). The bits cannot differ:
 the cache holds each kernel's code for one signature, whoever compiled it.
 
-The helper runs its forwards on one thread, prints nothing, and is stopped when the run exits. It
-starts on a cold cache with more than one core, for a CPU run without a plan, and stops at once
-unless the model is a fused CPU trunk with a second layer kind (qwen35, qwen35moe, qwen3next).
+`serve` and `hybridrt warmup` compile everything ahead (warmup.compile_kernels: a pass per KV cache
+type, f32 first); there the helper takes the later passes' attention halves (f16 and q8_0), the only
+kernels a pass compiles anew, while the caller's f32 pass compiles the rest.
+
+The helper runs its forwards on one thread, prints nothing, and is stopped when the caller is done
+with compiling or exits. It starts on a cold cache with more than one core, for a CPU run without
+a plan, and stops at once unless the model is a fused CPU trunk (for `run`: with a second layer
+kind, as qwen35, qwen35moe and qwen3next have).
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ import copy
 import os
 import subprocess
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
     from ..models.base import Model
@@ -40,14 +45,16 @@ def other_kind_layers(model: "Model") -> list:
     return layers
 
 
-def start(model: str | os.PathLike | None, cache_type: str, exact: bool | None = None,
-          act_residual: bool | None = None) -> subprocess.Popen | None:
+def start(model: str | os.PathLike | None, cache_types: str | Sequence[str], exact: bool | None = None,
+          act_residual: bool | None = None, ahead_of: str = "run") -> subprocess.Popen | None:
     """On a cold kernel cache (the fused attention half never compiled), a helper that loads `model`
     (a path or a known name, already pulled) on the CPU as the caller is about to, with the same
-    numerics switches (None: the environment's, which it inherits), and compiles what compile_ahead
-    lists for sessions of `cache_type`; stopped at exit. Started before the caller's own load, so
-    that both load at once. None on one core or a warm cache (the helper itself stops early where
-    the model is not a fused CPU trunk with two layer kinds)."""
+    numerics switches (None: the environment's, which it inherits), and compiles what the caller
+    reaches late: ahead_of="run", compile_ahead for a run's sessions of `cache_types` (one type);
+    "warmup", compile_cache_types for warmup.compile_kernels' later passes (its first, f32, is the
+    caller's). Stopped at exit (stop). Started before the caller's own load, so that both load at
+    once. None on one core or a warm cache (the helper itself stops early where the model is not
+    a fused CPU trunk, or for a run, has one layer kind only)."""
     from cpu_kernels import layer_fused
 
     from ..files.registry import resolve_model
@@ -63,7 +70,9 @@ def start(model: str | os.PathLike | None, cache_type: str, exact: bool | None =
         return None
     if not path.is_file():
         return None
-    cmd = [sys.executable, "-m", "hybridrt.runtime.compile_helper", os.fspath(path), "--cache-type", cache_type]
+    types = [cache_types] if isinstance(cache_types, str) else list(cache_types)
+    cmd = [sys.executable, "-m", "hybridrt.runtime.compile_helper", os.fspath(path), "--cache-type", ",".join(types),
+           "--ahead-of", ahead_of]
     if exact is not None:
         cmd += ["--exact", str(int(exact))]
     if act_residual is not None:
@@ -116,11 +125,36 @@ def compile_ahead(model: "Model", cache_type: str) -> None:
     compile_head(view, cache_type)
 
 
+def compile_cache_types(model: "Model", cache_types: Sequence[str]) -> None:
+    """warmup.compile_kernels' passes for `cache_types` over the layers whose attention half reads
+    the KV cache (the first of each warmup.layer_signature): its kernels are compiled once per cache
+    type, while the Gated DeltaNet and FFN halves, the prompt GEMMs and the output head are the
+    same for every type and compile in the caller's first pass. Nothing unless `model` is a fused
+    CPU trunk."""
+    from .config import Mode
+    from .warmup import compile_cache_type, layer_signature
+
+    if model.binder.config.mode is not Mode.CPU_FUSED or model.plan is not None:
+        return
+    seen, layers = set(), []
+    for i, layer in enumerate(model.layers):
+        sig = layer_signature(model, i)
+        if layer.attention is not None and sig not in seen:
+            seen.add(sig)
+            layers.append(layer)
+    view = copy.copy(model)
+    view.layers = layers
+    for cache_type in cache_types:
+        compile_cache_type(view, cache_type)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="compile a model's CPU kernels in parallel with a cold `hybridrt "
-                                             "run` (which starts it; not meant to be called by hand)")
+                                             "run`, `serve` or `warmup` (which start it; not meant to be called "
+                                             "by hand)")
     ap.add_argument("model")
-    ap.add_argument("--cache-type", default="f16")
+    ap.add_argument("--cache-type", default="f16", help="KV cache types, comma-separated (run: one)")
+    ap.add_argument("--ahead-of", choices=("run", "warmup"), default="run")
     ap.add_argument("--exact", type=int, choices=(0, 1))
     ap.add_argument("--act-residual", type=int, choices=(0, 1))
     args = ap.parse_args(argv)
@@ -129,7 +163,11 @@ def main(argv: list[str] | None = None) -> None:
     model = load_model(args.model, threads=1,
                        exact_activations=None if args.exact is None else bool(args.exact),
                        act_residual=None if args.act_residual is None else bool(args.act_residual))
-    compile_ahead(model, args.cache_type)
+    cache_types = args.cache_type.split(",")
+    if args.ahead_of == "run":
+        compile_ahead(model, cache_types[0])
+    else:
+        compile_cache_types(model, cache_types)
 
 
 if __name__ == "__main__":

@@ -144,23 +144,33 @@ def compile_kernels(model: "Model") -> None:
     top-k (cpu_kernels.top_k, float32 rows). Once per KV cache
     type the fused attention half reads (it compiles once for each): f32 (the Python API's
     default), f16 (`run`'s and `serve`'s) and q8_0 (-ctk / -ctv q8_0) where the head size allows."""
-    from ..errors import UserError
-
     model = sampled_trunk(model)
-    token = model.tokenizer.bos_id if model.tokenizer.bos_id is not None else 0
-    for cache_type in ("f32", "f16", "q8_0"):
-        try:
-            session = model.session(n_ctx=128, cache_type=cache_type)
-        except UserError:           # q8_0 on a head size its blocks do not divide
-            continue
-        for k in (1, 4, 8, 16, 40):
-            session.eval([token] * k, logits="all" if k in (4, 8, 16) else "last")
-        compile_head(model, cache_type)         # a built-in head's KV is of the session's type
+    for cache_type in CACHE_TYPES:
+        compile_cache_type(model, cache_type)
     import torch
 
     from ..decoding.sampling import top_k_rows
 
     top_k_rows(torch.zeros(2, 4 * 40), 40)      # sampled runs' top-k (float32 rows; any vocabulary)
+
+
+CACHE_TYPES = ("f32", "f16", "q8_0")    # compile_kernels' passes, in order
+
+
+def compile_cache_type(model: "Model", cache_type: str) -> None:
+    """compile_kernels' pass for one KV cache type over `model`'s layers: batches of 1, 4, 8, 16
+    and 40 tokens, then the MTP head (a built-in head's KV is of the session's type). Nothing for
+    a type the model's head size rules out (q8_0 on a size its blocks do not divide)."""
+    from ..errors import UserError
+
+    token = model.tokenizer.bos_id if model.tokenizer.bos_id is not None else 0
+    try:
+        session = model.session(n_ctx=128, cache_type=cache_type)
+    except UserError:
+        return
+    for k in (1, 4, 8, 16, 40):
+        session.eval([token] * k, logits="all" if k in (4, 8, 16) else "last")
+    compile_head(model, cache_type)
 
 
 def compile_head(model: "Model", cache_type: str | None) -> None:
@@ -200,12 +210,18 @@ def announce_and_compile(model: "Model | str | os.PathLike | None") -> bool:
         from ..files.registry import resolve_model
 
         GGUFFile(resolve_model(model))      # a bad path or file stays one error line, no message first
+    from . import compile_helper
+
+    helper = compile_helper.start(model if model is None or isinstance(model, (str, os.PathLike)) else model.gguf.path,
+                                  CACHE_TYPES[1:], ahead_of="warmup")
     with compile_notice() as notice:
         if model is None or isinstance(model, (str, os.PathLike)):
             from .loader import load_model
 
             model = load_model(model)
         compile_kernels(model)
+    if helper is not None:
+        compile_helper.stop(helper)
     return notice.compiled
 
 
@@ -217,10 +233,15 @@ def warmup(
     """Compile the CPU kernels a model needs ahead of its first run (cached on disk)."""
     from .loader import load_model
 
+    from . import compile_helper
+
     t0 = time.perf_counter()
+    helper = compile_helper.start(model, CACHE_TYPES[1:], ahead_of="warmup")
     with compile_notice() as notice:
         m = load_model(model, mtp_head=mtp_head)
         compile_kernels(m)
+    if helper is not None:
+        compile_helper.stop(helper)
     took = time.perf_counter() - t0
     where = os.environ.get("NUMBA_CACHE_DIR") or "__pycache__ beside the kernels"
     print(f"CPU kernels {'compiled' if notice.compiled else 'already compiled'} for "
