@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import copy
 import os
 import subprocess
 import sys
-from typing import TYPE_CHECKING, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 if TYPE_CHECKING:
     from ..models.base import Model
@@ -97,6 +97,18 @@ def stop(proc: subprocess.Popen) -> None:
             proc.kill()
 
 
+@contextmanager
+def alongside(model: str | os.PathLike | None, cache_types: str | Sequence[str], ahead_of: str = "run",
+              **switches) -> Iterator[subprocess.Popen | None]:
+    """start(...) for the duration of the block (the caller's compiling), stopped at its end."""
+    proc = start(model, cache_types, ahead_of=ahead_of, **switches)
+    try:
+        yield proc
+    finally:
+        if proc is not None:
+            stop(proc)
+
+
 def compile_ahead(model: "Model", cache_type: str) -> None:
     """What a run compiles after its first layer kind, the kernels that need no layer matrix code
     first (the run reaches them late, and the layer halves' shared matrix code takes the helper as
@@ -109,20 +121,21 @@ def compile_ahead(model: "Model", cache_type: str) -> None:
 
     from ..decoding.sampling import top_k_rows
     from .config import Mode
-    from .warmup import compile_head
+    from .warmup import any_token, compile_head, trunk_view
 
     layers = other_kind_layers(model)
     if model.binder.config.mode is not Mode.CPU_FUSED or model.plan is not None or not layers:
         return
-    token = model.tokenizer.bos_id if model.tokenizer.bos_id is not None else 0
-    view = copy.copy(model)
-    for view.layers in ([], layers):
+    token = any_token(model)
+
+    def forwards(view: "Model") -> "Model":
         session = view.session(n_ctx=64, cache_type=cache_type, k_max=4)
         session.eval([token] * 4, logits="all")
         session.eval([token], logits="last")
-        if not view.layers:
-            top_k_rows(torch.zeros(2, 160), 40)
-    compile_head(view, cache_type)
+        return view
+    forwards(trunk_view(model, []))            # the output head alone
+    top_k_rows(torch.zeros(2, 160), 40)
+    compile_head(forwards(trunk_view(model, layers)), cache_type)
 
 
 def compile_cache_types(model: "Model", cache_types: Sequence[str]) -> None:
@@ -132,18 +145,11 @@ def compile_cache_types(model: "Model", cache_types: Sequence[str]) -> None:
     same for every type and compile in the caller's first pass. Nothing unless `model` is a fused
     CPU trunk."""
     from .config import Mode
-    from .warmup import compile_cache_type, layer_signature
+    from .warmup import compile_cache_type, signature_layers, trunk_view
 
     if model.binder.config.mode is not Mode.CPU_FUSED or model.plan is not None:
         return
-    seen, layers = set(), []
-    for i, layer in enumerate(model.layers):
-        sig = layer_signature(model, i)
-        if layer.attention is not None and sig not in seen:
-            seen.add(sig)
-            layers.append(layer)
-    view = copy.copy(model)
-    view.layers = layers
+    view = trunk_view(model, [layer for layer in signature_layers(model) if layer.attention is not None])
     for cache_type in cache_types:
         compile_cache_type(view, cache_type)
 

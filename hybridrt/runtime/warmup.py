@@ -112,26 +112,42 @@ def layer_signature(model: "Model", i: int) -> tuple:
             repr(attention.spec) if attention is not None else None, tuple(types))
 
 
-def sampled_trunk(model: "Model") -> "Model":
-    """`model` with only the first layer of each signature (layer_signature) in its trunk, for a
-    warm-up: a shallow copy sharing every weight, backend, head and the executor, whose sessions
-    are the whole model's (each layer keeps its own KV / recurrent state slot), so its forwards call
-    every kernel the whole trunk calls. Its outputs mean nothing; only the calls count. The model
-    itself when it is small (SAMPLED_WARMUP_BYTES) or follows a plan (device layers specialize on
-    their split sizes, and a plan's executor schedules whole layer lists)."""
-    import copy
-
-    if model.plan is not None or model.weight_bytes_per_token < SAMPLED_WARMUP_BYTES:
-        return model
+def signature_layers(model: "Model") -> list:
+    """The first layer of each signature (layer_signature) in `model`'s trunk: together they call
+    every kernel the whole trunk calls."""
     seen, layers = set(), []
     for i, layer in enumerate(model.layers):
         sig = layer_signature(model, i)
         if sig not in seen:
             seen.add(sig)
             layers.append(layer)
+    return layers
+
+
+def trunk_view(model: "Model", layers: list) -> "Model":
+    """`model` with only `layers` in its trunk: a shallow copy sharing every weight, backend, head
+    and the executor, whose sessions are the whole model's (each layer keeps its own KV / recurrent
+    state slot). For compiling and warming up: its outputs mean nothing; only the calls count."""
+    import copy
+
     view = copy.copy(model)
     view.layers = layers
     return view
+
+
+def any_token(model: "Model") -> int:
+    """A token id every model has, for forwards whose outputs do not matter: BOS, else 0."""
+    return model.tokenizer.bos_id if model.tokenizer.bos_id is not None else 0
+
+
+def sampled_trunk(model: "Model") -> "Model":
+    """`model`'s trunk_view of its signature_layers, for a warm-up: its forwards call every kernel
+    the whole trunk calls. The model itself when it is small (SAMPLED_WARMUP_BYTES) or follows a
+    plan (device layers specialize on their split sizes, and a plan's executor schedules whole
+    layer lists)."""
+    if model.plan is not None or model.weight_bytes_per_token < SAMPLED_WARMUP_BYTES:
+        return model
+    return trunk_view(model, signature_layers(model))
 
 
 def compile_kernels(model: "Model") -> None:
@@ -163,7 +179,7 @@ def compile_cache_type(model: "Model", cache_type: str) -> None:
     a type the model's head size rules out (q8_0 on a size its blocks do not divide)."""
     from ..errors import UserError
 
-    token = model.tokenizer.bos_id if model.tokenizer.bos_id is not None else 0
+    token = any_token(model)
     try:
         session = model.session(n_ctx=128, cache_type=cache_type)
     except UserError:
@@ -187,7 +203,7 @@ def compile_head(model: "Model", cache_type: str | None) -> None:
     mtp = model.mtp
     if mtp is None:
         return
-    token = model.tokenizer.bos_id if model.tokenizer.bos_id is not None else 0
+    token = any_token(model)
     session = model.session(n_ctx=64, cache_type=cache_type, k_max=4)
     session.eval([token] * 5, logits="none")
     hidden = session.hidden
@@ -212,16 +228,13 @@ def announce_and_compile(model: "Model | str | os.PathLike | None") -> bool:
         GGUFFile(resolve_model(model))      # a bad path or file stays one error line, no message first
     from . import compile_helper
 
-    helper = compile_helper.start(model if model is None or isinstance(model, (str, os.PathLike)) else model.gguf.path,
-                                  CACHE_TYPES[1:], ahead_of="warmup")
-    with compile_notice() as notice:
+    path = model if model is None or isinstance(model, (str, os.PathLike)) else model.gguf.path
+    with compile_helper.alongside(path, CACHE_TYPES[1:], ahead_of="warmup"), compile_notice() as notice:
         if model is None or isinstance(model, (str, os.PathLike)):
             from .loader import load_model
 
             model = load_model(model)
         compile_kernels(model)
-    if helper is not None:
-        compile_helper.stop(helper)
     return notice.compiled
 
 
@@ -231,17 +244,13 @@ def warmup(
     mtp_head: Optional[str] = typer.Option(None, "--mtp-head", help="also the kernels of this MTP head (from `hybridrt train-mtp`)"),
 ):
     """Compile the CPU kernels a model needs ahead of its first run (cached on disk)."""
+    from . import compile_helper
     from .loader import load_model
 
-    from . import compile_helper
-
     t0 = time.perf_counter()
-    helper = compile_helper.start(model, CACHE_TYPES[1:], ahead_of="warmup")
-    with compile_notice() as notice:
+    with compile_helper.alongside(model, CACHE_TYPES[1:], ahead_of="warmup"), compile_notice() as notice:
         m = load_model(model, mtp_head=mtp_head)
         compile_kernels(m)
-    if helper is not None:
-        compile_helper.stop(helper)
     took = time.perf_counter() - t0
     where = os.environ.get("NUMBA_CACHE_DIR") or "__pycache__ beside the kernels"
     print(f"CPU kernels {'compiled' if notice.compiled else 'already compiled'} for "
