@@ -29,7 +29,7 @@ from numba import njit, prange
 
 from .ffn import _exp, _sigmoid
 from .ffn import _silu as _silu64
-from .layer_fused import NONE, _project, _residual, _rms_scale, rms_norm_rows
+from .layer_fused import NONE, _project, _residual, _rms_scale, copy_2d, rms_norm_rows
 from .simd_int import CACHE
 
 # a batch's recurrence work (value heads x state size x tokens) from which its heads are split
@@ -86,7 +86,9 @@ def _head(j, S, decay, beta, qk, v, key_head, S_snap, capture, core, d):
         for i in range(d):
             core[t, j * d + i] = o[i]
         if capture and t < n - 1:
-            S_snap[t, j] = S[j]
+            for a in range(d):          # (no raise inside the callers' prange loop: copy_2d's check is one)
+                for c in range(d):
+                    S_snap[t, j, a, c] = S[j, a, c]
 
 
 @njit(cache=CACHE, nogil=True, parallel=True)
@@ -185,7 +187,7 @@ def gdn_in(h, n_threads, int_types, float_path, attn_norm, eps,
                 b[t, jv] = proj[t, C + nz + g * 2 * r + i]
                 a[t, jv] = proj[t, C + nz + g * 2 * r + r + i]
     else:
-        b[:] = proj[:, C + nz:]
+        copy_2d(b, proj[:, C + nz:])
         _project(n_threads, int_types, float_path, wa, ta, ea, ia, n_v_heads, wa, ta, ea, ia, NONE,
                  wa, ta, ea, ia, NONE, x, a)
     return np.ascontiguousarray(proj[:, :C]), np.ascontiguousarray(proj[:, C:C + nz]), b, a
@@ -206,8 +208,8 @@ def gdn_recurrence(n_threads, qkv, b, a, conv_w, dt_bias, ssm_a, eps, conv_state
     rows = conv_state.shape[0]
     # the conv over [old state; new rows], token by token, then SiLU
     hist = np.empty((rows + k, C), np.float32)
-    hist[:rows] = conv_state
-    hist[rows:] = qkv
+    copy_2d(hist[:rows], conv_state)
+    copy_2d(hist[rows:], qkv)
     qk = np.empty((k, 2, n_k_heads, d), np.float32)      # q and k per key head, normed (q scaled)
     v = np.empty((k, n_v_heads, d), np.float32)
     mixed_rows = np.empty((k, C), np.float32)
@@ -233,9 +235,9 @@ def gdn_recurrence(n_threads, qkv, b, a, conv_w, dt_bias, ssm_a, eps, conv_state
         for jv in range(n_v_heads):
             for i in range(d):
                 v[t, jv, i] = mixed[2 * key_dim + jv * d + i]
-    conv_state[:] = hist[k:]
+    copy_2d(conv_state, hist[k:])
     if capture:
-        conv_hist[:rows + k] = hist
+        copy_2d(conv_hist[:rows + k], hist)
     # gates of every (token, value head)
     decay = np.empty((k, n_v_heads), np.float32)
     beta = np.empty((k, n_v_heads), np.float32)

@@ -314,6 +314,18 @@ def _rotate(x, lo, cos, sin, pos, n_rot, neox):
         x[ib] = b * c + a * s
 
 
+@njit(cache=CACHE, nogil=True, inline="always")
+def copy_2d(dst, src):
+    """dst[:, :] = src for two 2-D arrays of one shape. Numba's slice assignment compiles a
+    formatted shape-mismatch message (string joins: ~3 s of a cold start per calling kernel); this
+    loop raises a constant one."""
+    if dst.shape[0] != src.shape[0] or dst.shape[1] != src.shape[1]:
+        raise ValueError("copy_2d: shapes differ")
+    for i in range(src.shape[0]):
+        for j in range(src.shape[1]):
+            dst[i, j] = src[i, j]
+
+
 @njit(cache=CACHE, nogil=True)
 def _residual(h, a, post_norm, has_post, eps):
     """h + a, or h + rms_norm(a, post_norm) (Gemma's post-norms), row by row."""
@@ -485,8 +497,8 @@ def mtp_head_step(embed, ids, embed_scale, hidden, n_threads, int_types, float_p
             for c in range(n_cols):
                 e[t, c] = e[t, c] * np.float32(embed_scale)
     x = np.empty((k, n_cols + n), np.float32)
-    x[:, :n_cols] = rms_norm_rows(e, enorm, eps)
-    x[:, n_cols:] = rms_norm_rows(hidden, hnorm, eps)
+    copy_2d(x[:, :n_cols], rms_norm_rows(e, enorm, eps))
+    copy_2d(x[:, n_cols:], rms_norm_rows(hidden, hnorm, eps))
     we, te, ee, ie = eh
     y = np.empty((k, n), np.float32)
     _project(n_threads, int_types, float_path, we, te, ee, ie, n, we, te, ee, ie, NONE, we, te, ee, ie, NONE, x, y)

@@ -148,6 +148,14 @@ def _operands(x, mat, mult, off, cnt):
     return quant_buffers(0, 0, QK_K)
 
 
+@njit(cache=CACHE, nogil=True, inline="always")
+def _set_run(runs, j, row0, n_rows, col0, tok0, n_tok, shared):
+    """runs[j] = (...), one element at a time: a row assigned from a tuple compiles Numba's
+    formatted shape-mismatch message (seconds of a cold start)."""
+    runs[j, 0], runs[j, 1], runs[j, 2] = row0, n_rows, col0
+    runs[j, 3], runs[j, 4], runs[j, 5] = tok0, n_tok, shared
+
+
 @njit(cache=CACHE, nogil=True)
 def moe_block(h, n_threads, int_types, float_path, norm, eps, router, shared_gate, gate_exps, up_exps, down_exps,
               sh_gate, sh_up, sh_down, n_ff, n_ff_shared, n_used):
@@ -193,7 +201,8 @@ def moe_block(h, n_threads, int_types, float_path, norm, eps, router, shared_gat
             fill[r] += 1
     xg = np.empty((n_sel, n_embd), np.float32)
     for i in range(n_sel):
-        xg[i] = x[sel_tok[i]]
+        for c in range(n_embd):
+            xg[i, c] = x[sel_tok[i], c]
 
     # gate and up: the routed runs and the shared expert's rows in one region. The residual pass is
     # the matrices' own flag (gate / up never take it), so each run is its tokens' rows alone.
@@ -208,8 +217,8 @@ def moe_block(h, n_threads, int_types, float_path, norm, eps, router, shared_gat
         mats = (gate_exps, sh_gate) if m == 0 else (up_exps, sh_up)
         runs = np.empty((n_runs + 1, 6), np.int64)
         for j in range(n_runs):
-            runs[j] = (used[j] * n_ff, n_ff, m * n_ff, off[j], cnt[j], 0)
-        runs[n_runs] = (0, n_ff_shared, m * n_ff_shared, 0, k, 1)
+            _set_run(runs, j, used[j] * n_ff, n_ff, m * n_ff, off[j], cnt[j], 0)
+        _set_run(runs, n_runs, 0, n_ff_shared, m * n_ff_shared, 0, k, 1)
         (w0, t0, e0, i0), (w1, t1, e1, i1) = mats
         _experts_pass(max(1, min(_n_units(runs), GROUPS_PER_THREAD * n_threads)), int_types, float_path,
                       w0, t0, e0, i0, w1, t1, e1, i1, runs, xg, q_r, d_r, s_r, gate_up, x, q_s, d_s, s_s, gate_up_s)
@@ -235,8 +244,8 @@ def moe_block(h, n_threads, int_types, float_path, norm, eps, router, shared_gat
     q_s, d_s, s_s = _operands(hidden_s, (wsd, tsd, esd, isd), mult_s, all_tok, all_cnt)
     runs = np.empty((n_runs + 1, 6), np.int64)
     for j in range(n_runs):
-        runs[j] = (used[j] * n_embd, n_embd, 0, mult_r * off[j], mult_r * cnt[j], 0)
-    runs[n_runs] = (0, n_embd, 0, 0, mult_s * k, 1)
+        _set_run(runs, j, used[j] * n_embd, n_embd, 0, mult_r * off[j], mult_r * cnt[j], 0)
+    _set_run(runs, n_runs, 0, n_embd, 0, 0, mult_s * k, 1)
     # the float path reads hidden rows, not their residuals: mult is 1 there
     _experts_pass(max(1, min(_n_units(runs), GROUPS_PER_THREAD * n_threads)), int_types, float_path,
                   wd, td, ed, i_d, wsd, tsd, esd, isd, runs, hidden, q_r, d_r, s_r, wide,

@@ -146,7 +146,8 @@ def _with_residual_rows(x, block, out):
     s = np.empty(n // group, np.int16)
     for t in range(k):
         _quantize_row(x[t], block, group, q, d, s)
-        out[t] = x[t]
+        for i in range(n):
+            out[t, i] = x[t, i]
         _residual_row(x[t], q, d, block, out[k + t])
 
 

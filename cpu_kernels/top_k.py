@@ -70,4 +70,5 @@ def top_k_bits(bits, shift, ids):
                     if key > keys[k - 1]:
                         n_kept = _keep(keys, kept, n_kept, key, lo + j)
             lo = hi
-        ids[r] = kept
+        for j in range(k):      # (a row assigned from an array compiles a formatted error message)
+            ids[r, j] = kept[j]

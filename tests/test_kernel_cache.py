@@ -60,3 +60,37 @@ def test_two_saves_at_once_keep_each_signature_on_its_own_data(tmp_path, monkeyp
         t.join()
     reader = caching.IndexDataCacheFile(str(tmp_path), "kernel-1.py311", b"stamp")
     assert [reader.load(f"signature {i}") for i in range(2)] == ["code 0", "code 1"]
+
+
+def _formats_shape_errors(kernel, *args, parallel=False) -> bool:
+    """Whether a fresh, uncached copy of `kernel` compiled for args carries Numba's formatted
+    shape-mismatch message (cached code cannot be inspected, hence the copy)."""
+    fresh = njit(kernel.py_func, nogil=True, parallel=parallel)
+    fresh(*args)
+    return "raise_with_shape_context" in "".join(fresh.inspect_llvm().values())
+
+
+def test_kernels_copy_rows_without_numbas_formatted_shape_errors():
+    """Assigning an array to a slice or a row (`a[i] = b`) makes Numba compile a shape-mismatch
+    message formatted with string joins: ~3-4 s of a cold start in every kernel that does it (the
+    27B's Gated DeltaNet half carried two, top-k one). The kernels copy with loops instead
+    (layer_fused.copy_2d); a row assigned from an array is caught here."""
+    import numpy as np
+
+    from cpu_kernels import quantize_act, top_k
+
+    @njit
+    def row_from_array(a, b):
+        a[0] = b
+
+    @njit
+    def with_copy_2d(a, b):
+        layer_fused.copy_2d(a[:1], b)
+
+    a, b = np.zeros((2, 3), np.float32), np.ones((1, 3), np.float32)
+    assert _formats_shape_errors(row_from_array, a, b[0])          # the check sees the pattern
+    assert not _formats_shape_errors(with_copy_2d, a, b)
+    x = np.linspace(-1, 1, 2 * 64, dtype=np.float32).reshape(2, 64)
+    assert not _formats_shape_errors(quantize_act._with_residual_rows, x, 32, np.empty((4, 64), np.float32))
+    bits = np.arange(64, dtype=np.uint32).reshape(2, 32)
+    assert not _formats_shape_errors(top_k.top_k_bits, bits, 31, np.zeros((2, 4), np.int64), parallel=True)
