@@ -72,9 +72,9 @@ def _formats_shape_errors(kernel, *args, parallel=False) -> bool:
 
 def test_kernels_copy_rows_without_numbas_formatted_shape_errors():
     """Assigning an array to a slice or a row (`a[i] = b`) makes Numba compile a shape-mismatch
-    message formatted with string joins: ~3-4 s of a cold start in every kernel that does it (the
-    27B's Gated DeltaNet half carried two, top-k one). The kernels copy with loops instead
-    (layer_fused.copy_2d); a row assigned from an array is caught here."""
+    message formatted with string joins: ~3-4 s of a cold start in every kernel that does it (top-k,
+    the residual rows, the MoE half, the Gated DeltaNet conv history). The kernels copy with loops
+    instead (layer_fused.copy_2d; docs/history.md, "What a cold start compiles", says where not)."""
     import numpy as np
 
     from cpu_kernels import quantize_act, top_k
