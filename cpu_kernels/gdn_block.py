@@ -86,9 +86,10 @@ def _head(j, S, decay, beta, qk, v, key_head, S_snap, capture, core, d):
         for i in range(d):
             core[t, j * d + i] = o[i]
         if capture and t < n - 1:
-            # (a slice assignment, though Numba compiles a formatted shape message into it, ~6 s of
-            # a cold start: with a loop here 4-8 token verify batches' GDN halves measured 15-25 %
-            # slower in two alternating pairs on a noisy machine; to remeasure quiet)
+            # (a slice assignment, though Numba compiles a formatted shape message into it, ~13 s
+            # of a cold start in the two head loops: with a loop here 4-8 token verify batches'
+            # GDN halves measured 15-25 % slower in two alternating pairs on a noisy machine;
+            # to remeasure quiet)
             S_snap[t, j] = S[j]
 
 
