@@ -48,6 +48,8 @@ class IntKernel:
     sub_block: K family: the weights sharing one scale (32 or 16).
     row_lanes_min_k: the fewest tokens from which its matrices run in row lanes on AVX-512 VNNI
     (matvec_rowlanes: measured on AMD Zen, at least NON_ZEN_MIN_K elsewhere); None: never.
+    ymm_row_lanes_min_k: the same on the avx2 lowering (matvec_rowlanes.row_lanes_table: measured on
+    AMD Zen 3); None: never.
     lane_decoder: row lanes decode its raw bytes in the lanes (`matvec_rowlanes._<kernel>_lanes`)
     instead of transposing the row decoder's output.
     amx: its AMX tile kernel's facts (matvec_amx), None: no tile kernel.
@@ -57,6 +59,7 @@ class IntKernel:
     family: str
     sub_block: int = 0
     row_lanes_min_k: int | None = None
+    ymm_row_lanes_min_k: int | None = None
     lane_decoder: bool = False
     amx: Amx | None = None
     single_row_max_k: int = 0
@@ -116,21 +119,25 @@ QUANT_TYPES: tuple[QuantType, ...] = (
     _row(T.F32, (), None, DeviceKernel("float32")),
     _row(T.F16, (), None, DeviceKernel("float16")),
     _row(T.BF16, (), None, DeviceKernel("bfloat16")),
-    _row(T.Q4_0, (0,), IntKernel("pair", row_lanes_min_k=1, lane_decoder=True, amx=Amx(-8, False)), _FUSED),
-    _row(T.Q4_1, (0, 2), IntKernel("pair", row_lanes_min_k=3, amx=Amx(0, True)), _FUSED_ROWS_FIRST),
+    _row(T.Q4_0, (0,), IntKernel("pair", row_lanes_min_k=1, ymm_row_lanes_min_k=4, lane_decoder=True,
+                                   amx=Amx(-8, False)), _FUSED),
+    _row(T.Q4_1, (0, 2), IntKernel("pair", row_lanes_min_k=3, ymm_row_lanes_min_k=4, amx=Amx(0, True)),
+         _FUSED_ROWS_FIRST),
     _row(T.Q5_0, (0,), IntKernel("pair", row_lanes_min_k=1, amx=Amx(-16, False)), _FUSED),
     _row(T.Q5_1, (0, 2), IntKernel("pair", row_lanes_min_k=3, amx=Amx(0, True)), _FUSED_ROWS_FIRST),
     _row(T.Q8_0, (0,), IntKernel("pair", row_lanes_min_k=1, amx=Amx(-128, False), single_row_max_k=1,
                                  two_phase_max_k=2), _FUSED),
-    _row(T.Q2_K, (80, 82), IntKernel("k", 16, row_lanes_min_k=4), _FUSED),
-    _row(T.Q3_K, (108,), IntKernel("k", 16, row_lanes_min_k=1), _FUSED),
-    _row(T.Q4_K, (0, 2), IntKernel("k", 32, row_lanes_min_k=1, lane_decoder=True, amx=Amx(0, True),
-                                   single_row_max_k=1), _FUSED_ROWS_FIRST),
-    _row(T.Q5_K, (0, 2), IntKernel("k", 32, row_lanes_min_k=1, lane_decoder=True, amx=Amx(0, True),
-                                   single_row_max_k=1), _FUSED_ROWS_FIRST),
-    _row(T.Q6_K, (208,), IntKernel("k", 16, row_lanes_min_k=3, lane_decoder=True, single_row_max_k=2), _FUSED),
-    _row(T.IQ4_NL, (0,), IntKernel("pair", row_lanes_min_k=2, amx=Amx(-128, False)), _FUSED),
-    _row(T.IQ4_XS, (0,), IntKernel("k", 32, row_lanes_min_k=1, amx=Amx(-128, False)), _FUSED_ROWS_FIRST),
+    _row(T.Q2_K, (80, 82), IntKernel("k", 16, row_lanes_min_k=4, ymm_row_lanes_min_k=4), _FUSED),
+    _row(T.Q3_K, (108,), IntKernel("k", 16, row_lanes_min_k=1, ymm_row_lanes_min_k=4), _FUSED),
+    _row(T.Q4_K, (0, 2), IntKernel("k", 32, row_lanes_min_k=1, ymm_row_lanes_min_k=4, lane_decoder=True,
+                                   amx=Amx(0, True), single_row_max_k=1), _FUSED_ROWS_FIRST),
+    _row(T.Q5_K, (0, 2), IntKernel("k", 32, row_lanes_min_k=1, ymm_row_lanes_min_k=4, lane_decoder=True,
+                                   amx=Amx(0, True), single_row_max_k=1), _FUSED_ROWS_FIRST),
+    _row(T.Q6_K, (208,), IntKernel("k", 16, row_lanes_min_k=3, ymm_row_lanes_min_k=4, lane_decoder=True,
+                                   single_row_max_k=2), _FUSED),
+    _row(T.IQ4_NL, (0,), IntKernel("pair", row_lanes_min_k=2, ymm_row_lanes_min_k=4, amx=Amx(-128, False)), _FUSED),
+    _row(T.IQ4_XS, (0,), IntKernel("k", 32, row_lanes_min_k=1, ymm_row_lanes_min_k=4, amx=Amx(-128, False)),
+         _FUSED_ROWS_FIRST),
 )
 
 FORMATS: dict[int, QuantType] = {t.qtype: t for t in QUANT_TYPES}

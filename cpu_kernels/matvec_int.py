@@ -26,12 +26,14 @@ of the kernels below computed it (tested for every type):
     k >= 6      tiled, token quads (matvec_tiled): rows in tiles, columns in chunks whose
                 activations stay in L1, each step decoded once per 16 tokens; one vpdpbusd per
                 64 products, each token's integers in its own 4 lanes.
-    row lanes   on AVX-512 VNNI (ROW_LANES_HOST), in place of both above from 1-4 tokens (per
+    row lanes   on AVX-512 VNNI and avx2 (ROW_LANES_HOST), in place of both above from 1-4 tokens (per
                 type) to the token lanes' k: block_dots takes 16 rows at a time, transposed so
                 each lane holds one row (matvec_rowlanes): one vpdpbusd multiplies 4 weights of
                 16 rows by a token's broadcast activation dword, nothing is folded, and a step's
                 transposes are shared by the tokens of a pass (up to 8). Q8_0 on the 27B FFN
-                shapes: 8 tokens cost 1.2-1.5x one, against 2.2-2.9x in the token quads.
+                shapes: 8 tokens cost 1.2-1.5x one, against 2.2-2.9x in the token quads. On the
+                avx2 lowering (ymm halves) most types from 4 tokens up to a full pass of 8, where
+                the token quads take over (matvec_tiled.YMM_ROW_LANES_MAX_K).
     k >= 12     tiled, token lanes (matvec_tiled; legacy types: k >= 10), the prompt GEMM: the
                 activations transposed, 16 tokens' 4-byte groups in one vector, so one vpdpbusd
                 adds 4 products for each of 16 tokens, every integer in its token's lane.

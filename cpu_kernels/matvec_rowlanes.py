@@ -427,6 +427,10 @@ def _pair_row_lanes(b, pl, i, trows, ybufs, prefetch_part):
 # Q4_K / Q5_K k = 1 at ~57 % of the read bandwidth on Zen 5, staged at ~72 % (dd107e5).
 STAGE_MIN_TOKENS = 1
 TOKEN_PASSES = {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 6: 8, 7: 8, 8: 8}      # tokens -> the pass (compiled) that takes them
+# On the avx2 lowering batches take the row lanes from 4 tokens (YMM_ROW_LANES_MIN_K), so 1 or 2
+# tokens reach them only as the end of a 9- or 10-token batch: the pass of 4 takes those (the last
+# token repeated, as for 3), and the row lanes compile two pass sizes instead of four.
+YMM_TOKEN_PASSES = {n: 4 if n <= 4 else 8 for n in TOKEN_PASSES}
 PASS_TOKENS = 8         # the most tokens of a pass (a row group takes more in several passes)
 
 # The fewest tokens from which each type's matrices run in row lanes (matvec_int.block_dots),
@@ -443,12 +447,28 @@ ROW_LANES_MIN_K = {t.qtype: t.integer.row_lanes_min_k for t in QUANT_TYPES
 # bandwidth; from 2 tokens on the row lanes match or beat the groups there as on Zen.
 ROW_LANES_ZEN_CPUS = ("znver",)
 NON_ZEN_MIN_K = 2
+# On the avx2 lowering (a 16-lane vector is two ymm halves, a vpdpbusd three instructions on each)
+# one and two tokens stay in the register groups, and from 4 tokens (a full pass) the row lanes win
+# for the types formats.QUANT_TYPES gives a ymm_row_lanes_min_k. Measured on an AMD EPYC Zen 3 (LLVM:
+# znver3), 2026-11-29: the Qwen3.6-27B's trunk (Q4_K, Q6_K), one thread, CPU time
+# (`scripts/profile_decode.py MODEL -t 1 --cpu-time --k ...`, two alternating runs a tree), a step
+# of k = 4 3.6-4.2 s against 5.3-5.6 s in the groups, k = 5 5.2-5.6 against 5.9-7.4, k = 6 5.9-6.0
+# against 7.6-8.5, k = 8 7.2-7.3 against 9.2-10.2; k = 2 in row lanes 2.5-3.0 s against 2.3-2.4, k = 3
+# (a pass of 4) 4.2-4.3 against 3.8-4.2. `bench_matvec.py --kernel int --ks 1,4,5 --threads 1
+# --cpu-time` on 17408 x 5120, hot ms at 4 tokens, row lanes against groups: Q4_0 8.4 / 14.6, Q4_1
+# 9.9 / 14.8, Q2_K 11.0 / 12.5, Q3_K 11.2 / 12.9, Q5_K 10.4 / 14.1, IQ4_NL 14.4 / 22.8, IQ4_XS 15.1 /
+# 22.1; Q8_0 even at 4 and 1.3x slower at 5 (a pass of 8), Q5_0 and Q5_1 (the fifth bits spread in
+# the lanes) 3-4x slower: those three keep the groups. The ymm lowering with vpdpbusd (avxvnni) is
+# unmeasured and keeps the groups.
+YMM_ROW_LANES_MIN_K = {t.qtype: t.integer.ymm_row_lanes_min_k for t in QUANT_TYPES
+                       if t.integer and t.integer.ymm_row_lanes_min_k is not None}
 
 
 def row_lanes_table(cpu_name: str, isa: str) -> dict[int, int]:
-    """qtype -> the fewest tokens from which its matrices run in row lanes on this CPU: the AVX-512
-    VNNI lowering they were measured on only (on ymm ISAs the 16-lane vectors split in two and the
-    transposes cross halves: unmeasured)."""
+    """qtype -> the fewest tokens from which its matrices run in row lanes on this CPU and integer
+    lowering: AVX-512 VNNI per CPU, avx2 from YMM_ROW_LANES_MIN_K, none on the other lowerings."""
+    if isa == "avx2":
+        return dict(YMM_ROW_LANES_MIN_K)
     if isa != "avx512vnni":
         return {}
     if cpu_name.startswith(ROW_LANES_ZEN_CPUS):
@@ -478,7 +498,8 @@ row_lanes_from = _max_k_lookup(ROW_LANES_HOST, "row_lanes_from", NEVER)   # ROW_
 def row_lanes_dot(typingctx, qtype, n, w, r0, xq, xd, xs, t0, out, oc, cold):
     """out[t0 + u, oc + j] = (row r0 + j) . (activation row t0 + u) for j < 16, u < n (1..8).
     cold: nothing prefetched this group (the first of a run of groups): all its lines are asked
-    for before its first step. Code only for the types of ROW_LANES_HOST (none off AVX-512 VNNI):
+    for before its first step. Code only for the types of ROW_LANES_HOST (none on the lowerings but
+    avx512vnni and avx2):
     for another it writes nothing. Unchecked: the caller validated shapes."""
     if not _c_2d(w, xq, xd, xs, out):
         return None
@@ -492,9 +513,10 @@ def row_lanes_dot(typingctx, qtype, n, w, r0, xq, xd, xs, t0, out, oc, cold):
 
         def emit(qt, kind, decode, nbytes):
             by_n = b.switch(n_, done)
-            for n_toks in sorted(set(TOKEN_PASSES.values())):
+            passes = YMM_TOKEN_PASSES if ISA == "avx2" else TOKEN_PASSES
+            for n_toks in sorted(set(passes.values())):
                 bb = b.append_basic_block(f"row_lanes.t{n_toks}")
-                for n, t in TOKEN_PASSES.items():
+                for n, t in passes.items():
                     if t == n_toks:
                         by_n.add_case(ir.Constant(ir.IntType(64), n), bb)
                 b.position_at_end(bb)

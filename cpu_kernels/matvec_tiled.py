@@ -34,7 +34,7 @@ from .formats import int_kernel_of
 from .int_blocks import (K_SUB, PairBlock, _bcast_dword, _by_type, _c64, _c_2d, _concat_all, _decoded,
                          _loop, _opaque, _prefetch_ahead, _qtype_arg, _steps, _Tokens, _weight_row, act_block,
                          n_row_groups, steps_per_row)
-from .matvec_rowlanes import NEVER, ROW_LANES_HOST
+from .matvec_rowlanes import NEVER, PASS_TOKENS, ROW_LANES_HOST
 from .matvec_simd import _array, _fma, _load_vec, _splat
 from .quantize_act import QK_K, QK_LEGACY, quantize_rows
 from .simd_int import CACHE, ISA, F32, I8, I16, I32, IntBlockIR, _intrinsic, dpbusd, dpwssd, packs, pmaddwd
@@ -487,12 +487,24 @@ ACT_L1_BYTES = 24576  # activation bytes of a chunk (all the pass's tokens) kept
 # at 3 and 4 tokens for all five types and 0.7-1.0x at 5 (one type 1.06x); at 8 the quads are
 # faster for four of five (one pass over the weights where block_dots makes two).
 TILED_MIN_K = 6
+# On the avx2 lowering, where the K-quants and IQ4 types never take the token lanes, a type in row
+# lanes keeps them through one full pass and the token quads take 9 tokens on. Measured on an AMD
+# EPYC Zen 3, 17408 x 5120, 2 threads, from memory (bench_matvec.py --tiled-from 999 against the
+# quads), ms at 6 / 8 / 12 / 16 tokens, row lanes against quads: Q4_K 9.3 / 9.6 / 15.5 / 18.9 against
+# 10.9 / 11.0 / 15.4 / 20.8, Q6_K 8.5 / 8.6 / 13.7 / 16.1 against 9.7 / 9.9 / 13.9 / 18.1, Q5_K
+# 11.3 / 11.4 / 16.5 / 20.8 against 12.2 / 12.6 / 17.5 / 22.5, Q3_K 12.6 / 11.7 / 20.3 / 24.9
+# against 13.5 / 13.2 / 17.7 / 22.4; Q2_K, IQ4_NL and IQ4_XS as Q5_K.
+YMM_ROW_LANES_MAX_K = PASS_TOKENS
 
 
 def tiled_min_k(qtype: int) -> int:
     """The k from which matvec runs the tiled kernels: a type in row lanes keeps them (block_dots)
-    up to the token lanes' k, where the token quads would take over at TILED_MIN_K."""
-    return lanes_min_k(qtype) if int(qtype) in ROW_LANES_HOST else TILED_MIN_K
+    up to the token lanes' k, where the token quads would take over at TILED_MIN_K; on a lowering
+    where it takes no token lanes, up to YMM_ROW_LANES_MAX_K."""
+    if int(qtype) not in ROW_LANES_HOST:
+        return TILED_MIN_K
+    lanes = lanes_min_k(qtype)
+    return lanes if lanes < NEVER else YMM_ROW_LANES_MAX_K + 1
 # k from which the tiled kernel runs on token lanes (transposed activations, padded to 16 tokens)
 # instead of token quads. Measured on the 27B FFN shapes, 2 threads, from memory, with the lanes'
 # rows 4 at a time (bench_matvec.py --lanes-from 1 against 999, 69a6fa9, 3317039), lanes /

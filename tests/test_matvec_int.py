@@ -32,7 +32,7 @@ from cpu_kernels.int_blocks import SPECS
 from cpu_kernels.matvec_int import (INT_TYPES, PHASE_STEPS, TWO_PHASE_BYTES, _make_grid_dot, act_block, block_dots,
                                     grid_dot, quantize_for, row_dot, rows_dot, rows_dots, single_row_table,
                                     two_phase_table)
-from cpu_kernels.matvec_tiled import LANES_MIN_K, lanes_min_k, tiled_min_k
+from cpu_kernels.matvec_tiled import LANES_MIN_K, TILED_MIN_K, lanes_min_k, tiled_min_k
 from cpu_kernels.matvec_rowlanes import PASS_TOKENS, ROW_LANES, ROW_LANES_HOST, row_lanes_dot, row_lanes_table
 from cpu_kernels.matvec_testdata import random_weights
 from cpu_kernels.quantize_act import RESIDUAL_MAX_TOKENS, dequantize_rows, quantize_rows, with_residual_rows
@@ -187,8 +187,8 @@ json.dump({"isa": simd_int.ISA, "res": res}, open(req["out"], "w"))
 def _other_isas():
     """The lowerings besides the host's. The ops they differ in are checked in every lowering in
     test_simd_int.py (seconds); whole kernels compiled in another lowering take minutes each, so the
-    default suite compiles them in avx2 (Zen 1-3's lowering, and the kernels' layout without row
-    lanes, which every lowering but avx512vnni shares) and -m slow in all."""
+    default suite compiles them in avx2 (Zen 1-3's lowering: ymm halves, row lanes from 4 tokens)
+    and -m slow in all."""
     return [pytest.param(i, marks=() if i == "avx2" else pytest.mark.slow) for i in runnable_isas() if i != ISA]
 
 
@@ -368,7 +368,7 @@ def test_row_lanes_give_the_register_groups_bits(qtype):
     passes (11 tokens), groups at an odd row offset written at an offset column; a 32-weight type's
     rows end in an odd block (a step of one; Q4_0's full pairs decoded in the lanes from 4 tokens)."""
     if int(qtype) not in ROW_LANES_HOST:
-        pytest.skip(f"row lanes are compiled for the AVX-512 VNNI lowering only (this host: {ISA})")
+        pytest.skip(f"{qtype.name} takes no row lanes in this host's lowering ({ISA})")
     rng = np.random.default_rng(700 + int(qtype))
     rows, cols = 37, 32 * 25 if act_block(qtype) == 32 else 256 * 3
     w = random_weights(qtype, rows, cols, rng)
@@ -386,14 +386,24 @@ def test_row_lanes_give_the_register_groups_bits(qtype):
 
 
 def test_row_lanes_where_measured():
-    """block_dots takes row lanes on the AVX-512 VNNI lowering only: on AMD Zen Q4_K and Q8_0 from
-    1 token, Q6_K and Q4_1 from 3; elsewhere (Intel) one token stays in the register groups, so 2;
-    matvec keeps their batches out of the token quads (tiled from the token lanes' k)."""
-    assert row_lanes_table("znver4", "avx2") == {} and row_lanes_table("emeraldrapids", "avxvnni") == {}
+    """block_dots takes row lanes where they were measured faster. AVX-512 VNNI: on AMD Zen Q4_K and
+    Q8_0 from 1 token, Q6_K and Q4_1 from 3; elsewhere (Intel) one token stays in the register groups,
+    so 2; matvec keeps their batches out of the token quads (tiled from the token lanes' k). avx2:
+    the K-quants, IQ4 types, Q4_0 and Q4_1 from 4 tokens on any CPU, Q5_0 / Q5_1 / Q8_0 never; the
+    types the token quads take there keep the row lanes up to a full pass. avxvnni: none."""
+    assert row_lanes_table("emeraldrapids", "avxvnni") == {} and row_lanes_table("znver4", "portable") == {}
     zen, intel = row_lanes_table("znver4", "avx512vnni"), row_lanes_table("emeraldrapids", "avx512vnni")
     assert zen[int(T.Q4_K)] == 1 and zen[int(T.Q6_K)] == 3 and zen[int(T.Q8_0)] == 1 and zen[int(T.Q4_1)] == 3
     assert intel[int(T.Q4_K)] == 2 and intel[int(T.Q6_K)] == 3 and intel[int(T.Q8_0)] == 2 and intel[int(T.Q4_1)] == 3
     assert set(zen) == set(intel)
+    ymm = row_lanes_table("znver3", "avx2")
+    assert ymm == row_lanes_table("skylake", "avx2") and set(ymm.values()) == {4}
+    assert {T.Q4_K, T.Q5_K, T.Q6_K, T.Q4_0, T.Q4_1, T.IQ4_NL}.issubset(ymm) and not {T.Q5_0, T.Q5_1, T.Q8_0} & set(ymm)
+    if ISA == "avx2":
+        assert ROW_LANES_HOST == ymm
+        assert tiled_min_k(T.Q4_K) == tiled_min_k(T.IQ4_NL) == PASS_TOKENS + 1
+        assert tiled_min_k(T.Q4_1) == LANES_MIN_K["pair"] and tiled_min_k(T.Q8_0) == TILED_MIN_K
+        return
     if ISA != "avx512vnni":
         assert ROW_LANES_HOST == {}
         return
