@@ -427,11 +427,17 @@ def _pair_row_lanes(b, pl, i, trows, ybufs, prefetch_part):
 # Q4_K / Q5_K k = 1 at ~57 % of the read bandwidth on Zen 5, staged at ~72 % (dd107e5).
 STAGE_MIN_TOKENS = 1
 TOKEN_PASSES = {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 6: 8, 7: 8, 8: 8}      # tokens -> the pass (compiled) that takes them
-# On the avx2 lowering batches take the row lanes from 4 tokens (YMM_ROW_LANES_MIN_K), so 1 or 2
-# tokens reach them only as the end of a 9- or 10-token batch: the pass of 4 takes those (the last
-# token repeated, as for 3), and the row lanes compile two pass sizes instead of four.
-YMM_TOKEN_PASSES = {n: 4 if n <= 4 else 8 for n in TOKEN_PASSES}
 PASS_TOKENS = 8         # the most tokens of a pass (a row group takes more in several passes)
+
+
+def token_passes(min_k: int) -> dict[int, int]:
+    """tokens -> the pass that takes them, where no type takes the row lanes below min_k tokens.
+    From 3 tokens on (the avx2 lowering's 4: YMM_ROW_LANES_MIN_K) 1 or 2 tokens reach the row
+    lanes only as the end of a longer batch: the pass of 4 takes those (the last token repeated,
+    as for 3), and each type compiles two pass sizes instead of four."""
+    if min_k >= 3:
+        return {n: 4 if n <= 4 else 8 for n in TOKEN_PASSES}
+    return dict(TOKEN_PASSES)
 
 # The fewest tokens from which each type's matrices run in row lanes (matvec_int.block_dots),
 # measured on the 27B FFN shapes on Zen 4, 2 threads, from memory, against the register groups
@@ -454,7 +460,8 @@ NON_ZEN_MIN_K = 2
 # (`scripts/profile_decode.py MODEL -t 1 --cpu-time --k ...`, two alternating runs a tree), a step
 # of k = 4 3.6-4.2 s against 5.3-5.6 s in the groups, k = 5 5.2-5.6 against 5.9-7.4, k = 6 5.9-6.0
 # against 7.6-8.5, k = 8 7.2-7.3 against 9.2-10.2; k = 2 in row lanes 2.5-3.0 s against 2.3-2.4, k = 3
-# (a pass of 4) 4.2-4.3 against 3.8-4.2. `bench_matvec.py --kernel int --ks 1,4,5 --threads 1
+# (a pass of 4) 4.2-4.3 against 3.8-4.2 (a second pair of runs, with the change built: k = 4 3.5-4.1
+# against 4.6-6.1 s, k = 8 6.8-7.3 against 9.1-11.4; docs/history.md "Row lanes on AVX2"). `bench_matvec.py --kernel int --ks 1,4,5 --threads 1
 # --cpu-time` on 17408 x 5120, hot ms at 4 tokens, row lanes against groups: Q4_0 8.4 / 14.6, Q4_1
 # 9.9 / 14.8, Q2_K 11.0 / 12.5, Q3_K 11.2 / 12.9, Q5_K 10.4 / 14.1, IQ4_NL 14.4 / 22.8, IQ4_XS 15.1 /
 # 22.1; Q8_0 even at 4 and 1.3x slower at 5 (a pass of 8), Q5_0 and Q5_1 (the fifth bits spread in
@@ -478,6 +485,7 @@ def row_lanes_table(cpu_name: str, isa: str) -> dict[int, int]:
 
 ROW_LANES_HOST = row_lanes_table(llvm.get_host_cpu_name(), ISA)
 NEVER = 1 << 30
+HOST_TOKEN_PASSES = token_passes(min(ROW_LANES_HOST.values(), default=NEVER))
 
 # Whether a group's steps also prefetch the next group (a slice per step, into L2). On AMD Zen
 # (LLVM's "znver*") 16 short rows read side by side stream from memory at ~60 % of the speed of
@@ -513,10 +521,9 @@ def row_lanes_dot(typingctx, qtype, n, w, r0, xq, xd, xs, t0, out, oc, cold):
 
         def emit(qt, kind, decode, nbytes):
             by_n = b.switch(n_, done)
-            passes = YMM_TOKEN_PASSES if ISA == "avx2" else TOKEN_PASSES
-            for n_toks in sorted(set(passes.values())):
+            for n_toks in sorted(set(HOST_TOKEN_PASSES.values())):
                 bb = b.append_basic_block(f"row_lanes.t{n_toks}")
-                for n, t in passes.items():
+                for n, t in HOST_TOKEN_PASSES.items():
                     if t == n_toks:
                         by_n.add_case(ir.Constant(ir.IntType(64), n), bb)
                 b.position_at_end(bb)
