@@ -1,15 +1,18 @@
 #!/usr/bin/env python3
-"""The int8 dot-product peak of one core: how many vpdpbusd (AVX-512 VNNI: 64 u8 x s8 products
-summed into 16 int32 lanes) a core retires per second, from a loop of independent accumulator
-chains compiled for this CPU with llvmlite (the same intrinsic the row lanes use, simd_int.dpbusd).
+"""The int8 dot-product peak of one core: how many int8 products a core retires per second, from a
+loop of independent accumulator chains compiled for this CPU with llvmlite (the intrinsics the
+kernels use, simd_int). With AVX-512 VNNI each step is one vpdpbusd (64 u8 x s8 products summed into
+16 int32 lanes); on the avx2 lowering (no VNNI) it is llama.cpp's and simd_int's form, a vpmaddubsw
+(32 products into 16 int16 pairs) summed by a vpmaddwd by ones and added to 8 int32 lanes.
 
     python scripts/probe_int8_peak.py [--chains 1,4,8,12,16] [--ops 20000000]
 
 One chain measures the instruction's latency, many its throughput. The peak bounds what a k-token
 pass can cost per token: the 27B's Q4_K / Q6_K matrices take 4 vpdpbusd per row, super-block and
 token, so at the peak the per-token work of a verify batch is 4 / (vpdpbusd per cycle) cycles per
-(row, super-block) (BENCHMARKS.md, "Mission size", t(k)). Needs a CPU with AVX-512 VNNI: elsewhere
-it prints one `error:` line and exits 2.
+(row, super-block) (BENCHMARKS.md, "Mission size", t(k)); on AVX2 a token of the 27B's weights is
+~26 G products (~39 G with the second int8 pass), so k tokens take at least k times that over the
+peak ("On AVX2" there). Needs AVX-512 VNNI or AVX2: elsewhere it prints one `error:` line and exits 2.
 """
 from __future__ import annotations
 
@@ -21,28 +24,51 @@ import time
 import llvmlite.binding as llvm
 from llvmlite import ir
 
-I32, I64 = ir.IntType(32), ir.IntType(64)
+I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 V16 = ir.VectorType(I32, 16)
+# products a chain's step retires, per ISA
+PRODUCTS = {"avx512vnni": 64, "avx2": 32}
 
 
-def loop_ir(chains: int) -> str:
-    """run(n): n iterations, each one vpdpbusd on every one of `chains` accumulators."""
+def loop_ir(chains: int, isa: str = "avx512vnni") -> str:
+    """run(n): n iterations, each one step (PRODUCTS[isa] products) on every one of `chains`
+    accumulators."""
     m = ir.Module(name="int8_peak")
     m.triple = llvm.get_process_triple()
     fn = ir.Function(m, ir.FunctionType(I32, [I64]), name="run")
-    dot = ir.Function(m, ir.FunctionType(V16, [V16, V16, V16]), name="llvm.x86.avx512.vpdpbusd.512")
     entry, body, done = (fn.append_basic_block(n) for n in ("entry", "body", "done"))
     b = ir.IRBuilder(entry)
-    u = ir.Constant(V16, [0x01020304 + i for i in range(16)])
-    s = ir.Constant(V16, [0x05060708 + i for i in range(16)])
+    if isa == "avx512vnni":
+        acc_t = V16
+        dot = ir.Function(m, ir.FunctionType(V16, [V16, V16, V16]), name="llvm.x86.avx512.vpdpbusd.512")
+        u = ir.Constant(V16, [0x01020304 + i for i in range(16)])
+        s = ir.Constant(V16, [0x05060708 + i for i in range(16)])
+
+        def step(a):
+            return b.call(dot, [a, u, s])
+    else:
+        acc_t, v8, v16 = ir.VectorType(I32, 8), ir.VectorType(I8, 32), ir.VectorType(I16, 16)
+        maddubs = ir.Function(m, ir.FunctionType(v16, [v8, v8]), name="llvm.x86.avx2.pmadd.ub.sw")
+        maddwd = ir.Function(m, ir.FunctionType(acc_t, [v16, v16]), name="llvm.x86.avx2.pmadd.wd")
+        s = ir.Constant(v8, [(5 * i) % 31 - 15 for i in range(32)])
+        ones = ir.Constant(v16, [1] * 16)
     b.branch(body)
     b.position_at_end(body)
     i = b.phi(I64)
-    accs = [b.phi(V16) for _ in range(chains)]
+    accs = [b.phi(acc_t) for _ in range(chains)]
     i.add_incoming(ir.Constant(I64, 0), entry)
     for a in accs:
-        a.add_incoming(ir.Constant(V16, [0] * 16), entry)
-    new = [b.call(dot, [a, u, s]) for a in accs]
+        a.add_incoming(ir.Constant(acc_t, [0] * acc_t.count), entry)
+    if isa != "avx512vnni":
+        # each chain's unsigned operand its own, moving every step (a vpaddb, on another port): LLVM
+        # would hoist a product of constants out of the loop, and share one product among the chains
+        us = [b.phi(v8) for _ in accs]
+        for c, u in enumerate(us):
+            u.add_incoming(ir.Constant(v8, [1 + (j + c) % 15 for j in range(32)]), entry)
+            u.add_incoming(b.add(u, ir.Constant(v8, [1] * 32)), body)
+        new = [b.add(a, b.call(maddwd, [b.call(maddubs, [u, s]), ones])) for a, u in zip(accs, us)]
+    else:
+        new = [step(a) for a in accs]
     step = b.add(i, ir.Constant(I64, 1))
     i.add_incoming(step, body)
     for a, n in zip(accs, new):
@@ -59,7 +85,7 @@ def loop_ir(chains: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chains", default="1,4,8,12,16", help="accumulator chains to try (comma-separated)")
-    ap.add_argument("--ops", type=int, default=20_000_000, help="vpdpbusd per timed run")
+    ap.add_argument("--ops", type=int, default=20_000_000, help="steps (a vpdpbusd, or avx2's three instructions) per timed run")
     args = ap.parse_args(argv)
     try:
         chains = [int(c) for c in args.chains.split(",")]
@@ -72,14 +98,16 @@ def main(argv: list[str] | None = None) -> int:
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
     cpu, features = llvm.get_host_cpu_name(), llvm.get_host_cpu_features()
-    if not features.get("avx512vnni"):
-        print(f"error: {cpu} has no AVX-512 VNNI (vpdpbusd on zmm registers)", file=sys.stderr)
+    isa = "avx512vnni" if features.get("avx512vnni") else "avx2" if features.get("avx2") else None
+    if isa is None:
+        print(f"error: {cpu} has neither AVX-512 VNNI nor AVX2", file=sys.stderr)
         return 2
     keep = []       # an engine's code lives as long as the engine
-    print(f"{cpu}, one thread")
+    what = "vpdpbusd" if isa == "avx512vnni" else "vpmaddubsw + vpmaddwd + vpaddd"
+    print(f"{cpu}, one thread, {isa}: {what}, {PRODUCTS[isa]} products a step")
     for n_chains in chains:
         target = llvm.Target.from_default_triple().create_target_machine(cpu=cpu, features=features.flatten(), opt=2)
-        module = llvm.parse_assembly(loop_ir(n_chains))
+        module = llvm.parse_assembly(loop_ir(n_chains, isa))
         engine = llvm.create_mcjit_compiler(module, target)
         engine.finalize_object()
         keep.append((target, module, engine))
@@ -88,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         run(1000)
         best = min(_timed(run, iters) for _ in range(5))
         rate = iters * n_chains / best
-        print(f"{n_chains:3d} chains: {rate / 1e9:5.2f} G vpdpbusd/s, {rate * 64 / 1e9:4.0f} G int8 products/s")
+        print(f"{n_chains:3d} chains: {rate / 1e9:5.2f} G steps/s, {rate * PRODUCTS[isa] / 1e9:4.0f} G int8 products/s")
     return 0
 
 

@@ -1,10 +1,13 @@
-"""scripts/probe_int8_peak.py: bad input is one error line and exit 2; on a CPU with AVX-512 VNNI
-each chain count prints its rate, elsewhere the missing instruction set is the error."""
+"""scripts/probe_int8_peak.py: bad input is one error line and exit 2; on a CPU with AVX-512 VNNI or
+AVX2 each chain count prints its rate (the avx2 step computes real products: its loop IR checks
+out against numpy), elsewhere the missing instruction set is the error."""
 from __future__ import annotations
 
+import ctypes
 import re
 
 import llvmlite.binding as llvm
+import numpy as np
 
 import probe_int8_peak  # scripts/ is on sys.path (conftest)
 from tests.test_bench_mission import script_error
@@ -17,11 +20,32 @@ def test_bad_chains(capsys):
 
 def test_rates_or_the_missing_instructions(capsys):
     llvm.initialize_native_target()
-    if not llvm.get_host_cpu_features().get("avx512vnni"):
-        assert "no AVX-512 VNNI" in script_error(capsys, probe_int8_peak.main, ["--chains", "1"])
+    features = llvm.get_host_cpu_features()
+    if not features.get("avx512vnni") and not features.get("avx2"):
+        assert "neither AVX-512 VNNI nor AVX2" in script_error(capsys, probe_int8_peak.main, ["--chains", "1"])
         return
+    isa = "avx512vnni" if features.get("avx512vnni") else "avx2"
     assert probe_int8_peak.main(["--chains", "1,3", "--ops", "30000"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0].endswith("one thread") and len(lines) == 3
+    assert f"one thread, {isa}" in lines[0] and len(lines) == 3
     for line, chains in zip(lines[1:], (1, 3)):
-        assert re.fullmatch(rf"\s*{chains} chains:\s+[0-9.]+ G vpdpbusd/s,\s+\d+ G int8 products/s", line), line
+        assert re.fullmatch(rf"\s*{chains} chains:\s+[0-9.]+ G steps/s,\s+\d+ G int8 products/s", line), line
+
+
+def test_the_avx2_step_sums_its_products():
+    """run(n) returns lane 0 of the chains' sum: chain c's step i adds (u_c[0] + i) s[0] + ... +
+    (u_c[3] + i) s[3], u_c its own, so the loop does the products it counts (none hoisted out of
+    it or shared between chains)."""
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    if not llvm.get_host_cpu_features().get("avx2"):
+        return
+    target = llvm.Target.from_default_triple().create_target_machine(
+        cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten())
+    module = llvm.parse_assembly(probe_int8_peak.loop_ir(3, "avx2"))
+    engine = llvm.create_mcjit_compiler(module, target)
+    engine.finalize_object()
+    run = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int64)(engine.get_function_address("run"))
+    s = np.array([(5 * j) % 31 - 15 for j in range(4)])
+    us = [np.array([1 + (j + c) % 15 for j in range(4)]) for c in range(3)]
+    assert run(7) == sum(int((u + i) @ s) for u in us for i in range(7))
