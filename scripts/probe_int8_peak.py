@@ -7,7 +7,9 @@ kernels use, simd_int). With AVX-512 VNNI each step is one vpdpbusd (64 u8 x s8 
 
     python scripts/probe_int8_peak.py [--chains 1,4,8,12,16] [--ops 20000000]
 
-One chain measures the instruction's latency, many its throughput. The peak bounds what a k-token
+With VNNI one chain measures the instruction's latency (each vpdpbusd adds into the last); on
+avx2 a chain's steps depend on each other only through the vpaddd. Many chains give the throughput
+(on avx2 past ~6 chains the 16 ymm registers spill). The peak bounds what a k-token
 pass can cost per token: the 27B's Q4_K / Q6_K matrices take 4 vpdpbusd per row, super-block and
 token, so at the peak the per-token work of a verify batch is 4 / (vpdpbusd per cycle) cycles per
 (row, super-block) (BENCHMARKS.md, "Mission size", t(k)); on AVX2 a token of the 27B's weights is
@@ -38,20 +40,7 @@ def loop_ir(chains: int, isa: str = "avx512vnni") -> str:
     fn = ir.Function(m, ir.FunctionType(I32, [I64]), name="run")
     entry, body, done = (fn.append_basic_block(n) for n in ("entry", "body", "done"))
     b = ir.IRBuilder(entry)
-    if isa == "avx512vnni":
-        acc_t = V16
-        dot = ir.Function(m, ir.FunctionType(V16, [V16, V16, V16]), name="llvm.x86.avx512.vpdpbusd.512")
-        u = ir.Constant(V16, [0x01020304 + i for i in range(16)])
-        s = ir.Constant(V16, [0x05060708 + i for i in range(16)])
-
-        def step(a):
-            return b.call(dot, [a, u, s])
-    else:
-        acc_t, v8, v16 = ir.VectorType(I32, 8), ir.VectorType(I8, 32), ir.VectorType(I16, 16)
-        maddubs = ir.Function(m, ir.FunctionType(v16, [v8, v8]), name="llvm.x86.avx2.pmadd.ub.sw")
-        maddwd = ir.Function(m, ir.FunctionType(acc_t, [v16, v16]), name="llvm.x86.avx2.pmadd.wd")
-        s = ir.Constant(v8, [(5 * i) % 31 - 15 for i in range(32)])
-        ones = ir.Constant(v16, [1] * 16)
+    acc_t = V16 if isa == "avx512vnni" else ir.VectorType(I32, 8)
     b.branch(body)
     b.position_at_end(body)
     i = b.phi(I64)
@@ -59,7 +48,17 @@ def loop_ir(chains: int, isa: str = "avx512vnni") -> str:
     i.add_incoming(ir.Constant(I64, 0), entry)
     for a in accs:
         a.add_incoming(ir.Constant(acc_t, [0] * acc_t.count), entry)
-    if isa != "avx512vnni":
+    if isa == "avx512vnni":
+        dot = ir.Function(m, ir.FunctionType(V16, [V16, V16, V16]), name="llvm.x86.avx512.vpdpbusd.512")
+        u = ir.Constant(V16, [0x01020304 + i for i in range(16)])
+        s = ir.Constant(V16, [0x05060708 + i for i in range(16)])
+        new = [b.call(dot, [a, u, s]) for a in accs]
+    else:
+        v8, v16 = ir.VectorType(I8, 32), ir.VectorType(I16, 16)
+        maddubs = ir.Function(m, ir.FunctionType(v16, [v8, v8]), name="llvm.x86.avx2.pmadd.ub.sw")
+        maddwd = ir.Function(m, ir.FunctionType(acc_t, [v16, v16]), name="llvm.x86.avx2.pmadd.wd")
+        s = ir.Constant(v8, [(5 * j) % 31 - 15 for j in range(32)])
+        ones = ir.Constant(v16, [1] * 16)
         # each chain's unsigned operand its own, moving every step (a vpaddb, on another port): LLVM
         # would hoist a product of constants out of the loop, and share one product among the chains
         us = [b.phi(v8) for _ in accs]
@@ -67,8 +66,6 @@ def loop_ir(chains: int, isa: str = "avx512vnni") -> str:
             u.add_incoming(ir.Constant(v8, [1 + (j + c) % 15 for j in range(32)]), entry)
             u.add_incoming(b.add(u, ir.Constant(v8, [1] * 32)), body)
         new = [b.add(a, b.call(maddwd, [b.call(maddubs, [u, s]), ones])) for a, u in zip(accs, us)]
-    else:
-        new = [step(a) for a in accs]
     step = b.add(i, ir.Constant(I64, 1))
     i.add_incoming(step, body)
     for a, n in zip(accs, new):
