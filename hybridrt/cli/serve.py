@@ -119,7 +119,9 @@ def serve(
     cache_type = kv.cache_type
     _threadsafe_kernels(parallel)
     path = resolve_model(model)
-    announce_and_compile(path)
+    # a cold cache's compile runs the kernels: on a thread that exits, as the warm-up below, so the
+    # main thread keeps no kernel pool beside the steps' (runtime/kernel_threads.py)
+    on_own_thread(announce_and_compile, path)
     import numba
 
     # a fixed count (no thread governor): the sessions' worker threads share the model's executor,
