@@ -94,8 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
-    cpu, features = llvm.get_host_cpu_name(), llvm.get_host_cpu_features()
-    isa = "avx512vnni" if features.get("avx512vnni") else "avx2" if features.get("avx2") else None
+    cpu, isa = llvm.get_host_cpu_name(), host_isa()
     if isa is None:
         print(f"error: {cpu} has neither AVX-512 VNNI nor AVX2", file=sys.stderr)
         return 2
@@ -103,18 +102,32 @@ def main(argv: list[str] | None = None) -> int:
     what = "vpdpbusd" if isa == "avx512vnni" else "vpmaddubsw + vpmaddwd + vpaddd"
     print(f"{cpu}, one thread, {isa}: {what}, {PRODUCTS[isa]} products a step")
     for n_chains in chains:
-        target = llvm.Target.from_default_triple().create_target_machine(cpu=cpu, features=features.flatten(), opt=2)
-        module = llvm.parse_assembly(loop_ir(n_chains, isa))
-        engine = llvm.create_mcjit_compiler(module, target)
-        engine.finalize_object()
-        keep.append((target, module, engine))
-        run = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int64)(engine.get_function_address("run"))
+        run = compiled_loop(n_chains, isa, keep)
         iters = max(1, args.ops // n_chains)
         run(1000)
         best = min(_timed(run, iters) for _ in range(5))
         rate = iters * n_chains / best
         print(f"{n_chains:3d} chains: {rate / 1e9:5.2f} G steps/s, {rate * PRODUCTS[isa] / 1e9:4.0f} G int8 products/s")
     return 0
+
+
+def host_isa() -> str | None:
+    """The probe's step for this CPU: "avx512vnni", "avx2", or None (neither)."""
+    features = llvm.get_host_cpu_features()
+    return "avx512vnni" if features.get("avx512vnni") else "avx2" if features.get("avx2") else None
+
+
+def compiled_loop(chains: int, isa: str, keep: list):
+    """loop_ir(chains, isa) compiled for this CPU: its run(n) as a ctypes function; what must stay
+    alive as long as it is called (its engine) is appended to `keep`. Needs the native target
+    initialized."""
+    target = llvm.Target.from_default_triple().create_target_machine(
+        cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=2)
+    module = llvm.parse_assembly(loop_ir(chains, isa))
+    engine = llvm.create_mcjit_compiler(module, target)
+    engine.finalize_object()
+    keep.append((target, module, engine))
+    return ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int64)(engine.get_function_address("run"))
 
 
 def _timed(run, iters: int) -> float:

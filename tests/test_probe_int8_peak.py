@@ -3,7 +3,6 @@ AVX2 each chain count prints its rate (the avx2 step computes real products: its
 out against numpy), elsewhere the missing instruction set is the error."""
 from __future__ import annotations
 
-import ctypes
 import re
 
 import llvmlite.binding as llvm
@@ -21,11 +20,10 @@ def test_bad_chains(capsys):
 
 def test_rates_or_the_missing_instructions(capsys):
     llvm.initialize_native_target()
-    features = llvm.get_host_cpu_features()
-    if not features.get("avx512vnni") and not features.get("avx2"):
+    isa = probe_int8_peak.host_isa()
+    if isa is None:
         assert "neither AVX-512 VNNI nor AVX2" in script_error(capsys, probe_int8_peak.main, ["--chains", "1"])
         return
-    isa = "avx512vnni" if features.get("avx512vnni") else "avx2"
     assert probe_int8_peak.main(["--chains", "1,3", "--ops", "30000"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert f"one thread, {isa}" in lines[0] and len(lines) == 3
@@ -41,12 +39,8 @@ def test_the_avx2_step_sums_its_products():
     llvm.initialize_native_asmprinter()
     if not llvm.get_host_cpu_features().get("avx2"):
         pytest.skip("no AVX2 on this host")
-    target = llvm.Target.from_default_triple().create_target_machine(
-        cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten())
-    module = llvm.parse_assembly(probe_int8_peak.loop_ir(3, "avx2"))
-    engine = llvm.create_mcjit_compiler(module, target)
-    engine.finalize_object()
-    run = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int64)(engine.get_function_address("run"))
+    keep = []
+    run = probe_int8_peak.compiled_loop(3, "avx2", keep)
     s = np.array([(5 * j) % 31 - 15 for j in range(4)])
     us = [np.array([1 + (j + c) % 15 for j in range(4)]) for c in range(3)]
     assert run(7) == sum(int((u + i) @ s) for u in us for i in range(7))
