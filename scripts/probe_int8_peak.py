@@ -1,20 +1,24 @@
 #!/usr/bin/env python3
 """The int8 dot-product peak of one core: how many int8 products a core retires per second, from a
 loop of independent accumulator chains compiled for this CPU with llvmlite (the intrinsics the
-kernels use, simd_int). With AVX-512 VNNI each step is one vpdpbusd (64 u8 x s8 products summed into
-16 int32 lanes); on the avx2 lowering (no VNNI) it is llama.cpp's and simd_int's form, a vpmaddubsw
-(32 products into 16 int16 pairs) summed by a vpmaddwd by ones and added to 8 int32 lanes.
+kernels use, simd_int), in the lowering the kernels run (simd_int.ISA): with AVX-512 VNNI each step
+is one zmm vpdpbusd (64 u8 x s8 products summed into 16 int32 lanes), with AVX-VNNI (no AVX-512) one
+ymm vpdpbusd (32 products into 8 lanes); on the avx2 lowering (no VNNI) it is llama.cpp's and
+simd_int's form, a vpmaddubsw (32 products into 16 int16 pairs) summed by a vpmaddwd by ones and
+added to 8 int32 lanes.
 
     python scripts/probe_int8_peak.py [--chains 1,4,8,12,16] [--ops 20000000]
 
 With VNNI one chain measures the instruction's latency (each vpdpbusd adds into the last); on
 avx2 a chain's steps depend on each other only through the vpaddd. Many chains give the throughput
-(on avx2 past ~6 chains the 16 ymm registers spill). The peak bounds what a k-token
+(on avx2 past ~6 chains the 16 ymm registers spill). HYBRIDRT_INT_ISA=avx2 on a VNNI host probes
+the form the kernels would then run. The peak bounds what a k-token
 pass can cost per token: the 27B's Q4_K / Q6_K matrices take 4 vpdpbusd per row, super-block and
 token, so at the peak the per-token work of a verify batch is 4 / (vpdpbusd per cycle) cycles per
 (row, super-block) (BENCHMARKS.md, "Mission size", t(k)); on AVX2 a token of the 27B's weights is
 ~26 G products (~39 G with the second int8 pass), so k tokens take at least k times that over the
-peak ("On AVX2" there). Needs AVX-512 VNNI or AVX2: elsewhere it prints one `error:` line and exits 2.
+peak ("On AVX2" there). Needs a vector lowering (simd_int.ISA not "portable"): elsewhere it prints
+one `error:` line and exits 2.
 """
 from __future__ import annotations
 
@@ -26,20 +30,25 @@ import time
 import llvmlite.binding as llvm
 from llvmlite import ir
 
+from cpu_kernels import simd_int
+
 I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 V16 = ir.VectorType(I32, 16)
 # products a chain's step retires, per ISA
-PRODUCTS = {"avx512vnni": 64, "avx2": 32}
+PRODUCTS = {"avx512vnni": 64, "avxvnni": 32, "avx2": 32}
+STEP = {"avx512vnni": "zmm vpdpbusd", "avxvnni": "ymm vpdpbusd", "avx2": "vpmaddubsw + vpmaddwd + vpaddd"}
 
 
-def loop_ir(chains: int, isa: str = "avx512vnni") -> str:
+def loop_ir(chains: int, isa: str = "avx512vnni", triple: str | None = None) -> str:
     """run(n): n iterations, each one step (PRODUCTS[isa] products) on every one of `chains`
-    accumulators."""
+    accumulators; for this process's target triple unless `triple` names another."""
     m = ir.Module(name="int8_peak")
-    m.triple = llvm.get_process_triple()
+    m.triple = triple or llvm.get_process_triple()
     fn = ir.Function(m, ir.FunctionType(I32, [I64]), name="run")
     entry, body, done = (fn.append_basic_block(n) for n in ("entry", "body", "done"))
     b = ir.IRBuilder(entry)
+    if isa not in PRODUCTS:
+        raise ValueError(f"no probe step for the {isa!r} lowering")
     acc_t = V16 if isa == "avx512vnni" else ir.VectorType(I32, 8)
     b.branch(body)
     b.position_at_end(body)
@@ -48,10 +57,12 @@ def loop_ir(chains: int, isa: str = "avx512vnni") -> str:
     i.add_incoming(ir.Constant(I64, 0), entry)
     for a in accs:
         a.add_incoming(ir.Constant(acc_t, [0] * acc_t.count), entry)
-    if isa == "avx512vnni":
-        dot = ir.Function(m, ir.FunctionType(V16, [V16, V16, V16]), name="llvm.x86.avx512.vpdpbusd.512")
-        u = ir.Constant(V16, [0x01020304 + i for i in range(16)])
-        s = ir.Constant(V16, [0x05060708 + i for i in range(16)])
+    if isa in ("avx512vnni", "avxvnni"):
+        # each step adds into its chain's last result, so constant operands cannot be hoisted
+        width = "512" if isa == "avx512vnni" else "256"
+        dot = ir.Function(m, ir.FunctionType(acc_t, [acc_t] * 3), name=f"llvm.x86.avx512.vpdpbusd.{width}")
+        u = ir.Constant(acc_t, [0x01020304 + i for i in range(acc_t.count)])
+        s = ir.Constant(acc_t, [0x05060708 + i for i in range(acc_t.count)])
         new = [b.call(dot, [a, u, s]) for a in accs]
     else:
         v8, v16 = ir.VectorType(I8, 32), ir.VectorType(I16, 16)
@@ -96,11 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     llvm.initialize_native_asmprinter()
     cpu, isa = llvm.get_host_cpu_name(), host_isa()
     if isa is None:
-        print(f"error: {cpu} has neither AVX-512 VNNI nor AVX2", file=sys.stderr)
+        print(f"error: the kernels' integer lowering on {cpu} is {simd_int.ISA!r}: no int8 dot step to probe "
+              "(needs AVX2, AVX-VNNI or AVX-512 VNNI)", file=sys.stderr)
         return 2
     keep = []       # an engine's code lives as long as the engine
-    what = "vpdpbusd" if isa == "avx512vnni" else "vpmaddubsw + vpmaddwd + vpaddd"
-    print(f"{cpu}, one thread, {isa}: {what}, {PRODUCTS[isa]} products a step")
+    print(f"{cpu}, one thread, {isa}: {STEP[isa]}, {PRODUCTS[isa]} products a step")
     for n_chains in chains:
         run = compiled_loop(n_chains, isa, keep)
         iters = max(1, args.ops // n_chains)
@@ -112,9 +123,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def host_isa() -> str | None:
-    """The probe's step for this CPU: "avx512vnni", "avx2", or None (neither)."""
-    features = llvm.get_host_cpu_features()
-    return "avx512vnni" if features.get("avx512vnni") else "avx2" if features.get("avx2") else None
+    """The probe's step: the lowering the kernels run (simd_int.ISA), None for "portable"."""
+    return simd_int.ISA if simd_int.ISA in PRODUCTS else None
 
 
 def compiled_loop(chains: int, isa: str, keep: list):

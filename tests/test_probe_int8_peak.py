@@ -1,6 +1,7 @@
-"""scripts/probe_int8_peak.py: bad input is one error line and exit 2; on a CPU with AVX-512 VNNI or
-AVX2 each chain count prints its rate (the avx2 step computes real products: its loop IR checks
-out against numpy), elsewhere the missing instruction set is the error."""
+"""scripts/probe_int8_peak.py: bad input is one error line and exit 2; where the kernels' integer
+lowering (simd_int.ISA) has a vector form each chain count prints its rate (the avx2 step computes
+real products: its loop IR checks out against numpy; each VNNI step compiles to its vpdpbusd),
+on the portable lowering the missing instructions are the error."""
 from __future__ import annotations
 
 import re
@@ -22,7 +23,7 @@ def test_rates_or_the_missing_instructions(capsys):
     llvm.initialize_native_target()
     isa = probe_int8_peak.host_isa()
     if isa is None:
-        assert "neither AVX-512 VNNI nor AVX2" in script_error(capsys, probe_int8_peak.main, ["--chains", "1"])
+        assert "no int8 dot step to probe" in script_error(capsys, probe_int8_peak.main, ["--chains", "1"])
         return
     assert probe_int8_peak.main(["--chains", "1,3", "--ops", "30000"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
@@ -44,3 +45,25 @@ def test_the_avx2_step_sums_its_products():
     s = np.array([(5 * j) % 31 - 15 for j in range(4)])
     us = [np.array([1 + (j + c) % 15 for j in range(4)]) for c in range(3)]
     assert run(7) == sum(int((u + i) @ s) for u in us for i in range(7))
+
+
+def test_the_portable_lowering_is_an_error(capsys, monkeypatch):
+    """The probe measures the form the kernels run: on the portable lowering (HYBRIDRT_INT_ISA or a
+    CPU without AVX2) there is none."""
+    monkeypatch.setattr(probe_int8_peak.simd_int, "ISA", "portable")
+    assert "no int8 dot step to probe" in script_error(capsys, probe_int8_peak.main, ["--chains", "1"])
+
+
+@pytest.mark.parametrize("isa, cpu, register", [("avxvnni", "alderlake", "ymm"),
+                                                ("avx512vnni", "sapphirerapids", "zmm")])
+def test_each_vnni_step_is_one_vpdpbusd(isa, cpu, register):
+    """Compiled (not run) for a CPU with the instruction, a chain's step is one vpdpbusd on
+    registers of the lowering's width: the probe counts PRODUCTS[isa] products a step."""
+    llvm.initialize_all_targets()
+    llvm.initialize_all_asmprinters()
+    triple = "x86_64-unknown-linux-gnu"
+    target = llvm.Target.from_triple(triple).create_target_machine(cpu=cpu, opt=2)
+    asm = target.emit_assembly(llvm.parse_assembly(probe_int8_peak.loop_ir(2, isa, triple)))
+    dots = re.findall(r"vpdpbusd\s+%(\w)mm", asm)
+    assert len(dots) == 2 and set(dots) == {register[0]}, asm
+    assert probe_int8_peak.PRODUCTS[isa] == {"ymm": 32, "zmm": 64}[register]
