@@ -7,7 +7,13 @@ ymm vpdpbusd (32 products into 8 lanes); on the avx2 lowering (no VNNI) it is ll
 simd_int's form, a vpmaddubsw (32 products into 16 int16 pairs) summed by a vpmaddwd by ones and
 added to 8 int32 lanes.
 
-    python scripts/probe_int8_peak.py [--chains 1,4,8,12,16] [--ops 20000000]
+    python scripts/probe_int8_peak.py [--chains 1,4,8,12,16] [--ops 20000000] [--int16]
+
+`--int16` times the int16 step instead (vpmaddwd into int32 lanes; vpdpwssd with VNNI): what
+activations of 16 bits would cost per product. Two int8 passes whose second one has a fixed scale
+(the first's / 256) are one int16 pass in disguise (docs/history.md, "AVX2: a sub-block's products
+summed in int16"). On Zen 3 a chain of vpmaddwd steps retires ~1.2 a cycle, 50-62 G int16 products
+a second against the int8 step's 89-92 G.
 
 With VNNI one chain measures the instruction's latency (each vpdpbusd adds into the last); on
 avx2 a chain's steps depend on each other only through the vpaddd. Many chains give the throughput
@@ -34,14 +40,17 @@ from cpu_kernels import simd_int
 
 I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 V16 = ir.VectorType(I32, 16)
-# products a chain's step retires, per ISA
+# products a chain's step retires, per ISA; the int16 steps (`--int16`) multiply pairs of int16
 PRODUCTS = {"avx512vnni": 64, "avxvnni": 32, "avx2": 32}
+PRODUCTS_INT16 = {"avx512vnni": 32, "avxvnni": 16, "avx2": 16}
 STEP = {"avx512vnni": "zmm vpdpbusd", "avxvnni": "ymm vpdpbusd", "avx2": "vpmaddubsw + vpmaddwd + vpaddd"}
+STEP_INT16 = {"avx512vnni": "zmm vpdpwssd", "avxvnni": "ymm vpdpwssd", "avx2": "vpmaddwd + vpaddd"}
 
 
-def loop_ir(chains: int, isa: str = "avx512vnni", triple: str | None = None) -> str:
-    """run(n): n iterations, each one step (PRODUCTS[isa] products) on every one of `chains`
-    accumulators; for this process's target triple unless `triple` names another."""
+def loop_ir(chains: int, isa: str = "avx512vnni", triple: str | None = None, int16: bool = False) -> str:
+    """run(n): n iterations, each one step (PRODUCTS[isa] products, PRODUCTS_INT16[isa] with
+    `int16`) on every one of `chains` accumulators; for this process's target triple unless
+    `triple` names another."""
     m = ir.Module(name="int8_peak")
     m.triple = triple or llvm.get_process_triple()
     fn = ir.Function(m, ir.FunctionType(I32, [I64]), name="run")
@@ -60,10 +69,20 @@ def loop_ir(chains: int, isa: str = "avx512vnni", triple: str | None = None) -> 
     if isa in ("avx512vnni", "avxvnni"):
         # each step adds into its chain's last result, so constant operands cannot be hoisted
         width = "512" if isa == "avx512vnni" else "256"
-        dot = ir.Function(m, ir.FunctionType(acc_t, [acc_t] * 3), name=f"llvm.x86.avx512.vpdpbusd.{width}")
+        op = "vpdpwssd" if int16 else "vpdpbusd"
+        dot = ir.Function(m, ir.FunctionType(acc_t, [acc_t] * 3), name=f"llvm.x86.avx512.{op}.{width}")
         u = ir.Constant(acc_t, [0x01020304 + i for i in range(acc_t.count)])
         s = ir.Constant(acc_t, [0x05060708 + i for i in range(acc_t.count)])
         new = [b.call(dot, [a, u, s]) for a in accs]
+    elif int16:
+        v16 = ir.VectorType(I16, 16)
+        maddwd = ir.Function(m, ir.FunctionType(acc_t, [v16, v16]), name="llvm.x86.avx2.pmadd.wd")
+        s = ir.Constant(v16, [(517 * j) % 4001 - 2000 for j in range(16)])
+        us = [b.phi(v16) for _ in accs]       # moving operands, as the int8 step's below
+        for c, u in enumerate(us):
+            u.add_incoming(ir.Constant(v16, [1 + (j + c) % 15 for j in range(16)]), entry)
+            u.add_incoming(b.add(u, ir.Constant(v16, [1] * 16)), body)
+        new = [b.add(a, b.call(maddwd, [u, s])) for a, u in zip(accs, us)]
     else:
         v8, v16 = ir.VectorType(I8, 32), ir.VectorType(I16, 16)
         maddubs = ir.Function(m, ir.FunctionType(v16, [v8, v8]), name="llvm.x86.avx2.pmadd.ub.sw")
@@ -93,6 +112,8 @@ def loop_ir(chains: int, isa: str = "avx512vnni", triple: str | None = None) -> 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chains", default="1,4,8,12,16", help="accumulator chains to try (comma-separated)")
+    ap.add_argument("--int16", action="store_true",
+                    help="time the int16 step instead (vpmaddwd; vpdpwssd with VNNI): what 16-bit activations would cost")
     ap.add_argument("--ops", type=int, default=20_000_000, help="steps (a vpdpbusd, or avx2's three instructions) per timed run")
     args = ap.parse_args(argv)
     try:
@@ -111,14 +132,16 @@ def main(argv: list[str] | None = None) -> int:
               "(needs AVX2, AVX-VNNI or AVX-512 VNNI)", file=sys.stderr)
         return 2
     keep = []       # an engine's code lives as long as the engine
-    print(f"{cpu}, one thread, {isa}: {STEP[isa]}, {PRODUCTS[isa]} products a step")
+    step, products = (STEP_INT16[isa], PRODUCTS_INT16[isa]) if args.int16 else (STEP[isa], PRODUCTS[isa])
+    kind = "int16" if args.int16 else "int8"
+    print(f"{cpu}, one thread, {isa}: {step}, {products} {kind} products a step")
     for n_chains in chains:
-        run = compiled_loop(n_chains, isa, keep)
+        run = compiled_loop(n_chains, isa, keep, args.int16)
         iters = max(1, args.ops // n_chains)
         run(1000)
         best = min(_timed(run, iters) for _ in range(5))
         rate = iters * n_chains / best
-        print(f"{n_chains:3d} chains: {rate / 1e9:5.2f} G steps/s, {rate * PRODUCTS[isa] / 1e9:4.0f} G int8 products/s")
+        print(f"{n_chains:3d} chains: {rate / 1e9:5.2f} G steps/s, {rate * products / 1e9:4.0f} G {kind} products/s")
     return 0
 
 
@@ -127,13 +150,13 @@ def host_isa() -> str | None:
     return simd_int.ISA if simd_int.ISA in PRODUCTS else None
 
 
-def compiled_loop(chains: int, isa: str, keep: list):
-    """loop_ir(chains, isa) compiled for this CPU: its run(n) as a ctypes function; what must stay
+def compiled_loop(chains: int, isa: str, keep: list, int16: bool = False):
+    """loop_ir(chains, isa, int16=int16) compiled for this CPU: its run(n) as a ctypes function; what must stay
     alive as long as it is called (its engine) is appended to `keep`. Needs the native target
     initialized."""
     target = llvm.Target.from_default_triple().create_target_machine(
         cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=2)
-    module = llvm.parse_assembly(loop_ir(chains, isa))
+    module = llvm.parse_assembly(loop_ir(chains, isa, int16=int16))
     engine = llvm.create_mcjit_compiler(module, target)
     engine.finalize_object()
     keep.append((target, module, engine))

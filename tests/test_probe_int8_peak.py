@@ -54,16 +54,42 @@ def test_the_portable_lowering_is_an_error(capsys, monkeypatch):
     assert "no int8 dot step to probe" in script_error(capsys, probe_int8_peak.main, ["--chains", "1"])
 
 
+@pytest.mark.parametrize("int16", [False, True])
 @pytest.mark.parametrize("isa, cpu, register", [("avxvnni", "alderlake", "ymm"),
                                                 ("avx512vnni", "sapphirerapids", "zmm")])
-def test_each_vnni_step_is_one_vpdpbusd(isa, cpu, register):
-    """Compiled (not run) for a CPU with the instruction, a chain's step is one vpdpbusd on
-    registers of the lowering's width: the probe counts PRODUCTS[isa] products a step."""
+def test_each_vnni_step_is_one_instruction(isa, cpu, register, int16):
+    """Compiled (not run) for a CPU with the instruction, a chain's step is one vpdpbusd (int16:
+    vpdpwssd) on registers of the lowering's width: the probe counts its products a step."""
     llvm.initialize_all_targets()
     llvm.initialize_all_asmprinters()
     triple = "x86_64-unknown-linux-gnu"
     target = llvm.Target.from_triple(triple).create_target_machine(cpu=cpu, opt=2)
-    asm = target.emit_assembly(llvm.parse_assembly(probe_int8_peak.loop_ir(2, isa, triple)))
-    dots = re.findall(r"vpdpbusd\s+%(\w)mm", asm)
+    asm = target.emit_assembly(llvm.parse_assembly(probe_int8_peak.loop_ir(2, isa, triple, int16)))
+    dots = re.findall(rf"{'vpdpwssd' if int16 else 'vpdpbusd'}\s+%(\w)mm", asm)
     assert len(dots) == 2 and set(dots) == {register[0]}, asm
-    assert probe_int8_peak.PRODUCTS[isa] == {"ymm": 32, "zmm": 64}[register]
+    products = probe_int8_peak.PRODUCTS_INT16 if int16 else probe_int8_peak.PRODUCTS
+    assert products[isa] == {"ymm": 32, "zmm": 64}[register] // (2 if int16 else 1)
+
+
+def test_the_avx2_int16_step_sums_its_products():
+    """The int16 step's loop: chain c's step i adds (u_c[0] + i) s[0] + (u_c[1] + i) s[1] in lane 0."""
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    if not llvm.get_host_cpu_features().get("avx2"):
+        pytest.skip("no AVX2 on this host")
+    keep = []       # the engine must outlive the calls
+    run = probe_int8_peak.compiled_loop(3, "avx2", keep, int16=True)
+    s = np.array([(517 * j) % 4001 - 2000 for j in range(2)])
+    us = [np.array([1 + (j + c) % 15 for j in range(2)]) for c in range(3)]
+    assert run(7) == sum(int((u + i) @ s) for u in us for i in range(7))
+
+
+def test_int16_rates(capsys):
+    llvm.initialize_native_target()
+    isa = probe_int8_peak.host_isa()
+    if isa is None:
+        pytest.skip("no vector lowering on this host")
+    assert probe_int8_peak.main(["--chains", "2", "--ops", "30000", "--int16"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert f"{probe_int8_peak.PRODUCTS_INT16[isa]} int16 products a step" in lines[0]
+    assert re.fullmatch(r"\s*2 chains:\s+[0-9.]+ G steps/s,\s+\d+ G int16 products/s", lines[1]), lines[1]
