@@ -55,7 +55,10 @@ class IntKernel:
     amx: its AMX tile kernel's facts (matvec_amx), None: no tile kernel.
     single_row_max_k, two_phase_max_k: on AMD Zen, the most tokens for which short rows are read one
     at a time / in two-phase groups (matvec_int.SINGLE_ROW_MAX_K, TWO_PHASE_MAX_K: the measurements
-    are there); 0: never."""
+    are there); 0: never.
+    weight_max: the largest unsigned byte its row lanes multiply (a quant before its offset), which
+    lets the avx2 lowering sum several vpmaddubsw outputs in int16 (matvec_rowlanes.i16_sum_dwords);
+    None: not bounded there, each dword's sum goes to int32."""
     family: str
     sub_block: int = 0
     row_lanes_min_k: int | None = None
@@ -64,6 +67,7 @@ class IntKernel:
     amx: Amx | None = None
     single_row_max_k: int = 0
     two_phase_max_k: int = 0
+    weight_max: int | None = None
 
     @property
     def act_block(self) -> int:
@@ -120,9 +124,9 @@ QUANT_TYPES: tuple[QuantType, ...] = (
     _row(T.F16, (), None, DeviceKernel("float16")),
     _row(T.BF16, (), None, DeviceKernel("bfloat16")),
     _row(T.Q4_0, (0,), IntKernel("pair", row_lanes_min_k=1, ymm_row_lanes_min_k=4, lane_decoder=True,
-                                   amx=Amx(-8, False)), _FUSED),
-    _row(T.Q4_1, (0, 2), IntKernel("pair", row_lanes_min_k=3, ymm_row_lanes_min_k=4, amx=Amx(0, True)),
-         _FUSED_ROWS_FIRST),
+                                   amx=Amx(-8, False), weight_max=15), _FUSED),
+    _row(T.Q4_1, (0, 2), IntKernel("pair", row_lanes_min_k=3, ymm_row_lanes_min_k=4, amx=Amx(0, True),
+                                   weight_max=15), _FUSED_ROWS_FIRST),
     _row(T.Q5_0, (0,), IntKernel("pair", row_lanes_min_k=1, amx=Amx(-16, False)), _FUSED),
     _row(T.Q5_1, (0, 2), IntKernel("pair", row_lanes_min_k=3, amx=Amx(0, True)), _FUSED_ROWS_FIRST),
     _row(T.Q8_0, (0,), IntKernel("pair", row_lanes_min_k=1, amx=Amx(-128, False), single_row_max_k=1,
@@ -130,11 +134,11 @@ QUANT_TYPES: tuple[QuantType, ...] = (
     _row(T.Q2_K, (80, 82), IntKernel("k", 16, row_lanes_min_k=4, ymm_row_lanes_min_k=4), _FUSED),
     _row(T.Q3_K, (108,), IntKernel("k", 16, row_lanes_min_k=1, ymm_row_lanes_min_k=4), _FUSED),
     _row(T.Q4_K, (0, 2), IntKernel("k", 32, row_lanes_min_k=1, ymm_row_lanes_min_k=4, lane_decoder=True,
-                                   amx=Amx(0, True), single_row_max_k=1), _FUSED_ROWS_FIRST),
+                                   amx=Amx(0, True), single_row_max_k=1, weight_max=15), _FUSED_ROWS_FIRST),
     _row(T.Q5_K, (0, 2), IntKernel("k", 32, row_lanes_min_k=1, ymm_row_lanes_min_k=4, lane_decoder=True,
-                                   amx=Amx(0, True), single_row_max_k=1), _FUSED_ROWS_FIRST),
+                                   amx=Amx(0, True), single_row_max_k=1, weight_max=31), _FUSED_ROWS_FIRST),
     _row(T.Q6_K, (208,), IntKernel("k", 16, row_lanes_min_k=3, ymm_row_lanes_min_k=4, lane_decoder=True,
-                                   single_row_max_k=2), _FUSED),
+                                   single_row_max_k=2, weight_max=63), _FUSED),
     _row(T.IQ4_NL, (0,), IntKernel("pair", row_lanes_min_k=2, ymm_row_lanes_min_k=4, amx=Amx(-128, False)), _FUSED),
     _row(T.IQ4_XS, (0,), IntKernel("k", 32, row_lanes_min_k=1, ymm_row_lanes_min_k=4, amx=Amx(-128, False)),
          _FUSED_ROWS_FIRST),

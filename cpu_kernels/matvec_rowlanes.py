@@ -12,7 +12,9 @@ dwords) are paid once per step for all the tokens of a pass; Q4_K, Q5_K and Q6_K
 bytes and decode in the lanes (one instruction per 16 rows where the row decoders spend one per
 row), the other types transpose their rows' decoded steps. A K-quant pass of 2+ tokens stages the
 weights in L1 and loops over sub-blocks, each sub-block's weight vectors kept in registers for all
-the tokens (straight-line code let LLVM order the work token by token and spill them).
+the tokens (straight-line code let LLVM order the work token by token and spill them). On the avx2
+lowering (no vpdpbusd) the types with a bounded weight byte sum a sub-block's vpmaddubsw outputs in
+int16 and widen them once, by the scales (i16_sum_dwords): the same integers for fewer multiplies.
 
 Memory: the 16 rows of a group are one contiguous block; on AMD Zen the next group is prefetched
 into L2 a slice per step (NEXT_GROUP_PREFETCH: 16 short rows read side by side stream at ~60 % of
@@ -36,7 +38,7 @@ from .int_blocks import (K_SUB, _bcast_dword, _by_type, _c64, _c_2d, _decoded, _
                          _qtype_arg, _steps, _Tokens, _weight_row)
 from .matvec_simd import _array, _fma, _load_vec, _splat
 from .quantize_act import QK_K, QK_LEGACY
-from .simd_int import F32, I8, I16, I32, ISA, IntBlockIR, _intrinsic, dpbusd, dpwssd, prefetch
+from .simd_int import F32, I8, I16, I32, ISA, IntBlockIR, _intrinsic, dpbusd, dpwssd, maddubs, pmaddwd, prefetch
 
 ROW_LANES = 16
 
@@ -140,6 +142,25 @@ class LaneStep:
     def __init__(self, chunks, scale, coef, coef_scale, off, d, negdmin, wide=False):
         self.chunks, self.scale, self.coef, self.coef_scale, self.off = chunks, scale, coef, coef_scale, off
         self.d, self.negdmin, self.wide = d, negdmin, wide
+
+
+# formats.QUANT_TYPES' IntKernel.weight_max: the largest weight byte a type's lanes multiply
+WEIGHT_MAX = {t.qtype: t.integer.weight_max for t in QUANT_TYPES if t.integer and t.integer.weight_max}
+
+
+def i16_sum_dwords(qtype: int, isa: str = ISA) -> int:
+    """How many consecutive dword steps (4 weights each) of one scale the avx2 lowering sums in
+    int16 before a single vpmaddwd (0: none, each step is a dpbusd into int32). Without VNNI a
+    dpbusd is a vpmaddubsw, a vpmaddwd by ones and a vpaddd, two of them on the multiply pipes (one
+    step a cycle: scripts/probe_int8_peak.py); n vpmaddubsw outputs added as int16 (vpaddw) and then
+    multiplied by the scale pairs (or by ones) take n + 1 multiplies instead of 2n, and a K-quant's
+    sub-block saves its vpmulld too. The integers are the same: exact while an int16 sum cannot
+    saturate, each vpmaddubsw lane being two products of a weight byte <= weight_max and an int8
+    activation of magnitude <= 128 (Q4_K 8 steps, Q5_K 4, Q6_K 2)."""
+    umax = WEIGHT_MAX.get(int(qtype))
+    if isa != "avx2" or not umax:
+        return 0
+    return 32767 // (2 * umax * 128)
 
 
 def _lanes_i32(v, n, x):
@@ -272,11 +293,11 @@ def lane_step(b, qt, vbs, ptrs):
     return _decoded_lanes(b, [_decoded(x) for x in vbs])
 
 
-def _k_row_lanes(b, st, i, trows, ybufs, sub, wbuf, prefetch_part):
+def _k_row_lanes(b, st, i, trows, ybufs, sub, wbuf, prefetch_part, group=0):
     """ybufs[u] (<16 x float>* each, token u's float state) after super-block i of the 16 rows
     (st: their LaneStep); trows: the tokens' (q, d, s) activation rows. The float state lives in
     an L1 buffer, not in registers: a chunk's weight vectors and each token's integer sum must fit
-    the 32 vector registers."""
+    the 32 vector registers. group: i16_sum_dwords' (0 off the avx2 lowering)."""
     i32x16, f32x16 = ir.VectorType(I32, 16), ir.VectorType(F32, 16)
     zero = ir.Constant(i32x16, [0] * 16)
     step_q = [b.gep(q, [b.mul(i, _c64(QK_K))]) for q, _, _ in trows]
@@ -296,12 +317,16 @@ def _k_row_lanes(b, st, i, trows, ybufs, sub, wbuf, prefetch_part):
         # sub-blocks: its weight vectors loaded once for all tokens and kept in registers (straight
         # line code let LLVM order the work token by token and spill the weights)
         n_sub = QK_K // sub
+        group = 0 if st.wide else group
         for c, W in st.chunks():
             prefetch_part(c)
             for j, x in enumerate(W):
                 b.store(x, b.bitcast(b.gep(wbuf, [_c64(64 * (16 * c + j))]), bytes64.as_pointer()), align=64)
         for s in range(n_sub):
-            b.store(st.scale(s), b.bitcast(b.gep(wbuf, [_c64(64 * (64 + s))]), i32x16.as_pointer()), align=64)
+            sc = st.scale(s)
+            if group:       # the scale in both int16 halves of its lane: vpmaddwd's pairs
+                sc = b.or_(b.and_(sc, ir.Constant(i32x16, [0xFFFF] * 16)), b.shl(sc, ir.Constant(i32x16, [16] * 16)))
+            b.store(sc, b.bitcast(b.gep(wbuf, [_c64(64 * (64 + s))]), i32x16.as_pointer()), align=64)
         wb = _opaque(b, wbuf)
 
         def one_sub(s, acc):
@@ -310,6 +335,15 @@ def _k_row_lanes(b, st, i, trows, ybufs, sub, wbuf, prefetch_part):
             sc = b.load(b.bitcast(b.gep(wb, [b.add(b.mul(s, _c64(64)), _c64(64 * 64))]), i32x16.as_pointer()),
                         align=64)
             a0 = [b.gep(sq, [b.mul(s, _c64(sub))]) for sq in step_q]
+            if group:       # avx2: int16 sums of `group` steps, each times the scales by one vpmaddwd
+                pairs = b.bitcast(sc, ir.VectorType(I16, 32))
+                part = []
+                for jj in range(per_sub):
+                    p = [maddubs(b, W[jj], _bcast_dword(b, a, 4 * jj, I8, 64)) for a in a0]
+                    part = p if jj % group == 0 else [b.add(x, y) for x, y in zip(part, p)]
+                    if jj % group == group - 1 or jj == per_sub - 1:
+                        acc = [b.add(x, pmaddwd(b, y, pairs)) for x, y in zip(acc, part)]
+                return acc
             raw = [zero for _ in step_q]
             for jj in range(per_sub):        # the tokens' chains interleaved: vpdpbusd's latency hidden
                 raw = [dpbusd(b, x, W[jj], _bcast_dword(b, a, 4 * jj, I8, 64), st.wide) for x, a in zip(raw, a0)]
@@ -391,20 +425,30 @@ def pair_lanes(b, qt, vbs, ptrs, n_blk, n_toks):
     return _decoded_pair_lanes(b, [_decoded(x) for x in vbs])
 
 
-def _pair_row_lanes(b, pl, i, trows, ybufs, prefetch_part):
+def _pair_row_lanes(b, pl, i, trows, ybufs, prefetch_part, group=0):
     """ybufs[u] after block pair i of the 16 rows (pl: their PairLanes), the numerics block's terms
-    per block (A, then B), a block's offset and min from the token's block sum."""
+    per block (A, then B), a block's offset and min from the token's block sum. group:
+    i16_sum_dwords' (0 off the avx2 lowering)."""
     i32x16, f32x16 = ir.VectorType(I32, 16), ir.VectorType(F32, 16)
     zero = ir.Constant(i32x16, [0] * 16)
     W, d2, m2 = pl.W, pl.d2, pl.m2
     for c in range(4):
         prefetch_part(c)
     step_q = [b.gep(q, [b.mul(i, _c64(2 * QK_LEGACY))]) for q, _, _ in trows]
+    group = 0 if pl.wide else group
+    ones = ir.Constant(ir.VectorType(I16, 32), [1] * 32)
     raws = []
     for h in range(2):
         raw = [zero for _ in trows]
+        part = []
         for j in range(8 * h, 8 * h + 8):       # the tokens' chains interleaved
-            raw = [dpbusd(b, x, W[j], _bcast_dword(b, a, 4 * j, I8, 64), pl.wide) for x, a in zip(raw, step_q)]
+            if not group:
+                raw = [dpbusd(b, x, W[j], _bcast_dword(b, a, 4 * j, I8, 64), pl.wide) for x, a in zip(raw, step_q)]
+                continue
+            p = [maddubs(b, W[j], _bcast_dword(b, a, 4 * j, I8, 64)) for a in step_q]
+            part = p if j % group == 0 else [b.add(x, y) for x, y in zip(part, p)]
+            if j % group == group - 1 or j == 8 * h + 7:      # avx2: group steps' int16 sums to int32
+                raw = [b.add(x, pmaddwd(b, y, ones)) for x, y in zip(raw, part)]
         raws.append(raw)
     for u, ((q, d, s), yb) in enumerate(zip(trows, ybufs)):
         bs2 = b.sext(_load_vec(b, b.gep(s, [b.mul(i, _c64(2))]), I16, 2, 2), ir.VectorType(I32, 2))
@@ -465,8 +509,10 @@ NON_ZEN_MIN_K = 2
 # --cpu-time` on 17408 x 5120, hot ms at 4 tokens, row lanes against groups: Q4_0 8.4 / 14.6, Q4_1
 # 9.9 / 14.8, Q2_K 11.0 / 12.5, Q3_K 11.2 / 12.9, Q5_K 10.4 / 14.1, IQ4_NL 14.4 / 22.8, IQ4_XS 15.1 /
 # 22.1; Q8_0 even at 4 and 1.3x slower at 5 (a pass of 8), Q5_0 and Q5_1 (the fifth bits spread in
-# the lanes) 3-4x slower: those three keep the groups. The ymm lowering with vpdpbusd (avxvnni) is
-# unmeasured and keeps the groups.
+# the lanes) 3-4x slower: those three keep the groups. With the int16 sums (i16_sum_dwords) 1 and 2
+# tokens still lose to the groups (2026-11-30, 27B shapes, 2 threads, from memory: Q6_K 17408 x 5120
+# k = 1 7.25 against 4.03 ms, Q4_K even). The ymm lowering with vpdpbusd (avxvnni) is unmeasured
+# and keeps the groups.
 YMM_ROW_LANES_MIN_K = {t.qtype: t.integer.ymm_row_lanes_min_k for t in QUANT_TYPES
                        if t.integer and t.integer.ymm_row_lanes_min_k is not None}
 
@@ -587,10 +633,10 @@ def row_lanes_dot(typingctx, qtype, n, w, r0, xq, xd, xs, t0, out, oc, cold):
                         for off in range(0, step_bytes, 64):
                             prefetch(b, b.gep(p, [_c64(step_bytes + off)]), locality=3)
                     st = lane_step(b, qt, vbs, ptrs)
-                    _k_row_lanes(b, st, i, trows, ybufs, K_SUB[qt], wbuf, prefetch_part)
+                    _k_row_lanes(b, st, i, trows, ybufs, K_SUB[qt], wbuf, prefetch_part, i16_sum_dwords(qt))
                 else:
                     pl = pair_lanes(b, qt, vbs, ptrs, vbs[0].n_blk, n_toks)
-                    _pair_row_lanes(b, pl, i, trows, ybufs, prefetch_part)
+                    _pair_row_lanes(b, pl, i, trows, ybufs, prefetch_part, i16_sum_dwords(qt))
                 return []
             _steps(b, kind, decode, nbytes, list(wrows), rbs[0], _c64(0), n_steps, [], step)
             O = _array(context, b, signature.args[8], out_)

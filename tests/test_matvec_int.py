@@ -23,6 +23,7 @@ from pathlib import Path
 import numba
 import numpy as np
 import pytest
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
@@ -33,7 +34,7 @@ from cpu_kernels.matvec_int import (INT_TYPES, PHASE_STEPS, TWO_PHASE_BYTES, _ma
                                     grid_dot, quantize_for, row_dot, rows_dot, rows_dots, single_row_table,
                                     two_phase_table)
 from cpu_kernels.matvec_tiled import LANES_MIN_K, TILED_MIN_K, lanes_min_k, tiled_min_k
-from cpu_kernels.matvec_rowlanes import PASS_TOKENS, ROW_LANES, ROW_LANES_HOST, row_lanes_dot, row_lanes_table
+from cpu_kernels.matvec_rowlanes import PASS_TOKENS, ROW_LANES, ROW_LANES_HOST, WEIGHT_MAX, row_lanes_dot, row_lanes_table
 from cpu_kernels.matvec_testdata import random_weights
 from cpu_kernels.quantize_act import RESIDUAL_MAX_TOKENS, dequantize_rows, quantize_rows, with_residual_rows
 from cpu_kernels.simd_int import ISA, runnable_isas
@@ -383,6 +384,40 @@ def test_row_lanes_give_the_register_groups_bits(qtype):
         assert np.array_equal(out[:, 1:-1].view(np.uint32), ref[:, 3:3 + 2 * ROW_LANES].view(np.uint32)), \
             f"{qtype.name}: k = {k}"
         assert np.isnan(out[:, 0]).all() and np.isnan(out[:, -1]).all()     # nothing outside the groups
+
+
+# the quant bytes (start, stop) of each block of the types with a formats weight_max
+_QUANT_BYTES = {T.Q4_0: (2, 18), T.Q4_1: (4, 20), T.Q4_K: (16, 144), T.Q5_K: (16, 176), T.Q6_K: (0, 192)}
+
+
+def test_every_weight_max_is_tested():
+    assert set(WEIGHT_MAX) == {int(t) for t in _QUANT_BYTES}
+
+
+@pytest.mark.parametrize("qtype", list(_QUANT_BYTES), ids=lambda t: t.name)
+def test_row_lanes_at_the_integer_extremes(qtype):
+    """Every weight at its largest value (every quant bit set: formats' weight_max) and every
+    activation at +-127: the sums the avx2 lowering keeps in int16 (matvec_rowlanes.i16_sum_dwords)
+    at their largest, still the register groups' bits (a sum that saturated or wrapped would not be)."""
+    if int(qtype) not in ROW_LANES_HOST:
+        pytest.skip(f"{qtype.name} takes no row lanes in this host's lowering ({ISA})")
+    rng = np.random.default_rng(900 + int(qtype))
+    rows, cols = 16, 256 * 2
+    w = random_weights(qtype, rows, cols, rng)
+    block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
+    blocks = w.reshape(rows, cols // block_elems, block_bytes)
+    lo, hi = _QUANT_BYTES[qtype]
+    blocks[:, :, lo:hi] = 0xFF
+    x = np.ones((8, cols), np.float32)
+    x[1::2] *= -1.0
+    x[2, 256:] *= -1.0
+    q, d, s = quantize_for(qtype, x)
+    assert np.abs(q[:, :cols]).min() == 127
+    ref = np.empty((8, rows), np.float32)
+    _by_rows(type_tag(qtype), w, q, d, s, ref, False)
+    out = np.full((8, ROW_LANES), np.nan, np.float32)
+    _row_lane_groups(type_tag(qtype), w, 0, 1, q, d, s, out, 0)
+    assert np.array_equal(out.view(np.uint32), ref.view(np.uint32)), qtype.name
 
 
 def test_row_lanes_where_measured():
