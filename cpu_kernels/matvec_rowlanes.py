@@ -156,11 +156,26 @@ def i16_sum_dwords(qtype: int, isa: str = ISA) -> int:
     multiplied by the scale pairs (or by ones) take n + 1 multiplies instead of 2n, and a K-quant's
     sub-block saves its vpmulld too. The integers are the same: exact while an int16 sum cannot
     saturate, each vpmaddubsw lane being two products of a weight byte <= weight_max and an int8
-    activation of magnitude <= 128 (Q4_K 8 steps, Q5_K 4, Q6_K 2)."""
+    activation of magnitude <= 128 (Q4_K 8 steps, Q5_K 4, Q6_K 2; a wide type's bytes, up to 255,
+    would give 0: those have no weight_max)."""
     umax = WEIGHT_MAX.get(int(qtype))
     if isa != "avx2" or not umax:
         return 0
     return 32767 // (2 * umax * 128)
+
+
+def _i16_summed_dots(b, acc, steps, tokens, group, mult):
+    """acc[u] + token u's 4-product dword sums of `steps` ((weight vector, byte offset of the
+    activation dword) each, one scale for all), on the avx2 lowering: `group` steps' vpmaddubsw
+    outputs added as int16 (i16_sum_dwords), each such sum widened by one vpmaddwd by `mult` (the
+    scale in both int16 halves of a lane, or ones). The tokens' chains interleaved."""
+    part = []
+    for n, (w, off) in enumerate(steps):
+        p = [maddubs(b, w, _bcast_dword(b, a, off, I8, 64)) for a in tokens]
+        part = p if n % group == 0 else [b.add(x, y) for x, y in zip(part, p)]
+        if n % group == group - 1 or n == len(steps) - 1:
+            acc = [b.add(x, pmaddwd(b, y, mult)) for x, y in zip(acc, part)]
+    return acc
 
 
 def _lanes_i32(v, n, x):
@@ -317,7 +332,6 @@ def _k_row_lanes(b, st, i, trows, ybufs, sub, wbuf, prefetch_part, group=0):
         # sub-blocks: its weight vectors loaded once for all tokens and kept in registers (straight
         # line code let LLVM order the work token by token and spill the weights)
         n_sub = QK_K // sub
-        group = 0 if st.wide else group
         for c, W in st.chunks():
             prefetch_part(c)
             for j, x in enumerate(W):
@@ -336,14 +350,8 @@ def _k_row_lanes(b, st, i, trows, ybufs, sub, wbuf, prefetch_part, group=0):
                         align=64)
             a0 = [b.gep(sq, [b.mul(s, _c64(sub))]) for sq in step_q]
             if group:       # avx2: int16 sums of `group` steps, each times the scales by one vpmaddwd
-                pairs = b.bitcast(sc, ir.VectorType(I16, 32))
-                part = []
-                for jj in range(per_sub):
-                    p = [maddubs(b, W[jj], _bcast_dword(b, a, 4 * jj, I8, 64)) for a in a0]
-                    part = p if jj % group == 0 else [b.add(x, y) for x, y in zip(part, p)]
-                    if jj % group == group - 1 or jj == per_sub - 1:
-                        acc = [b.add(x, pmaddwd(b, y, pairs)) for x, y in zip(acc, part)]
-                return acc
+                return _i16_summed_dots(b, acc, [(W[jj], 4 * jj) for jj in range(per_sub)], a0, group,
+                                        b.bitcast(sc, ir.VectorType(I16, 32)))
             raw = [zero for _ in step_q]
             for jj in range(per_sub):        # the tokens' chains interleaved: vpdpbusd's latency hidden
                 raw = [dpbusd(b, x, W[jj], _bcast_dword(b, a, 4 * jj, I8, 64), st.wide) for x, a in zip(raw, a0)]
@@ -435,20 +443,15 @@ def _pair_row_lanes(b, pl, i, trows, ybufs, prefetch_part, group=0):
     for c in range(4):
         prefetch_part(c)
     step_q = [b.gep(q, [b.mul(i, _c64(2 * QK_LEGACY))]) for q, _, _ in trows]
-    group = 0 if pl.wide else group
-    ones = ir.Constant(ir.VectorType(I16, 32), [1] * 32)
     raws = []
     for h in range(2):
         raw = [zero for _ in trows]
-        part = []
-        for j in range(8 * h, 8 * h + 8):       # the tokens' chains interleaved
-            if not group:
+        if group:       # avx2: int16 sums of `group` steps, each to int32 by one vpmaddwd by ones
+            raw = _i16_summed_dots(b, raw, [(W[j], 4 * j) for j in range(8 * h, 8 * h + 8)], step_q, group,
+                                   ir.Constant(ir.VectorType(I16, 32), [1] * 32))
+        else:
+            for j in range(8 * h, 8 * h + 8):       # the tokens' chains interleaved
                 raw = [dpbusd(b, x, W[j], _bcast_dword(b, a, 4 * j, I8, 64), pl.wide) for x, a in zip(raw, step_q)]
-                continue
-            p = [maddubs(b, W[j], _bcast_dword(b, a, 4 * j, I8, 64)) for a in step_q]
-            part = p if j % group == 0 else [b.add(x, y) for x, y in zip(part, p)]
-            if j % group == group - 1 or j == 8 * h + 7:      # avx2: group steps' int16 sums to int32
-                raw = [b.add(x, pmaddwd(b, y, ones)) for x, y in zip(raw, part)]
         raws.append(raw)
     for u, ((q, d, s), yb) in enumerate(zip(trows, ybufs)):
         bs2 = b.sext(_load_vec(b, b.gep(s, [b.mul(i, _c64(2))]), I16, 2, 2), ir.VectorType(I32, 2))
